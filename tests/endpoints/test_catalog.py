@@ -1,0 +1,72 @@
+import json
+from decimal import Decimal
+
+import pytest
+from rest_framework.test import APIClient
+
+from endpoints.models import GPUType, ModelSpec
+from endpoints.selectors import gpu_type_for_device
+from endpoints.services import CATALOG_DIR, do_load_catalogs
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def catalogs(db: None) -> None:
+    do_load_catalogs()
+
+
+def test_loading_twice_updates_in_place(catalogs: None) -> None:
+    ModelSpec.objects.filter(slug="llama-3.1-8b-instruct").update(layers=1)
+
+    models, gpus = do_load_catalogs()
+
+    assert models == ModelSpec.objects.count() >= 15
+    assert gpus == GPUType.objects.count() == 10
+    assert ModelSpec.objects.get(slug="llama-3.1-8b-instruct").layers == 32
+
+
+def test_the_catalog_has_the_models_users_ask_for(catalogs: None) -> None:
+    slugs = set(ModelSpec.objects.values_list("slug", flat=True))
+
+    assert {"llama-3.1-8b-instruct", "llama-3.1-70b-instruct", "llama-3.1-405b-instruct",
+            "llama-3.3-70b-instruct", "qwen2.5-7b-instruct", "qwen2.5-72b-instruct", "qwen3-8b",
+            "mistral-7b-instruct-v0.3", "mixtral-8x7b-instruct-v0.1", "gemma-2-9b-it",
+            "gemma-2-27b-it", "phi-3-mini-4k-instruct", "deepseek-v3",
+            "kvrun-demo-tiny"} <= slugs
+
+
+def test_catalog_rows_are_consistent() -> None:
+    for row in json.loads((CATALOG_DIR / "models.json").read_text()):
+        if row["attention_kind"] == "mla":
+            assert row["kv_lora_rank"] and row["qk_rope_head_dim"], row["slug"]
+        else:
+            assert row["attention_heads"] % row["kv_heads"] == 0, row["slug"]
+        assert row["max_context"] >= 2048, row["slug"]
+
+
+def test_the_api_lists_filters_and_fetches_models(owner_api: APIClient, catalogs: None) -> None:
+    llama = owner_api.get("/api/v1/models/", {"family": "llama"}).json()["results"]
+    one = owner_api.get("/api/v1/models/llama-3.1-70b-instruct/").json()
+
+    assert {m["slug"] for m in llama} >= {"llama-3.1-8b-instruct", "llama-3.3-70b-instruct"}
+    assert (one["layers"], one["kv_heads"], one["head_dim"]) == (80, 8, 128)
+    assert APIClient().get("/api/v1/models/").status_code in (401, 403)
+
+
+def test_the_api_lists_gpu_types_by_price(owner_api: APIClient, catalogs: None) -> None:
+    gpus = owner_api.get("/api/v1/gpu-types/").json()["results"]
+
+    prices = [Decimal(g["hourly_price_usd"]) for g in gpus]
+    assert prices == sorted(prices)
+    h200 = next(g for g in gpus if g["slug"] == "h200")
+    assert h200["memory_gib"] == 140.4
+
+
+@pytest.mark.parametrize(
+    ("name", "mib", "slug"),
+    [("NVIDIA H200", 143771, "h200"), ("NVIDIA A100-SXM4-80GB", 81920, "a100-80gb"),
+     ("NVIDIA A100-PCIE-40GB", 40536, "a100-40gb"), ("NVIDIA L4", 23034, "l4")],
+)
+def test_a_device_maps_to_its_catalog_type(catalogs: None, name: str, mib: int, slug: str) -> None:
+    assert gpu_type_for_device(device_name=name, memory_bytes=mib * 2**20).slug == slug

@@ -1,0 +1,41 @@
+import subprocess
+import sys
+
+import pytest
+
+from endpoints.models import Node, NodeState
+from endpoints.services import do_load_catalogs
+from endpoints.tasks import mark_lost_nodes
+from kvrun.celery import app
+from tests.conftest import NODE_LOST_AFTER_SECONDS, ROOT, process_env, stop, wait_until
+
+
+@pytest.mark.e2e
+@pytest.mark.django_db(transaction=True)
+def test_a_node_agent_registers_heartbeats_and_is_lost_when_killed(celery_worker: object) -> None:
+    do_load_catalogs()
+    agent = subprocess.Popen(
+        [sys.executable, "manage.py", "node_agent", "--name", "test-node-a", "--concurrency", "1"],
+        cwd=ROOT, env=process_env(KVRUN_NODE_HEARTBEAT_SECONDS="1", KVRUN_NODE_GPUS="none"),
+    )
+    try:
+        assert wait_until(lambda: Node.objects.filter(name="test-node-a").exists(), timeout=60)
+        first_beat = Node.objects.get(name="test-node-a").last_heartbeat_at
+        assert wait_until(
+            lambda: Node.objects.get(name="test-node-a").last_heartbeat_at > first_beat, timeout=10
+        )
+        assert wait_until(
+            lambda: app.control.ping(destination=["node@test-node-a"], timeout=1.0), timeout=30
+        ), "the node agent does not serve its queue"
+        node = Node.objects.get(name="test-node-a")
+        assert (node.state, node.gpu_type.slug, node.devices) == (NodeState.ONLINE, "cpu", [])
+        assert node.cpu_count >= 1 and node.memory_bytes > 2**30
+    finally:
+        agent.kill()
+        agent.wait()
+
+    def lost() -> bool:
+        mark_lost_nodes.delay()
+        return Node.objects.get(name="test-node-a").state == NodeState.LOST
+
+    assert wait_until(lost, timeout=NODE_LOST_AFTER_SECONDS + 20, interval=1.0)

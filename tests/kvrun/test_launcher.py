@@ -1,0 +1,122 @@
+"""`make run` end to end: embedded services, every process up, Ctrl-C leaves nothing behind."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvrun.launcher import free_port
+from tests.conftest import ROOT
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class Launch:
+    def __init__(self, state_dir: Path, port: int) -> None:
+        env = {k: v for k, v in os.environ.items()
+               if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER", "DEBUG"}}
+        env.update(KVRUN_STATE_DIR=str(state_dir), KVRUN_PORT=str(port),
+                   KVRUN_BASE_URL=f"http://127.0.0.1:{port}", KVRUN_NODE_NAME="launch-test",
+                   KVRUN_NODE_GPUS="none")
+        self.process = subprocess.Popen([sys.executable, "-m", "kvrun.launcher", "run"], cwd=ROOT,
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True)
+        self.output: list[str] = []
+
+    def read_until(self, marker: str, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.process.stdout.readline()
+            if not line and self.process.poll() is not None:
+                break
+            self.output.append(line)
+            if marker in line:
+                return "".join(self.output)
+        raise AssertionError(f"no {marker!r} in:\n{''.join(self.output)}")
+
+    def interrupt(self) -> int:
+        self.process.send_signal(signal.SIGINT)
+        rest, _ = self.process.communicate(timeout=90)
+        self.output.append(rest)
+        return self.process.returncode
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    yield tmp_path / "state"
+
+
+def wait_ready(base: str) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/readyz").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("readyz never answered 200")
+
+
+@pytest.mark.e2e
+def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    first = Launch(state_dir, port)
+    output = first.read_until("Ctrl-C stops every process")
+    wait_ready(base)
+    password = re.search(r"password: (\S+)", output).group(1)
+    secret = re.search(r"Bearer (kvr_\w+)", output).group(1)
+    models = httpx.get(f"{base}/api/v1/models/", headers={"Authorization": f"Bearer {secret}"})
+    assert models.status_code == 200 and models.json()["count"] >= 15
+    processes = descendants(first.process.pid)
+    postmaster = int((state_dir / "postgres" / "postmaster.pid").read_text().split()[0])
+    assert len(processes) >= 5  # web, worker (+ its pool), beat, node agent, redis
+    assert first.interrupt() == 0
+    time.sleep(1)
+    assert not [pid for pid in processes | {postmaster} if alive(pid)], "orphaned processes"
+
+    second = Launch(state_dir, port)
+    output = second.read_until("Ctrl-C stops every process")
+    wait_ready(base)
+    assert "password shown at first run" in output and password not in output
+    with httpx.Client(base_url=base) as browser:
+        browser.get("/login/")
+        signed_in = browser.post("/login/", data={
+            "username": "admin@example.com", "password": password,
+            "csrfmiddlewaretoken": browser.cookies["csrftoken"]},
+            headers={"Referer": f"{base}/login/"})
+        assert signed_in.status_code == 302, "the first run's password no longer works"
+    processes = descendants(second.process.pid)
+    assert second.interrupt() == 0
+    time.sleep(1)
+    assert not [pid for pid in processes if alive(pid)]
