@@ -4,6 +4,7 @@ Secrets (a new API key, an invite link) are rendered into the response that crea
 them and kept nowhere else: no redirect, no flash message stored in the session.
 """
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import login
 from django.contrib.auth.decorators import login_required
@@ -21,7 +22,8 @@ from accounts.tokens import digest
 def lockout(request: HttpRequest, credentials: dict | None = None, *args: object,
             **kwargs: object) -> HttpResponse:
     """Shown by django-axes after too many failed sign-ins for an account or an address."""
-    message = "Too many failed sign-in attempts. Wait 15 minutes, then try again."
+    minutes = round(settings.AXES_COOLOFF_TIME * 60)
+    message = f"Too many failed sign-in attempts. Wait {minutes} minutes, then try again."
     if request.path.startswith("/api/"):
         return JsonResponse({"error": {"type": "locked_out", "message": message, "fields": {}}},
                             status=429)

