@@ -1,0 +1,229 @@
+"""How much accelerator memory an endpoint needs, and the cheapest hardware that holds it.
+
+Pure Python, no Django. KV bytes follow vLLM's own arithmetic so that kvrun's figures match
+the `KV cache size: N tokens` an engine logs:
+
+    per token, per rank = 2 (K and V) x layers x max(1, KV heads / TP) x head dim x KV dtype bytes
+    MLA (DeepSeek)      = layers x (latent rank + rope dim) x KV dtype bytes, not split by TP
+    sliding-window layers hold at most `window` tokens of a request.
+
+Requests occupy whole blocks (16 tokens on GPUs, 128 on vLLM's CPU backend).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+GIB = 1024**3
+GB = 1000**3
+TP_SIZES = (1, 2, 4, 8)
+GPU_BLOCK_TOKENS = 16
+CPU_BLOCK_TOKENS = 128
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
+# CUDA context, activations for a full prefill batch and CUDA graphs, per GPU. vLLM profiles
+# this at start-up; 2 GiB is what 7B-70B models measure at default batch sizes.
+RUNTIME_OVERHEAD_BYTES = 2 * GIB
+
+WEIGHT_BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "float8_e4m3fn": 1.0,
+                          "int4": 0.5}
+KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers from a model's config.json that sizing needs."""
+
+    name: str
+    parameters: int
+    layers: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+    attention_kind: str = "gqa"
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int | None = None
+    sliding_window: int | None = None
+    sliding_window_layers: int = 0
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    slug: str
+    name: str
+    memory_bytes: int
+    hourly_price: Decimal
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the user asks for: a context length, a concurrency, and the dtypes."""
+
+    context_length: int
+    concurrency: int
+    weight_dtype: str = "bfloat16"
+    kv_dtype: str = "auto"
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    block_tokens: int = GPU_BLOCK_TOKENS
+
+
+def weight_bytes(model: ModelShape, dtype: str) -> int:
+    return math.ceil(model.parameters * WEIGHT_BYTES_PER_PARAM[dtype])
+
+
+def kv_bytes_per_token_per_layer(model: ModelShape, *, kv_dtype: str, tp: int) -> int:
+    value_bytes = KV_DTYPE_BYTES[kv_dtype]
+    if model.attention_kind == "mla":
+        return (model.kv_lora_rank + model.qk_rope_head_dim) * value_bytes
+    return 2 * max(1, model.kv_heads // tp) * model.head_dim * value_bytes
+
+
+def kv_bytes_per_token(model: ModelShape, *, kv_dtype: str = "auto", tp: int = 1) -> int:
+    """KV bytes one token occupies on one rank, all layers (no window cap)."""
+    return model.layers * kv_bytes_per_token_per_layer(model, kv_dtype=kv_dtype, tp=tp)
+
+
+def kv_bytes_for_request(model: ModelShape, *, tokens: int, kv_dtype: str = "auto", tp: int = 1,
+                         block_tokens: int = GPU_BLOCK_TOKENS) -> int:
+    """KV bytes one request of `tokens` tokens holds on one rank, rounded up to whole blocks."""
+    per_layer = kv_bytes_per_token_per_layer(model, kv_dtype=kv_dtype, tp=tp)
+    full_layers = model.layers - model.sliding_window_layers
+    windowed = min(tokens, model.sliding_window or tokens)
+    return per_layer * (full_layers * _blocks(tokens, block_tokens)
+                        + model.sliding_window_layers * _blocks(windowed, block_tokens))
+
+
+def _blocks(tokens: int, block_tokens: int) -> int:
+    return math.ceil(tokens / block_tokens) * block_tokens
+
+
+def kv_cache_tokens(model: ModelShape, *, kv_bytes: int, kv_dtype: str = "auto",
+                    tp: int = 1) -> int:
+    """Tokens a KV pool of `kv_bytes` per rank holds, as vLLM reports `KV cache size`."""
+    return kv_bytes // kv_bytes_per_token(model, kv_dtype=kv_dtype, tp=tp)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """One hardware choice, with the per-GPU arithmetic behind it."""
+
+    accelerator: Accelerator
+    count: int
+    weight_bytes_per_gpu: int
+    kv_needed_per_gpu: int
+    kv_available_per_gpu: int
+    overhead_bytes_per_gpu: int
+    usable_bytes_per_gpu: int
+
+    @property
+    def fits(self) -> bool:
+        return self.kv_available_per_gpu >= self.kv_needed_per_gpu
+
+    @property
+    def hourly_price(self) -> Decimal:
+        return self.accelerator.hourly_price * self.count
+
+
+@dataclass(frozen=True)
+class Decision:
+    model: ModelShape
+    request: Request
+    choice: Fit | None
+    explanation: str
+    alternatives: list[Fit] = field(default_factory=list)
+
+
+def evaluate(model: ModelShape, request: Request, accelerator: Accelerator, count: int) -> Fit:
+    usable = int(accelerator.memory_bytes * request.gpu_memory_utilization)
+    weights = math.ceil(weight_bytes(model, request.weight_dtype) / count)
+    needed = request.concurrency * kv_bytes_for_request(
+        model, tokens=request.context_length, kv_dtype=request.kv_dtype, tp=count,
+        block_tokens=request.block_tokens)
+    available = usable - weights - RUNTIME_OVERHEAD_BYTES
+    return Fit(accelerator=accelerator, count=count, weight_bytes_per_gpu=weights,
+               kv_needed_per_gpu=needed, kv_available_per_gpu=available,
+               overhead_bytes_per_gpu=RUNTIME_OVERHEAD_BYTES, usable_bytes_per_gpu=usable)
+
+
+def valid_tp(model: ModelShape, count: int) -> bool:
+    """vLLM splits attention heads evenly across ranks."""
+    return model.attention_heads % count == 0
+
+
+def choose(model: ModelShape, request: Request, accelerators: list[Accelerator],
+           counts: tuple[int, ...] = TP_SIZES) -> Decision:
+    """The cheapest (accelerator, count) that holds the weights and the requested KV cache."""
+    fits = [evaluate(model, request, accelerator, count)
+            for accelerator in accelerators for count in counts if valid_tp(model, count)]
+    fitting = sorted((fit for fit in fits if fit.fits),
+                     key=lambda fit: (fit.hourly_price, fit.count))
+    choice = fitting[0] if fitting else None
+    return Decision(model=model, request=request, choice=choice,
+                    explanation=explain(model, request, choice, fits), alternatives=fitting[1:4])
+
+
+def explain(model: ModelShape, request: Request, choice: Fit | None, fits: list[Fit]) -> str:
+    kv_total = request.concurrency * kv_bytes_for_request(
+        model, tokens=request.context_length, kv_dtype=request.kv_dtype,
+        block_tokens=request.block_tokens)
+    asked = (f"weights {_gb(weight_bytes(model, request.weight_dtype))} + KV {_gib(kv_total)} "
+             f"for {request.concurrency} × {_k(request.context_length)} tokens")
+    if choice is None:
+        best = max(fits, key=lambda fit: fit.kv_available_per_gpu, default=None)
+        if best is None or best.kv_available_per_gpu <= 0:
+            return f"{asked}: the weights alone fit no offered GPU configuration."
+        return (f"{asked} fits no offered GPU configuration; the largest, "
+                f"{best.count} × {best.accelerator.name}, "
+                f"{_capacity_text(model, request, best)}.")
+    text = f"{asked} → {choice.count} × {choice.accelerator.name}"
+    one = next((fit for fit in fits if fit.accelerator == choice.accelerator and fit.count == 1),
+               None)
+    if choice.count > 1 and one is not None:
+        text += f"; 1 × {choice.accelerator.name} {_capacity_text(model, request, one)}"
+    return text
+
+
+def _capacity_text(model: ModelShape, request: Request, fit: Fit) -> str:
+    if fit.kv_available_per_gpu <= 0:
+        return "cannot hold the weights"
+    concurrency = largest_concurrency(model, request, fit)
+    if concurrency >= 1:
+        return f"fits {concurrency} × {_k(request.context_length)}"
+    context = largest_context(model, request, fit, concurrency=1)
+    return f"fits 1 × {_k(context)}" if context else "cannot hold one block of KV"
+
+
+def largest_concurrency(model: ModelShape, request: Request, fit: Fit) -> int:
+    """How many requests of the asked context the hardware holds at once."""
+    per_request = kv_bytes_for_request(model, tokens=request.context_length,
+                                       kv_dtype=request.kv_dtype, tp=fit.count,
+                                       block_tokens=request.block_tokens)
+    return max(0, fit.kv_available_per_gpu // per_request)
+
+
+def largest_context(model: ModelShape, request: Request, fit: Fit, *, concurrency: int) -> int:
+    """The longest context (whole blocks, at most the model's) that `concurrency` requests get."""
+    low, high = 0, model.max_context
+    while low < high:
+        middle = (low + high + 1) // 2
+        needed = concurrency * kv_bytes_for_request(model, tokens=middle, kv_dtype=request.kv_dtype,
+                                                    tp=fit.count, block_tokens=request.block_tokens)
+        if needed <= fit.kv_available_per_gpu:
+            low = middle
+        else:
+            high = middle - 1
+    return low // request.block_tokens * request.block_tokens if low < model.max_context else low
+
+
+def _gb(value: int) -> str:
+    return f"{value / GB:,.0f} GB" if value >= GB else f"{value / 1000**2:,.1f} MB"
+
+
+def _gib(value: int) -> str:
+    return f"{value / GIB:,.1f} GiB" if value >= GIB / 10 else f"{value / 1024**2:,.1f} MiB"
+
+
+def _k(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 and tokens >= 1024 else f"{tokens:,}"
