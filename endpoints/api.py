@@ -1,9 +1,20 @@
 from django.db.models import QuerySet
-from rest_framework import viewsets
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status, viewsets
+from rest_framework.decorators import action, api_view
+from rest_framework.request import Request
+from rest_framework.response import Response
 
-from endpoints import selectors
-from endpoints.models import GPUType, ModelSpec
-from endpoints.serializers import GPUTypeSerializer, ModelSpecSerializer
+from accounts.api import OrganizationScoped
+from accounts.models import User
+from endpoints import selectors, services
+from endpoints.models import Endpoint, GPUType, ModelSpec
+from endpoints.planning import plan
+from endpoints.serializers import (
+    EndpointInput, EndpointSerializer, EventSerializer, GPUTypeSerializer, ModelSpecSerializer,
+    ScaleInput, SizingInput,
+)
 
 
 class ModelCatalogViewSet(viewsets.ReadOnlyModelViewSet):
@@ -32,3 +43,78 @@ class GPUCatalogViewSet(viewsets.ReadOnlyModelViewSet):
 
     def get_queryset(self) -> QuerySet[GPUType]:
         return selectors.gpu_catalog()
+
+
+def _valid(serializer_class: type, request: Request) -> dict:
+    serializer = serializer_class(data=request.data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+@extend_schema(request=SizingInput, responses={200: OpenApiTypes.OBJECT})
+@api_view(["POST"])
+def size(request: Request) -> Response:
+    """What an endpoint would need and cost, without creating it."""
+    data = _valid(SizingInput, request)
+    decided = plan(model=data["model"], context_length=data["context_length"],
+                   concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
+                   gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"))
+    return Response(decided.summary)
+
+
+class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                      viewsets.GenericViewSet):
+    serializer_class = EndpointSerializer
+    lookup_field = "name"
+    filterset_fields = ["state"]
+    ordering_fields = ["created_at", "name", "state"]
+    ordering = ["name"]
+
+    def get_queryset(self) -> QuerySet[Endpoint]:
+        if getattr(self, "swagger_fake_view", False):
+            return Endpoint.objects.none()
+        return selectors.endpoints_of(organization=self.organization)
+
+    @extend_schema(request=EndpointInput, responses={201: EndpointSerializer})
+    def create(self, request: Request, **kwargs: str) -> Response:
+        data = dict(_valid(EndpointInput, request))
+        endpoint = services.do_create_endpoint(
+            organization=self.organization, actor_role=self.actor_role,
+            created_by=request.user if isinstance(request.user, User) else None, **data)
+        return Response(self.get_serializer(self._fresh(endpoint)).data,
+                        status=status.HTTP_201_CREATED)
+
+    @extend_schema(request=ScaleInput, responses=EndpointSerializer)
+    @action(detail=True, methods=["post"])
+    def scale(self, request: Request, **kwargs: str) -> Response:
+        data = _valid(ScaleInput, request)
+        endpoint = services.do_scale_endpoint(endpoint=self.get_object(),
+                                              actor_role=self.actor_role, **data)
+        return Response(self.get_serializer(self._fresh(endpoint)).data)
+
+    @extend_schema(request=None, responses=EndpointSerializer)
+    @action(detail=True, methods=["post"])
+    def stop(self, request: Request, **kwargs: str) -> Response:
+        endpoint = services.do_stop_endpoint(endpoint=self.get_object(), actor_role=self.actor_role)
+        return Response(self.get_serializer(self._fresh(endpoint)).data)
+
+    @extend_schema(request=None, responses=EndpointSerializer)
+    @action(detail=True, methods=["post"])
+    def start(self, request: Request, **kwargs: str) -> Response:
+        endpoint = services.do_start_endpoint(endpoint=self.get_object(),
+                                              actor_role=self.actor_role)
+        return Response(self.get_serializer(self._fresh(endpoint)).data)
+
+    def destroy(self, request: Request, **kwargs: str) -> Response:
+        services.do_delete_endpoint(endpoint=self.get_object(), actor_role=self.actor_role)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+    @extend_schema(responses=EventSerializer(many=True))
+    @action(detail=True, methods=["get"])
+    def events(self, request: Request, **kwargs: str) -> Response:
+        events = self.get_object().events.order_by("-at", "-id")
+        page = self.paginate_queryset(events)
+        return self.get_paginated_response(EventSerializer(page, many=True).data)
+
+    def _fresh(self, endpoint: Endpoint) -> Endpoint:
+        return self.get_queryset().get(id=endpoint.id)

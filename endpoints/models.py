@@ -1,3 +1,6 @@
+import uuid
+
+from django.contrib.postgres.fields import ArrayField
 from django.db import models
 from django.utils import timezone
 
@@ -92,3 +95,112 @@ class Node(models.Model):
     @property
     def queue(self) -> str:
         return f"node.{self.name}"
+
+
+class State(models.TextChoices):
+    """An endpoint's or a replica's lifecycle."""
+
+    PENDING = "pending"
+    SCHEDULING = "scheduling"
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+ACTIVE_STATES = frozenset({State.SCHEDULING, State.STARTING, State.LOADING, State.READY})
+
+
+class KVCacheDtype(models.TextChoices):
+    AUTO = "auto", "same as the model"
+    FP8 = "fp8", "fp8 (half the memory)"
+
+
+class Endpoint(models.Model):
+    """A dedicated deployment of one model for one organisation.
+
+    `desired_state` and `desired_replicas` are what the user asked for; the reconciler moves
+    replicas towards them. `state` summarises the replicas for the user.
+    """
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE,
+                                     related_name="endpoints")
+    name = models.SlugField(max_length=63)
+    model = models.ForeignKey(ModelSpec, on_delete=models.PROTECT, related_name="endpoints")
+    context_length = models.PositiveIntegerField()
+    concurrency = models.PositiveIntegerField()
+    gpu_type = models.ForeignKey(GPUType, on_delete=models.PROTECT, related_name="endpoints")
+    gpu_count = models.PositiveSmallIntegerField()
+    kv_cache_dtype = models.CharField(max_length=8, choices=KVCacheDtype.choices,
+                                      default=KVCacheDtype.AUTO)
+    prefix_caching = models.BooleanField(default=True)
+    min_replicas = models.PositiveSmallIntegerField(default=1)
+    max_replicas = models.PositiveSmallIntegerField(default=1)
+    desired_replicas = models.PositiveSmallIntegerField(default=1)
+    desired_state = models.CharField(max_length=10, default="running",
+                                     choices=[("running", "running"), ("stopped", "stopped")])
+    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    failure_reason = models.TextField(blank=True)
+    sizing = models.JSONField(default=dict, help_text="The sizing decision, in numbers and words.")
+    hourly_price_usd = models.DecimalField(max_digits=10, decimal_places=4)
+    created_by = models.ForeignKey("accounts.User", null=True, on_delete=models.SET_NULL,
+                                   related_name="+")
+    created_at = models.DateTimeField(default=timezone.now)
+    deleted_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "name"],
+                                    condition=models.Q(deleted_at=None),
+                                    name="endpoints_endpoint_name_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Replica(models.Model):
+    """One engine process serving an endpoint on a node."""
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="replicas")
+    node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL,
+                             related_name="replicas")
+    device_indices = ArrayField(models.PositiveSmallIntegerField(), default=list, blank=True)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    stage = models.CharField(max_length=80, blank=True)
+    progress_percent = models.PositiveSmallIntegerField(default=0)
+    failure_reason = models.TextField(blank=True)
+    port = models.PositiveIntegerField(null=True, blank=True)
+    pid = models.PositiveIntegerField(null=True, blank=True)
+    kv_cache_tokens = models.BigIntegerField(null=True, blank=True)
+    restarts = models.PositiveSmallIntegerField(default=0)
+    next_start_at = models.DateTimeField(null=True, blank=True, help_text="Restart backoff.")
+    log_tail = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    ready_at = models.DateTimeField(null=True, blank=True)
+    stopped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint.name}/{str(self.id)[:8]}"
+
+
+class EndpointEvent(models.Model):
+    """Every lifecycle transition the user can see, with its time. Rows are never updated."""
+
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="events")
+    replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL,
+                                related_name="events")
+    at = models.DateTimeField(default=timezone.now)
+    state = models.CharField(max_length=10, choices=State.choices)
+    message = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["at", "id"]
+        indexes = [models.Index(fields=["endpoint", "at"])]

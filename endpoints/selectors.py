@@ -1,6 +1,6 @@
-from django.db.models import QuerySet
+from django.db.models import Prefetch, QuerySet
 
-from endpoints.models import GPUType, ModelSpec, Node
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica
 
 
 def model_catalog() -> QuerySet[ModelSpec]:
@@ -24,3 +24,11 @@ def gpu_type_for_device(*, device_name: str, memory_bytes: int) -> GPUType | Non
 
 def nodes() -> QuerySet[Node]:
     return Node.objects.select_related("gpu_type")
+
+
+def endpoints_of(*, organization: object) -> QuerySet[Endpoint]:
+    """The organisation's endpoints that are not deleted, with what their responses show."""
+    return (Endpoint.objects.filter(organization=organization, deleted_at=None)
+            .select_related("model", "gpu_type")
+            .prefetch_related(Prefetch("replicas", queryset=Replica.objects.select_related("node")
+                                       .order_by("-created_at"))))

@@ -1,6 +1,10 @@
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from endpoints.models import GPUType, ModelSpec
+from endpoints.models import (
+    Endpoint, EndpointEvent, GPUType, KVCacheDtype, ModelSpec, Replica, State,
+)
+from kvrun.api import StrictSerializer
 
 
 class ModelSpecSerializer(serializers.ModelSerializer):
@@ -18,3 +22,80 @@ class GPUTypeSerializer(serializers.ModelSerializer):
 
     def get_memory_gib(self, gpu: GPUType) -> float:
         return round(gpu.memory_bytes / 2**30, 1)
+
+
+class ReplicaSerializer(serializers.ModelSerializer):
+    node = serializers.CharField(source="node.name", default=None, read_only=True)
+
+    class Meta:
+        model = Replica
+        fields = ["id", "state", "stage", "progress_percent", "node", "device_indices",
+                  "kv_cache_tokens", "restarts", "failure_reason", "log_tail", "created_at",
+                  "ready_at", "stopped_at"]
+
+
+class EndpointSerializer(serializers.ModelSerializer):
+    model = serializers.CharField(source="model.slug", read_only=True)
+    gpu_type = serializers.CharField(source="gpu_type.slug", read_only=True)
+    progress = serializers.SerializerMethodField()
+    replicas = serializers.SerializerMethodField()
+
+    class Meta:
+        model = Endpoint
+        fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
+                  "kv_cache_dtype", "prefix_caching", "min_replicas", "max_replicas",
+                  "desired_replicas", "desired_state", "state", "failure_reason", "progress",
+                  "hourly_price_usd", "sizing", "replicas", "created_at"]
+
+    @extend_schema_field({"type": "object", "properties": {
+        "stage": {"type": "string"}, "percent": {"type": "integer"}}})
+    def get_progress(self, endpoint: Endpoint) -> dict:
+        live = [r for r in endpoint.replicas.all() if r.state not in (State.STOPPED, State.FAILED)]
+        if endpoint.state in (State.READY, State.STOPPED, State.FAILED) or not live:
+            return {"stage": endpoint.state, "percent": 100 if endpoint.state != State.PENDING
+                    else 0}
+        leader = max(live, key=lambda replica: replica.progress_percent)
+        return {"stage": leader.stage or leader.state, "percent": leader.progress_percent}
+
+    @extend_schema_field(ReplicaSerializer(many=True))
+    def get_replicas(self, endpoint: Endpoint) -> list:
+        recent = [r for r in endpoint.replicas.all() if r.state != State.STOPPED][:20]
+        return ReplicaSerializer(recent, many=True).data
+
+
+class EventSerializer(serializers.ModelSerializer):
+    replica = serializers.UUIDField(source="replica_id", read_only=True)
+
+    class Meta:
+        model = EndpointEvent
+        fields = ["at", "state", "message", "replica"]
+
+
+def _model_field() -> serializers.SlugRelatedField:
+    return serializers.SlugRelatedField(
+        slug_field="slug", queryset=ModelSpec.objects.all(),
+        error_messages={"does_not_exist": "Unknown model {value!r}; GET /api/v1/models/ lists "
+                                          "the catalog."})
+
+
+class SizingInput(StrictSerializer):
+    model = _model_field()
+    context_length = serializers.IntegerField(min_value=1)
+    concurrency = serializers.IntegerField(min_value=1, max_value=4096)
+    gpu_type = serializers.SlugRelatedField(
+        slug_field="slug", queryset=GPUType.objects.all(), required=False, allow_null=True,
+        error_messages={"does_not_exist": "Unknown GPU type {value!r}; GET /api/v1/gpu-types/ "
+                                          "lists them."})
+    gpu_count = serializers.ChoiceField(choices=[1, 2, 4, 8], required=False, allow_null=True)
+    kv_cache_dtype = serializers.ChoiceField(choices=KVCacheDtype.choices, default="auto")
+
+
+class EndpointInput(SizingInput):
+    name = serializers.SlugField(max_length=63)
+    min_replicas = serializers.IntegerField(default=1)
+    max_replicas = serializers.IntegerField(required=False, allow_null=True)
+    prefix_caching = serializers.BooleanField(default=True)
+
+
+class ScaleInput(StrictSerializer):
+    replicas = serializers.IntegerField()

@@ -1,14 +1,20 @@
-"""Writes for catalogs and nodes."""
+"""Writes for catalogs, nodes and endpoints."""
 
 import json
 from datetime import timedelta
 from pathlib import Path
 
 from django.conf import settings
-from django.db import transaction
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from endpoints.models import GPUType, ModelSpec, Node, NodeState
+from accounts.models import Organization, User
+from accounts.services import require_manager
+from endpoints.models import (
+    Endpoint, EndpointEvent, GPUType, ModelSpec, Node, NodeState, Replica, State,
+)
+from endpoints.planning import plan
 from endpoints.selectors import gpu_type_for_device
 from engine.devices import HostResources
 
@@ -74,3 +80,101 @@ def do_mark_lost_nodes() -> int:
     return Node.objects.filter(state=NodeState.ONLINE, last_heartbeat_at__lt=cutoff).update(
         state=NodeState.LOST
     )
+
+
+def _reconcile_after_commit(endpoint: Endpoint) -> None:
+    from endpoints.tasks import reconcile
+
+    reconcile.delay_on_commit(str(endpoint.id))
+
+
+def do_create_endpoint(
+    *, organization: Organization, actor_role: str | None, created_by: User | None, name: str,
+    model: ModelSpec, context_length: int, concurrency: int, gpu_type: GPUType | None = None,
+    gpu_count: int | None = None, min_replicas: int = 1, max_replicas: int | None = None,
+    kv_cache_dtype: str = "auto", prefix_caching: bool = True,
+) -> Endpoint:
+    """Size and create an endpoint that should run; the reconciler starts its replicas.
+
+    Raises ValidationError naming the field to change: a context above the model's maximum,
+    replicas out of range, a duplicate name, or a request that fits no GPU (saying what does).
+    """
+    require_manager(actor_role, "create endpoints")
+    max_replicas = max_replicas or min_replicas
+    errors: dict[str, list[str]] = {}
+    if context_length > model.max_context:
+        errors["context_length"] = [
+            f"{model.name} supports at most {model.max_context:,} tokens of context; "
+            f"ask for {model.max_context:,} or fewer."]
+    if min_replicas < 1:
+        errors["min_replicas"] = ["Run at least one replica."]
+    if max_replicas < min_replicas:
+        errors["max_replicas"] = [f"Must be at least min_replicas ({min_replicas})."]
+    if errors:
+        raise ValidationError(errors)
+    decided = plan(model=model, context_length=context_length, concurrency=concurrency,
+                   kv_cache_dtype=kv_cache_dtype, gpu_type=gpu_type, gpu_count=gpu_count)
+    try:
+        with transaction.atomic():
+            endpoint = Endpoint.objects.create(
+                organization=organization, name=name, model=model,
+                context_length=context_length, concurrency=concurrency,
+                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
+                kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+                min_replicas=min_replicas, max_replicas=max_replicas,
+                desired_replicas=min_replicas, sizing=decided.summary,
+                hourly_price_usd=decided.gpu_type.hourly_price_usd * decided.gpu_count,
+                created_by=created_by,
+            )
+            EndpointEvent.objects.create(endpoint=endpoint, state=State.PENDING,
+                                         message=f"created: {decided.summary['explanation']}")
+    except IntegrityError:
+        raise ValidationError(
+            {"name": [f"An endpoint named {name!r} already exists in this organisation; "
+                      "choose another name."]}) from None
+    _reconcile_after_commit(endpoint)
+    return endpoint
+
+
+def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: int) -> Endpoint:
+    require_manager(actor_role, "scale endpoints")
+    if not 1 <= replicas <= endpoint.max_replicas:
+        raise ValidationError({"replicas": [
+            f"Choose between 1 and max_replicas ({endpoint.max_replicas}); to run none, "
+            "stop the endpoint."]})
+    Endpoint.objects.filter(id=endpoint.id).update(desired_replicas=replicas)
+    EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
+                                 message=f"scaled to {replicas} replica(s)")
+    _reconcile_after_commit(endpoint)
+    endpoint.desired_replicas = replicas
+    return endpoint
+
+
+def do_stop_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint:
+    require_manager(actor_role, "stop endpoints")
+    Endpoint.objects.filter(id=endpoint.id).update(desired_state="stopped")
+    _reconcile_after_commit(endpoint)
+    endpoint.desired_state = "stopped"
+    return endpoint
+
+
+def do_start_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint:
+    """Run a stopped or failed endpoint again, with a fresh failure count."""
+    require_manager(actor_role, "start endpoints")
+    with transaction.atomic():
+        Endpoint.objects.filter(id=endpoint.id).update(desired_state="running",
+                                                       state=State.PENDING, failure_reason="")
+        Replica.objects.filter(endpoint=endpoint, state=State.FAILED).update(
+            state=State.STOPPED, stopped_at=timezone.now())
+        EndpointEvent.objects.create(endpoint=endpoint, state=State.PENDING, message="started")
+    _reconcile_after_commit(endpoint)
+    endpoint.refresh_from_db()
+    return endpoint
+
+
+def do_delete_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> None:
+    """Stop the endpoint and hide it; its rows stay for usage and billing. The name is free again."""
+    require_manager(actor_role, "delete endpoints")
+    Endpoint.objects.filter(id=endpoint.id, deleted_at=None).update(
+        deleted_at=timezone.now(), desired_state="stopped")
+    _reconcile_after_commit(endpoint)

@@ -1,3 +1,4 @@
+from django.urls import path
 from rest_framework.routers import SimpleRouter
 
 from endpoints import api
@@ -6,4 +7,18 @@ router = SimpleRouter()
 router.register("models", api.ModelCatalogViewSet, basename="model")
 router.register("gpu-types", api.GPUCatalogViewSet, basename="gpu-type")
 
-urlpatterns = router.urls
+ENDPOINT = "organizations/<slug:org_slug>/endpoints/<slug:name>"
+endpoint = api.EndpointViewSet
+
+urlpatterns = [
+    path("sizing/", api.size, name="api-sizing"),
+    path("organizations/<slug:org_slug>/endpoints/",
+         endpoint.as_view({"get": "list", "post": "create"}), name="api-endpoints"),
+    path(f"{ENDPOINT}/", endpoint.as_view({"get": "retrieve", "delete": "destroy"}),
+         name="api-endpoint"),
+    path(f"{ENDPOINT}/scale/", endpoint.as_view({"post": "scale"}), name="api-endpoint-scale"),
+    path(f"{ENDPOINT}/stop/", endpoint.as_view({"post": "stop"}), name="api-endpoint-stop"),
+    path(f"{ENDPOINT}/start/", endpoint.as_view({"post": "start"}), name="api-endpoint-start"),
+    path(f"{ENDPOINT}/events/", endpoint.as_view({"get": "events"}), name="api-endpoint-events"),
+    *router.urls,
+]

@@ -39,6 +39,7 @@ INSTALLED_APPS = [
     "accounts",
     "endpoints",
     "billing",
+    "engine",
 ]
 
 MIDDLEWARE = [
@@ -143,6 +144,20 @@ KVRUN_INVITE_DAYS = env.int("KVRUN_INVITE_DAYS", default=7)
 KVRUN_NODE_HEARTBEAT_SECONDS = env.int("KVRUN_NODE_HEARTBEAT_SECONDS", default=5)
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
 
+# Engines
+KVRUN_STATE_DIR = Path(env.str("KVRUN_STATE_DIR", default=str(BASE_DIR / ".kvrun")))
+KVRUN_MODEL_DIR = Path(env.str("KVRUN_MODEL_DIR", default=str(KVRUN_STATE_DIR / "models")))
+KVRUN_ENGINE_LOG_DIR = Path(env.str("KVRUN_ENGINE_LOG_DIR",
+                                    default=str(KVRUN_STATE_DIR / "engines")))
+KVRUN_RECONCILE_SECONDS = env.float("KVRUN_RECONCILE_SECONDS", default=3.0)
+KVRUN_ENGINE_START_TIMEOUT_SECONDS = env.int("KVRUN_ENGINE_START_TIMEOUT_SECONDS", default=600)
+KVRUN_ENGINE_STOP_GRACE_SECONDS = env.int("KVRUN_ENGINE_STOP_GRACE_SECONDS", default=15)
+# After this many failed starts in a row the endpoint is `failed` with the engine's last lines.
+KVRUN_ENGINE_MAX_FAILURES = env.int("KVRUN_ENGINE_MAX_FAILURES", default=3)
+KVRUN_ENGINE_BACKOFF_SECONDS = env.int("KVRUN_ENGINE_BACKOFF_SECONDS", default=5)
+# RAM one CPU engine may use for weights, KV and runtime (CPU nodes only).
+KVRUN_CPU_ENGINE_MEMORY_BYTES = env.int("KVRUN_CPU_ENGINE_MEMORY_BYTES", default=8 * 1024**3)
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "accounts.authentication.APIKeyAuthentication",
@@ -190,6 +205,7 @@ CELERY_BEAT_SCHEDULE = {
         "task": "endpoints.mark_lost_nodes",
         "schedule": float(KVRUN_NODE_HEARTBEAT_SECONDS),
     },
+    "endpoints.reconcile": {"task": "endpoints.reconcile", "schedule": KVRUN_RECONCILE_SECONDS},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -7,6 +7,7 @@ from django.db import close_old_connections
 
 from endpoints.services import do_record_node_heartbeat, do_register_node
 from engine import devices
+from engine.agent import check_engines, do_fail_replicas_of_previous_agent
 from kvrun.celery import app
 
 
@@ -28,8 +29,11 @@ class Command(BaseCommand):
             f"node {name}: {len(resources.devices)} GPU(s) ({gpu}), {resources.cpu_count} CPUs, "
             f"{resources.memory_bytes / 2**30:.1f} GiB; queue {node.queue}"
         )
+        failed = do_fail_replicas_of_previous_agent(node=node)
+        if failed:
+            self.stdout.write(f"{failed} replica(s) from this node's previous run marked failed")
         stop = threading.Event()
-        heartbeat = threading.Thread(target=self._beat, args=(name, stop), daemon=True)
+        heartbeat = threading.Thread(target=self._beat, args=(name, resources, stop), daemon=True)
         heartbeat.start()
         try:
             # Threads, not processes: node tasks wait on engines, they do not compute.
@@ -40,10 +44,12 @@ class Command(BaseCommand):
         finally:
             stop.set()
 
-    def _beat(self, name: str, stop: threading.Event) -> None:
+    def _beat(self, name: str, resources: devices.HostResources, stop: threading.Event) -> None:
         while not stop.wait(settings.KVRUN_NODE_HEARTBEAT_SECONDS):
             try:
-                do_record_node_heartbeat(name=name)
+                if not do_record_node_heartbeat(name=name):  # the row was removed: register again
+                    do_register_node(name=name, resources=resources)
+                check_engines()
             except Exception:  # a database blip must not kill the agent; the next beat retries
                 self.stderr.write("heartbeat failed; retrying at the next interval")
             finally:

@@ -1,0 +1,79 @@
+"""Replica and endpoint state transitions. Every change is a conditional update that acts
+only when the row is still in the state the caller saw, and leaves an event the user sees."""
+
+from collections.abc import Iterable
+from typing import Any
+from uuid import UUID
+
+from django.db import transaction
+
+from endpoints.models import Endpoint, EndpointEvent, Replica, State
+
+PROGRESS = {
+    State.PENDING: 0, State.SCHEDULING: 10, State.STARTING: 20, State.LOADING: 40,
+    State.READY: 100, State.STOPPING: 100, State.STOPPED: 100, State.FAILED: 100,
+}
+
+
+def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_state: str,
+                          message: str = "", **fields: Any) -> bool:
+    """Move a replica from one of `from_states` to `to_state`; False (and no change) if it
+    is no longer in one of them. Records an event and refreshes the endpoint's state."""
+    fields.setdefault("stage", message[:80])
+    fields.setdefault("progress_percent", PROGRESS[to_state])
+    with transaction.atomic():
+        moved = Replica.objects.filter(id=replica_id, state__in=list(from_states)).update(
+            state=to_state, **fields)
+        if moved != 1:
+            return False
+        endpoint_id = Replica.objects.values_list("endpoint_id", flat=True).get(id=replica_id)
+        EndpointEvent.objects.create(endpoint_id=endpoint_id, replica_id=replica_id,
+                                     state=to_state, message=message)
+        do_refresh_endpoint_state(endpoint_id=endpoint_id)
+    return True
+
+
+def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent: int) -> None:
+    Replica.objects.filter(id=replica_id, state=state).update(stage=stage[:80],
+                                                              progress_percent=percent)
+
+
+def summarise(*, desired_state: str, deleted: bool, replica_states: list[str]) -> str:
+    """The endpoint's state as the user reads it, from its replicas' states."""
+    live = [state for state in replica_states if state not in {State.STOPPED, State.FAILED}]
+    if desired_state == "stopped" or deleted:
+        return State.STOPPING if live else State.STOPPED
+    if State.READY in live:
+        return State.READY
+    order = [State.LOADING, State.STARTING, State.SCHEDULING, State.PENDING, State.STOPPING]
+    for state in order:
+        if state in live:
+            return state
+    return State.PENDING
+
+
+def do_refresh_endpoint_state(*, endpoint_id: UUID, failure_reason: str | None = None) -> str:
+    """Recompute and store the endpoint's state; record an event when it changes."""
+    endpoint = Endpoint.objects.select_for_update().get(id=endpoint_id)
+    states = list(endpoint.replicas.values_list("state", flat=True))
+    if failure_reason is not None:
+        new_state = State.FAILED
+    elif endpoint.state == State.FAILED and endpoint.desired_state == "running":
+        return endpoint.state  # stays failed until the user starts it again
+    else:
+        new_state = summarise(desired_state=endpoint.desired_state,
+                              deleted=endpoint.deleted_at is not None, replica_states=states)
+    if new_state != endpoint.state:
+        Endpoint.objects.filter(id=endpoint_id).update(
+            state=new_state, failure_reason=failure_reason or "")
+        EndpointEvent.objects.create(endpoint_id=endpoint_id, state=new_state,
+                                     message=failure_reason or f"endpoint is {new_state}")
+    return new_state
+
+
+def do_create_replica(*, endpoint: Endpoint) -> Replica:
+    with transaction.atomic():
+        replica = Replica.objects.create(endpoint=endpoint, stage="waiting to be scheduled")
+        EndpointEvent.objects.create(endpoint=endpoint, replica=replica, state=State.PENDING,
+                                     message="replica created")
+    return replica

@@ -1,0 +1,145 @@
+"""Move each endpoint's replicas towards what the user asked for.
+
+Runs from beat every few seconds and after every change a user makes. Each pass reads the
+rows, decides, and acts only through conditional transitions, so two passes at once, or a
+pass replayed, never start a second engine for one replica.
+"""
+
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from celery import current_app
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F, Q
+from django.utils import timezone
+
+from endpoints.lifecycle import (
+    do_create_replica, do_refresh_endpoint_state, do_transition_replica,
+)
+from endpoints.models import Endpoint, NodeState, Replica, State
+from endpoints.scheduling import do_place_replica
+
+LIVE = (State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
+ON_NODE = (State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
+
+
+def endpoints_to_reconcile() -> list[UUID]:
+    unsettled = Q(replicas__state__in=LIVE + (State.STOPPING,))
+    return list(
+        Endpoint.objects.filter(Q(deleted_at=None, desired_state="running") | unsettled)
+        .values_list("id", flat=True).distinct()
+    )
+
+
+def reconcile_endpoint(*, endpoint_id: UUID) -> None:
+    """One pass for one endpoint, holding its row: a concurrent pass skips it rather than
+    creating a second replica for the same slot."""
+    with transaction.atomic():
+        endpoint = Endpoint.objects.select_for_update(skip_locked=True).filter(
+            id=endpoint_id).first()
+        if endpoint is None:  # deleted for good, or another pass is on it
+            return
+        _release_replicas_on_lost_nodes(endpoint)
+        if endpoint.desired_state == "running" and endpoint.deleted_at is None:
+            if endpoint.state != State.FAILED:
+                _retry_failed(endpoint)
+                _match_replica_count(endpoint)
+                _schedule_pending(endpoint)
+                _fail_stuck(endpoint)
+        else:
+            for replica in endpoint.replicas.exclude(state__in=[State.STOPPED, State.STOPPING]):
+                _stop(replica, "the endpoint was stopped")
+        do_refresh_endpoint_state(endpoint_id=endpoint.id)
+
+
+def _release_replicas_on_lost_nodes(endpoint: Endpoint) -> None:
+    """A lost node's engines are gone with it: settle those replicas; fresh ones replace them."""
+    lost = endpoint.replicas.filter(state__in=ON_NODE + (State.STOPPING,),
+                                    node__state=NodeState.LOST)
+    for replica in lost.select_related("node"):
+        do_transition_replica(
+            replica_id=replica.id, from_states=ON_NODE + (State.STOPPING,),
+            to_state=State.STOPPED, stopped_at=timezone.now(),
+            message=f"node {replica.node.name} stopped sending heartbeats; rescheduling",
+        )
+
+
+def _retry_failed(endpoint: Endpoint) -> None:
+    """Restart failed replicas after their backoff; after too many failures, fail the endpoint
+    with the engine's own last lines as the reason."""
+    for replica in endpoint.replicas.filter(state=State.FAILED):
+        if replica.restarts >= settings.KVRUN_ENGINE_MAX_FAILURES:
+            do_refresh_endpoint_state(
+                endpoint_id=endpoint.id,
+                failure_reason=f"The engine failed {replica.restarts} times in a row. "
+                               f"{replica.failure_reason}",
+            )
+            return
+        if replica.next_start_at is None or replica.next_start_at <= timezone.now():
+            do_transition_replica(
+                replica_id=replica.id, from_states=[State.FAILED], to_state=State.PENDING,
+                message=f"restarting (attempt {replica.restarts + 1})", node=None,
+                device_indices=[], pid=None, port=None,
+            )
+
+
+def _match_replica_count(endpoint: Endpoint) -> None:
+    slots = list(endpoint.replicas.filter(state__in=LIVE + (State.FAILED,))
+                 .order_by("-created_at"))
+    missing = endpoint.desired_replicas - len(slots)
+    for _ in range(max(0, missing)):
+        do_create_replica(endpoint=endpoint)
+    for replica in slots[: max(0, -missing)]:
+        _stop(replica, "scaled down")
+
+
+def _schedule_pending(endpoint: Endpoint) -> None:
+    for replica in endpoint.replicas.filter(state=State.PENDING):
+        node = do_place_replica(replica_id=replica.id)
+        if node is None:
+            continue
+        moved = do_transition_replica(replica_id=replica.id, from_states=[State.SCHEDULING],
+                                      to_state=State.STARTING,
+                                      message=f"start sent to node {node.name}")
+        if moved:
+            _send("engine.start_replica", replica.id, node.queue)
+
+
+def _fail_stuck(endpoint: Endpoint) -> None:
+    """A start that no node agent picked up in time (agent down, queue lost) counts as a failure."""
+    cutoff = timezone.now() - timedelta(seconds=settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS)
+    for replica in endpoint.replicas.filter(state__in=[State.SCHEDULING, State.STARTING]):
+        last = replica.events.order_by("-at").values_list("at", flat=True).first()
+        if last is not None and last < cutoff:
+            _fail(replica, "no node agent started the engine in time")
+
+
+def _fail(replica: Replica, reason: str) -> None:
+    do_transition_replica(
+        replica_id=replica.id, from_states=[State.SCHEDULING, State.STARTING],
+        to_state=State.FAILED, message=reason, failure_reason=reason,
+        restarts=F("restarts") + 1, next_start_at=backoff_until(replica.restarts + 1),
+    )
+
+
+def backoff_until(failures: int) -> datetime:
+    delay = settings.KVRUN_ENGINE_BACKOFF_SECONDS * 2 ** max(0, failures - 1)
+    return timezone.now() + timedelta(seconds=min(delay, 300))
+
+
+def _stop(replica: Replica, reason: str) -> None:
+    if replica.state in (State.PENDING, State.FAILED):
+        do_transition_replica(replica_id=replica.id, from_states=[replica.state],
+                              to_state=State.STOPPED, message=reason, stopped_at=timezone.now())
+        return
+    moved = do_transition_replica(replica_id=replica.id, from_states=ON_NODE,
+                                  to_state=State.STOPPING, message=reason)
+    if moved and replica.node_id is not None:
+        _send("engine.stop_replica", replica.id, f"node.{replica.node.name}")
+
+
+def _send(task: str, replica_id: UUID, queue: str) -> None:
+    transaction.on_commit(
+        lambda: current_app.send_task(task, args=[str(replica_id)], queue=queue)
+    )

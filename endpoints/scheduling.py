@@ -1,0 +1,56 @@
+"""Placing replicas on nodes: the right GPU type, enough free devices, tightest fit first."""
+
+from uuid import UUID
+
+from django.db import transaction
+
+from endpoints.lifecycle import do_transition_replica
+from endpoints.models import ACTIVE_STATES, Node, NodeState, Replica, State
+from endpoints.planning import CPU
+
+
+def free_devices(node: Node) -> list[int]:
+    used = {
+        index
+        for indices in Replica.objects.filter(node=node, state__in=ACTIVE_STATES | {State.STOPPING})
+        .values_list("device_indices", flat=True)
+        for index in indices
+    }
+    return [device["index"] for device in node.devices if device["index"] not in used]
+
+
+def do_place_replica(*, replica_id: UUID) -> Node | None:
+    """Assign a pending replica to a node and its devices (pending → scheduling).
+
+    Best fit: the node with the fewest free devices that still hold the replica, so that
+    large endpoints find whole nodes later. CPU endpoints go to the least busy CPU node.
+    Node rows are locked while counting, so two reconcilers never hand out one device twice.
+    Returns None, leaving the replica pending, when no node fits now.
+    """
+    with transaction.atomic():
+        replica = Replica.objects.select_related("endpoint__gpu_type").get(id=replica_id)
+        if replica.state != State.PENDING:
+            return None
+        endpoint = replica.endpoint
+        nodes = list(Node.objects.select_for_update().filter(
+            state=NodeState.ONLINE, gpu_type=endpoint.gpu_type).order_by("name"))
+        if endpoint.gpu_type.slug == CPU:
+            ranked = sorted(nodes, key=lambda node: Replica.objects.filter(
+                node=node, state__in=ACTIVE_STATES).count())
+            choice, devices = (ranked[0], []) if ranked else (None, [])
+        else:
+            fits = [(node, free) for node in nodes
+                    if len(free := free_devices(node)) >= endpoint.gpu_count]
+            fits.sort(key=lambda pair: len(pair[1]))
+            choice, devices = (fits[0][0], fits[0][1][: endpoint.gpu_count]) if fits else (None, [])
+        if choice is None:
+            Replica.objects.filter(id=replica_id, state=State.PENDING).update(
+                stage=f"waiting for a node with {endpoint.gpu_count} free "
+                      f"{endpoint.gpu_type.name}"[:80])
+            return None
+        placed = do_transition_replica(
+            replica_id=replica_id, from_states=[State.PENDING], to_state=State.SCHEDULING,
+            message=f"placed on {choice.name}" + (f" GPUs {devices}" if devices else ""),
+            node=choice, device_indices=devices,
+        )
+        return choice if placed else None

@@ -1,0 +1,191 @@
+"""Build, start, watch and stop one vLLM engine process. Pure Python, no Django.
+
+An engine runs in a process group of its own, bound to 127.0.0.1 (its /health and /metrics
+are unauthenticated), with a per-replica log file from which kvrun reads the KV capacity and
+shows the last lines when it fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PR_SET_PDEATHSIG = 1
+KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything the command needs; built by the control plane from the endpoint."""
+
+    model_dir: str
+    served_model_name: str
+    port: int
+    max_model_len: int
+    max_num_seqs: int
+    device: str = "gpu"  # "gpu" or "cpu"
+    tensor_parallel: int = 1
+    kv_cache_dtype: str = "auto"
+    prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_space_gib: int = 1
+    device_indices: tuple[int, ...] = ()
+    api_key: str = ""
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+    """The argv and the environment additions that start `spec`'s engine."""
+    argv = [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", spec.model_dir,
+        "--served-model-name", spec.served_model_name,
+        "--host", "127.0.0.1",
+        "--port", str(spec.port),
+        "-tp", str(spec.tensor_parallel),
+        "--max-model-len", str(spec.max_model_len),
+        "--max-num-seqs", str(spec.max_num_seqs),
+        "--kv-cache-dtype", spec.kv_cache_dtype,
+        "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+    ]
+    # The key goes in the environment: an argv is readable by every user through `ps`.
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key, **spec.extra_env}
+    if spec.device == "cpu":
+        argv.append("--enforce-eager")  # no CUDA graphs on the CPU backend
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kv_space_gib)
+    else:
+        argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.2f}"]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.device_indices)
+    return argv, env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def _own_group_dying_with_parent() -> None:
+    os.setsid()
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
+    """Start the engine in its own process group, output appended to `log_path`."""
+    argv, env = build_command(spec)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_own_group_dying_with_parent)
+
+
+class EngineFailed(Exception):
+    """The engine exited or never became ready; the message carries its last log lines."""
+
+
+def wait_ready(*, port: int, served_model_name: str, api_key: str, alive: Callable[[], bool],
+               timeout: float, on_progress: Callable[[str], None] = lambda stage: None) -> None:
+    """Return once /health answers and /v1/models lists the model; raise EngineFailed if the
+    process dies or the timeout passes first."""
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    healthy = False
+    with httpx.Client(timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            if not alive():
+                raise EngineFailed("the engine exited during start-up")
+            try:
+                if not healthy:
+                    healthy = client.get(f"{base}/health").status_code == 200
+                    if healthy:
+                        on_progress("health")
+                if healthy:
+                    models = client.get(f"{base}/v1/models",
+                                        headers={"Authorization": f"Bearer {api_key}"})
+                    if models.status_code == 200 and any(
+                        item["id"] == served_model_name for item in models.json()["data"]
+                    ):
+                        return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+    raise EngineFailed(f"the engine was not ready within {timeout:.0f} s")
+
+
+def read_kv_capacity(log_text: str) -> int | None:
+    """The `KV cache size: N tokens` figure vLLM logs once the cache is allocated."""
+    match = KV_CAPACITY.search(log_text)
+    return int(match.group(1).replace(",", "")) if match else None
+
+
+def tail(log_path: Path, lines: int = 30, max_bytes: int = 64 * 1024) -> str:
+    try:
+        with open(log_path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - max_bytes))
+            text = handle.read().decode("utf-8", "replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def stop_group(pgid: int, *, grace: float) -> None:
+    """SIGTERM the engine's process group, then SIGKILL whatever is left after `grace` s."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        if not _group_alive(pgid):
+            return
+        time.sleep(0.2)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    # Members that are zombies still count for killpg; check that one is really running.
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in {"Z", "X"}:
+            return True
+    return False

@@ -1,0 +1,81 @@
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from engine.supervisor import (
+    EngineSpec, build_command, port_is_free, process_alive, read_kv_capacity, stop_group, tail,
+)
+
+
+def spec(**overrides: object) -> EngineSpec:
+    values = dict(model_dir="/models/demo", served_model_name="chat", port=41000,
+                  max_model_len=4096, max_num_seqs=8, api_key="engine-secret")
+    values.update(overrides)
+    return EngineSpec(**values)
+
+
+def test_a_gpu_command_pins_devices_and_memory() -> None:
+    argv, env = build_command(spec(device="gpu", tensor_parallel=2, device_indices=(2, 3),
+                                   kv_cache_dtype="fp8"), python="python")
+
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(argv)
+    for part in ["--model /models/demo", "--served-model-name chat", "--host 127.0.0.1",
+                 "--port 41000", "-tp 2", "--max-model-len 4096", "--max-num-seqs 8",
+                 "--kv-cache-dtype fp8", "--enable-prefix-caching",
+                 "--gpu-memory-utilization 0.90"]:
+        assert part in joined
+    assert "--enforce-eager" not in argv
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["VLLM_API_KEY"] == "engine-secret"
+    assert "engine-secret" not in joined  # never in argv, where `ps` shows it
+
+
+def test_a_cpu_command_sets_the_kv_space_and_eager_mode() -> None:
+    argv, env = build_command(spec(device="cpu", cpu_kv_space_gib=2, prefix_caching=False))
+
+    assert "--enforce-eager" in argv and "--no-enable-prefix-caching" in argv
+    assert "--gpu-memory-utilization" not in argv
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+
+
+def test_it_reads_the_kv_capacity_vllm_logs() -> None:
+    line = ("(EngineCore pid=4798) INFO 12-02 14:04:07 [kv_cache_utils.py:2327] CPU KV cache size: "
+            "2,097,152 tokens, Maximum concurrency for 2,048 tokens per request: 1024.00x")
+
+    assert read_kv_capacity("noise\n" + line + "\n") == 2_097_152
+    assert read_kv_capacity("no capacity here") is None
+
+
+def test_tail_returns_the_last_lines(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text("\n".join(f"line {n}" for n in range(100)))
+
+    assert tail(log, lines=3) == "line 97\nline 98\nline 99"
+    assert tail(tmp_path / "missing.log") == ""
+
+
+def test_stop_group_ends_a_process_that_ignores_sigterm() -> None:
+    stubborn = subprocess.Popen(
+        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+         "signal.SIG_IGN); print('up', flush=True); time.sleep(60)"],
+        start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert stubborn.stdout.readline().strip() == "up"
+
+    started = time.monotonic()
+    stop_group(stubborn.pid, grace=1.0)
+    stubborn.wait(5)
+
+    assert not process_alive(stubborn.pid)
+    assert time.monotonic() - started < 5
+
+
+def test_port_is_free() -> None:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        assert not port_is_free(sock.getsockname()[1])
