@@ -28,6 +28,9 @@ ifeq ($(ENGINE),cpu)
 endif
 	touch $@
 
+bench: install
+	$(BIN)/python -m kvrun.launcher bench $(BENCH)
+
 # Playwright drives Debian's Chromium; its own browser download cannot work offline.
 browser:
 	@test -x /usr/bin/chromium || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }

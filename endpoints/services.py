@@ -16,6 +16,7 @@ from endpoints.models import (
 )
 from endpoints.planning import plan
 from endpoints.selectors import gpu_type_for_device
+from engine import hf_checkpoint
 from engine.devices import HostResources
 
 CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
@@ -68,8 +69,9 @@ def do_register_node(*, name: str, resources: HostResources) -> Node:
 
 
 def do_record_node_heartbeat(*, name: str) -> bool:
-    """Note that the node's agent is alive. Returns False when the node is not registered."""
-    return Node.objects.filter(name=name).update(
+    """Note that the node's agent is alive. Returns False when the node is not registered or
+    has no catalog GPU type yet (the catalog came later): the agent then registers again."""
+    return Node.objects.filter(name=name, gpu_type__isnull=False).update(
         last_heartbeat_at=timezone.now(), state=NodeState.ONLINE
     ) == 1
 
@@ -178,3 +180,12 @@ def do_delete_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> None:
     Endpoint.objects.filter(id=endpoint.id, deleted_at=None).update(
         deleted_at=timezone.now(), desired_state="stopped")
     _reconcile_after_commit(endpoint)
+
+
+def do_import_model(*, directory: Path, slug: str | None = None,
+                    licence: str = "unknown") -> tuple[ModelSpec, bool]:
+    """Add or update a catalog model from a local checkpoint folder. Returns (model, created)."""
+    fields = hf_checkpoint.describe(directory)
+    fields["slug"] = slug or fields["slug"]
+    fields.update(hf_repo=str(Path(directory).resolve()), licence=licence)
+    return ModelSpec.objects.update_or_create(slug=fields.pop("slug"), defaults=fields)

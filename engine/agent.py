@@ -143,6 +143,8 @@ def check_engines() -> None:
         for rid in exited:
             _engines.pop(rid)
     for rid, process in exited.items():
+        # The API server is gone; its engine-core children may not be. End the whole group.
+        supervisor.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
         _record_failure(UUID(rid), f"the engine exited with status {process.returncode}",
                         log_path(rid), from_states=[State.READY])
 

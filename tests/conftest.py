@@ -18,6 +18,9 @@ from tests.factories import UserFactory, api_key, organization_with_owner
 ROOT = Path(__file__).resolve().parent.parent
 # The worker started for the suite marks a node lost after this many silent seconds.
 NODE_LOST_AFTER_SECONDS = 3
+# Fast restarts and an early verdict, so that failure paths finish in seconds.
+ENGINE_TIMINGS = {"KVRUN_ENGINE_BACKOFF_SECONDS": "1", "KVRUN_ENGINE_MAX_FAILURES": "2",
+                  "KVRUN_ENGINE_START_TIMEOUT_SECONDS": "180"}
 
 
 @pytest.fixture(autouse=True)
@@ -87,7 +90,8 @@ def celery_worker(django_db_setup: None, django_db_blocker: object) -> Iterator[
     process = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q", "control",
          "-n", name, "--pool", "solo", "--loglevel", "WARNING"],
-        cwd=ROOT, env=process_env(KVRUN_NODE_LOST_AFTER_SECONDS=str(NODE_LOST_AFTER_SECONDS)),
+        cwd=ROOT, env=process_env(KVRUN_NODE_LOST_AFTER_SECONDS=str(NODE_LOST_AFTER_SECONDS),
+                                  **ENGINE_TIMINGS),
     )
     from kvrun.celery import app
 

@@ -47,7 +47,7 @@ class Command(BaseCommand):
     def _beat(self, name: str, resources: devices.HostResources, stop: threading.Event) -> None:
         while not stop.wait(settings.KVRUN_NODE_HEARTBEAT_SECONDS):
             try:
-                if not do_record_node_heartbeat(name=name):  # the row was removed: register again
+                if not do_record_node_heartbeat(name=name):  # row removed, or catalog type missing
                     do_register_node(name=name, resources=resources)
                 check_engines()
             except Exception:  # a database blip must not kill the agent; the next beat retries

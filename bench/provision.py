@@ -1,0 +1,137 @@
+"""`make bench` target `provision`: a bare vLLM start against create → ready through kvrun.
+
+Side by side in one run, alternating, on the demo model and the CPU engine:
+  bare   the same vLLM command kvrun builds, timed from spawn to /health + /v1/models;
+  kvrun  do_create_endpoint → control worker → node agent → engine → `ready` in Postgres.
+Reports kvrun's overhead (the difference of medians), the ratio, and the sizing error
+against the KV capacity the engine logged. Writes bench/results/provision.json.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
+django.setup()
+
+from django.conf import settings  # noqa: E402
+
+from accounts.models import Role, User  # noqa: E402
+from accounts.services import do_create_organization  # noqa: E402
+from endpoints.models import Endpoint, ModelSpec, Node, Replica, State  # noqa: E402
+from endpoints.planning import shape_of  # noqa: E402
+from endpoints.services import (  # noqa: E402
+    do_create_endpoint, do_delete_endpoint, do_load_catalogs,
+)
+from engine import demo_model, supervisor  # noqa: E402
+from engine.sizing import GIB, kv_cache_tokens  # noqa: E402
+from kvrun.celery import app  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "2"))
+
+
+def bare_start(model_dir: str, log: Path) -> float:
+    spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="bare",
+                                 port=supervisor.free_port(), max_model_len=2048,
+                                 max_num_seqs=4, device="cpu", api_key="bench")
+    started = time.monotonic()
+    process = supervisor.start(spec, log)
+    try:
+        supervisor.wait_ready(port=spec.port, served_model_name="bare", api_key="bench",
+                              alive=lambda: process.poll() is None, timeout=300)
+        return time.monotonic() - started
+    finally:
+        supervisor.stop_group(process.pid, grace=15)
+        process.wait()
+
+
+def kvrun_start(organization: object, model: ModelSpec, name: str) -> tuple[float, int]:
+    started = time.monotonic()
+    endpoint = do_create_endpoint(organization=organization, actor_role=Role.OWNER,
+                                  created_by=None, name=name, model=model, context_length=2048,
+                                  concurrency=4)
+    while Endpoint.objects.filter(id=endpoint.id).values_list("state", flat=True).get() not in (
+            State.READY, State.FAILED):
+        time.sleep(0.05)
+    elapsed = time.monotonic() - started
+    replica = Replica.objects.filter(endpoint=endpoint, state=State.READY).first()
+    assert replica is not None, Endpoint.objects.get(id=endpoint.id).failure_reason
+    do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
+    while Replica.objects.filter(endpoint=endpoint).exclude(state=State.STOPPED).exists():
+        app.send_task("endpoints.reconcile", args=[str(endpoint.id)])
+        time.sleep(0.5)
+    return elapsed, replica.kv_cache_tokens
+
+
+def start_processes(logs: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "KVRUN_NODE_GPUS": "none", "KVRUN_ENGINE_LOG_DIR": str(logs)}
+    worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q",
+                               "control", "-n", "bench-control@%h", "--pool", "solo",
+                               "--loglevel", "WARNING"], cwd=ROOT, env=env)
+    agent = subprocess.Popen([sys.executable, "manage.py", "node_agent", "--name", "bench-node"],
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 90
+    while not (app.control.ping(timeout=1.0) and Node.objects.filter(name="bench-node").exists()):
+        assert time.monotonic() < deadline, "worker or node agent did not start"
+    time.sleep(2)  # both consumers subscribed
+    return [worker, agent]
+
+
+def main() -> None:
+    do_load_catalogs()
+    model = ModelSpec.objects.get(slug="kvrun-demo-tiny")
+    model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / model.slug))
+    logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
+    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
+    organization = do_create_organization(user=owner, name="bench")
+    processes = start_processes(logs)
+    bare, through, capacities = [], [], []
+    try:
+        for round_number in range(ROUNDS):
+            bare.append(bare_start(model_dir, logs / f"bare-{round_number}.log"))
+            elapsed, capacity = kvrun_start(organization, model, f"bench-{round_number}")
+            through.append(elapsed)
+            capacities.append(capacity)
+            print(f"round {round_number + 1}: bare {bare[-1]:.2f} s, kvrun {elapsed:.2f} s",
+                  flush=True)
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(30)
+    predicted = kv_cache_tokens(shape_of(model), kv_bytes=GIB)
+    logged = statistics.median(capacities)
+    result = {
+        "rounds": ROUNDS,
+        "bare_start_s": round(statistics.median(bare), 3),
+        "kvrun_create_to_ready_s": round(statistics.median(through), 3),
+        "overhead_s": round(statistics.median(through) - statistics.median(bare), 3),
+        "ratio": round(statistics.median(through) / statistics.median(bare), 3),
+        "kv_tokens_logged": logged,
+        "kv_tokens_predicted": predicted,
+        "sizing_error_pct": round(abs(predicted - logged) / logged * 100, 4),
+        "bare_runs_s": [round(x, 3) for x in bare],
+        "kvrun_runs_s": [round(x, 3) for x in through],
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "provision.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\nprovision (demo model, CPU engine, median of "
+          f"{ROUNDS} alternating rounds)")
+    print(f"  {'bare vLLM start → ready':<34}{result['bare_start_s']:>9.2f} s")
+    print(f"  {'kvrun create → ready':<34}{result['kvrun_create_to_ready_s']:>9.2f} s")
+    print(f"  {'kvrun overhead':<34}{result['overhead_s']:>9.2f} s   (goal < 2 s)")
+    print(f"  {'ratio':<34}{result['ratio']:>9.3f}     (goal < 1.1)")
+    print(f"  {'KV tokens logged / predicted':<34}{logged:>9,} / {predicted:,}")
+    print(f"  {'sizing error':<34}{result['sizing_error_pct']:>9.4f} %")
+    print(f"\nwritten to {RESULTS / 'provision.json'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Provisioning end to end: REST API → control worker → node agent → a real vLLM engine."""
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from celery import current_app
+from rest_framework.test import APIClient
+
+from accounts.models import Organization
+from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
+from endpoints.services import do_load_catalogs
+from endpoints.tasks import mark_lost_nodes, reconcile
+from engine.agent import engine_api_key
+from engine.sizing import GIB, kv_cache_tokens
+from engine.supervisor import port_is_free, process_alive
+from endpoints.planning import shape_of
+from tests.conftest import ENGINE_TIMINGS, ROOT, process_env, stop, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+READY_WITHIN = 120
+
+
+@pytest.fixture(scope="session")
+def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+def start_agent(name: str, logs: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "manage.py", "node_agent", "--name", name],
+        cwd=ROOT, env=process_env(KVRUN_NODE_GPUS="none", KVRUN_NODE_HEARTBEAT_SECONDS="1",
+                                  KVRUN_ENGINE_LOG_DIR=str(logs), **ENGINE_TIMINGS),
+    )
+
+
+@pytest.fixture(scope="session")
+def agent(celery_worker: object, engine_logs: Path) -> Iterator[subprocess.Popen]:
+    process = start_agent("e2e-a", engine_logs)
+    yield process
+    stop(process)
+
+
+@pytest.fixture
+def ready_node(agent: subprocess.Popen) -> Node:
+    do_load_catalogs()
+    assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",
+                                                  gpu_type__slug="cpu").exists(), 60)
+    return Node.objects.get(name="e2e-a")
+
+
+def drive(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Wait for `predicate`, running the reconciler and the liveness check as beat would."""
+    def step() -> bool:
+        reconcile.delay()
+        mark_lost_nodes.delay()
+        return predicate()
+    return wait_until(step, timeout, interval=1.0)
+
+
+def create(api: APIClient, org: Organization, name: str, model: str = "kvrun-demo-tiny") -> dict:
+    response = api.post(f"/api/v1/organizations/{org.slug}/endpoints/",
+                        {"name": name, "model": model, "context_length": 2048,
+                         "concurrency": 4}, format="json")
+    assert response.status_code == 201, response.content
+    return response.json()
+
+
+def state_of(name: str) -> str:
+    return Endpoint.objects.get(name=name, deleted_at=None).state
+
+
+def ready_replica(name: str) -> Replica:
+    return Replica.objects.get(endpoint__name=name, state=State.READY)
+
+
+def api_servers(name: str) -> list[int]:
+    """PIDs of vLLM API servers serving `name` on this machine."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and name.encode() in argv:
+            found.append(int(cmdline.parent.name))
+    return [pid for pid in found if process_alive(pid)]
+
+
+def complete(replica: Replica, name: str) -> httpx.Response:
+    return httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions", timeout=30,
+                      headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"},
+                      json={"model": name, "prompt": "Hello, world!", "max_tokens": 5})
+
+
+def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
+                                    org: Organization) -> None:
+    create(owner_api, org, "chat")
+
+    assert drive(lambda: state_of("chat") == State.READY, READY_WITHIN), (
+        Endpoint.objects.get(name="chat").events.values_list("message", flat=True))
+    replica = ready_replica("chat")
+    answer = complete(replica, "chat")
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 5
+    assert httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions",
+                      json={"model": "chat", "prompt": "x"}).status_code == 401
+    # Sizing reproduces the capacity the engine itself logged (1 GiB of CPU KV space).
+    demo = shape_of(ModelSpec.objects.get(slug="kvrun-demo-tiny"))
+    assert abs(replica.kv_cache_tokens - kv_cache_tokens(demo, kv_bytes=GIB)) <= (
+        0.01 * replica.kv_cache_tokens)
+    detail = owner_api.get(f"/api/v1/organizations/{org.slug}/endpoints/chat/").json()
+    assert detail["progress"] == {"stage": "ready", "percent": 100}
+    assert detail["replicas"][0]["kv_cache_tokens"] == replica.kv_cache_tokens
+    assert "/v1/models" in detail["replicas"][0]["log_tail"]
+    pid, port = replica.pid, replica.port
+
+    assert owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/chat/stop/"
+                          ).status_code == 200
+    assert drive(lambda: state_of("chat") == State.STOPPED, 60)
+    assert not process_alive(pid)
+    assert not api_servers("chat")
+    assert port_is_free(port)
+    states = list(Endpoint.objects.get(name="chat").events.values_list("state", flat=True))
+    for state in ["pending", "scheduling", "starting", "loading", "ready", "stopping", "stopped"]:
+        assert state in states
+
+
+def test_a_killed_engine_is_restarted_and_a_second_start_is_ignored(
+    ready_node: Node, owner_api: APIClient, org: Organization
+) -> None:
+    create(owner_api, org, "sturdy")
+    assert drive(lambda: state_of("sturdy") == State.READY, READY_WITHIN)
+    first = ready_replica("sturdy")
+
+    # The same start delivered again: still one engine, same process.
+    current_app.send_task("engine.start_replica", args=[str(first.id)], queue="node.e2e-a")
+    current_app.send_task("engine.start_replica", args=[str(first.id)], queue="node.e2e-a")
+    assert not wait_until(lambda: len(api_servers("sturdy")) > 1, timeout=5)
+    assert api_servers("sturdy") == [first.pid]
+
+    os.kill(first.pid, signal.SIGKILL)
+    assert drive(lambda: Replica.objects.get(id=first.id).state != State.READY, 30)
+    assert drive(lambda: Replica.objects.filter(endpoint__name="sturdy", state=State.READY)
+                 .exclude(pid=first.pid).exists(), READY_WITHIN)
+    again = ready_replica("sturdy")
+    assert complete(again, "sturdy").status_code == 200
+    assert len(api_servers("sturdy")) == 1
+    owner_api.delete(f"/api/v1/organizations/{org.slug}/endpoints/sturdy/")
+    assert drive(lambda: not api_servers("sturdy"), 60)
+
+
+def test_an_engine_that_cannot_start_fails_the_endpoint_with_a_reason(
+    ready_node: Node, owner_api: APIClient, org: Organization, settings: object
+) -> None:
+    demo = ModelSpec.objects.get(slug="kvrun-demo-tiny")
+    demo.pk, demo.slug, demo.name = None, "broken-model", "Broken model"
+    demo.save()
+    broken = Path(settings.KVRUN_MODEL_DIR) / "broken-model"
+    broken.mkdir(parents=True, exist_ok=True)
+    (broken / "config.json").write_text('{"model_type": "no-such-architecture"}')
+    create(owner_api, org, "broken", model="broken-model")
+
+    assert drive(lambda: state_of("broken") == State.FAILED, 240)
+    endpoint = Endpoint.objects.get(name="broken")
+    assert "failed 2 times in a row" in endpoint.failure_reason
+    assert "Last engine log lines" in endpoint.failure_reason
+    assert "no-such-architecture" in endpoint.failure_reason
+    assert not api_servers("broken")
+    detail = owner_api.get(f"/api/v1/organizations/{org.slug}/endpoints/broken/").json()
+    assert detail["state"] == "failed" and detail["failure_reason"] == endpoint.failure_reason
+
+
+def test_a_lost_node_s_replica_moves_to_another_node(
+    ready_node: Node, owner_api: APIClient, org: Organization, engine_logs: Path
+) -> None:
+    second = start_agent("e2e-0", engine_logs)
+    try:
+        assert wait_until(lambda: Node.objects.filter(name="e2e-0", gpu_type__isnull=False)
+                          .exists(), 60)
+        # Equally idle CPU nodes are taken in name order: the replica lands on e2e-0.
+        create(owner_api, org, "mover")
+        assert drive(lambda: state_of("mover") == State.READY, READY_WITHIN)
+        first = ready_replica("mover")
+        assert first.node.name == "e2e-0"
+        second.kill()
+        second.wait()
+        assert wait_until(lambda: not process_alive(first.pid), 15), "engine outlived its agent"
+
+        assert drive(lambda: Node.objects.get(name="e2e-0").state == "lost", 30)
+        assert drive(lambda: Replica.objects.filter(endpoint__name="mover", state=State.READY,
+                                                    node__name="e2e-a").exists(), READY_WITHIN)
+        assert Replica.objects.get(id=first.id).state == State.STOPPED
+        owner_api.delete(f"/api/v1/organizations/{org.slug}/endpoints/mover/")
+        assert drive(lambda: not api_servers("mover"), 60)
+    finally:
+        stop(second)

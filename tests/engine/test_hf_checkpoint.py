@@ -1,0 +1,72 @@
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from engine import demo_model
+from engine.hf_checkpoint import describe, parameter_count
+
+
+def write_safetensors(path: Path, shapes: dict[str, list[int]]) -> None:
+    header = {name: {"dtype": "BF16", "shape": shape, "data_offsets": [0, 0]}
+              for name, shape in shapes.items()}
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+
+
+def test_it_counts_parameters_across_shards_from_headers(tmp_path: Path) -> None:
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors", {"a": [4, 8], "b": [8]})
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", {"c": [2, 3, 5]})
+
+    assert parameter_count(tmp_path) == 32 + 8 + 30
+
+
+def test_it_describes_an_mla_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+        "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
+        "kv_lora_rank": 512, "qk_rope_head_dim": 64, "torch_dtype": "bfloat16"}))
+    write_safetensors(tmp_path / "model.safetensors", {"w": [10]})
+
+    fields = describe(tmp_path)
+
+    assert (fields["attention_kind"], fields["kv_lora_rank"], fields["qk_rope_head_dim"]) == (
+        "mla", 512, 64)
+
+
+def test_a_folder_without_weights_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        parameter_count(tmp_path)
+
+
+@pytest.mark.django_db
+def test_import_model_adds_the_demo_checkpoint(tmp_path: Path) -> None:
+    from django.core.management import call_command
+
+    from endpoints.models import ModelSpec
+
+    folder = demo_model.build(tmp_path / "tiny-demo")
+    call_command("import_model", str(folder), "--licence", "apache-2.0")
+
+    model = ModelSpec.objects.get(slug="tiny-demo")
+    assert model.parameters == demo_model.parameter_count() == 426_624
+    assert (model.layers, model.attention_heads, model.kv_heads, model.head_dim) == (2, 2, 1, 64)
+    assert (model.vocab_size, model.max_context, model.attention_kind) == (512, 2048, "gqa")
+    assert model.architecture == "LlamaForCausalLM"
+
+
+def test_the_demo_model_is_the_same_on_every_build(tmp_path: Path) -> None:
+    import hashlib
+
+    def digest(folder: Path) -> dict[str, str]:
+        return {name: hashlib.sha256((folder / name).read_bytes()).hexdigest()
+                for name in ("model.safetensors", "tokenizer.json", "config.json")}
+
+    first = demo_model.build(tmp_path / "one")
+    second = demo_model.build(tmp_path / "two")
+
+    assert digest(first) == digest(second)
+    assert demo_model.build(first) == first  # cached: an identical recipe is not rebuilt
