@@ -16,6 +16,7 @@ from accounts import selectors, serializers, services
 from accounts.models import APIKey, Invite, Membership, Organization, User
 from accounts.permissions import SignedInUser
 from accounts.principals import KeyPrincipal
+from kvrun.api import validated
 
 
 def _creator(request: Request) -> User | None:
@@ -32,7 +33,7 @@ class SignUpThrottle(AnonRateThrottle):
 @throttle_classes([SignUpThrottle])
 def sign_up(request: Request) -> Response:
     """Create an account and an organisation that it owns."""
-    data = _valid(serializers.SignUpInput, request)
+    data = validated(serializers.SignUpInput, request)
     user = services.do_sign_up(**data)
     organization = user.organizations.get()
     output = serializers.SignUpOutput({"user": user, "organization": organization})
@@ -59,17 +60,11 @@ def me(request: Request) -> Response:
 @permission_classes([IsAuthenticated, SignedInUser])
 def accept_invite(request: Request) -> Response:
     """Join an organisation with an invite token."""
-    data = _valid(serializers.AcceptInviteInput, request)
+    data = validated(serializers.AcceptInviteInput, request)
     membership = services.do_accept_invite(token=data["token"], user=request.user)
     return Response(
         serializers.MembershipSerializer(membership).data, status=status.HTTP_201_CREATED
     )
-
-
-def _valid(serializer_class: type, request: Request) -> dict:
-    serializer = serializer_class(data=request.data)
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
 
 
 class OrganizationViewSet(
@@ -89,7 +84,7 @@ class OrganizationViewSet(
     def create(self, request: Request) -> Response:
         if isinstance(request.user, KeyPrincipal):
             self.permission_denied(request, message=SignedInUser.message)
-        data = _valid(serializers.OrganizationInput, request)
+        data = validated(serializers.OrganizationInput, request)
         organization = services.do_create_organization(user=request.user, name=data["name"])
         return Response(self.get_serializer(organization).data, status=status.HTTP_201_CREATED)
 
@@ -98,7 +93,7 @@ class OrganizationViewSet(
         organization = self.get_object()
         role = selectors.role_of(principal=request.user, organization=organization)
         services.require_manager(role, "rename the organisation")
-        data = _valid(serializers.OrganizationInput, request)
+        data = validated(serializers.OrganizationInput, request)
         organization = services.do_rename_organization(organization=organization, name=data["name"])
         return Response(self.get_serializer(organization).data)
 
@@ -140,7 +135,7 @@ class MemberViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
     @extend_schema(request=serializers.MemberRoleInput)
     def partial_update(self, request: Request, **kwargs: str) -> Response:
         membership = self.get_object()
-        data = _valid(serializers.MemberRoleInput, request)
+        data = validated(serializers.MemberRoleInput, request)
         membership = services.do_change_member_role(
             membership=membership, role=data["role"], actor_role=self.actor_role
         )
@@ -164,7 +159,7 @@ class InviteViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
 
     @extend_schema(request=serializers.InviteInput, responses={201: serializers.CreatedInviteSerializer})
     def create(self, request: Request, **kwargs: str) -> Response:
-        data = _valid(serializers.InviteInput, request)
+        data = validated(serializers.InviteInput, request)
         invite, token = services.do_create_invite(
             organization=self.organization, actor_role=self.actor_role,
             created_by=_creator(request), **data,
@@ -200,7 +195,7 @@ class APIKeyViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
 
     @extend_schema(request=serializers.APIKeyInput, responses={201: serializers.CreatedAPIKeySerializer})
     def create(self, request: Request, **kwargs: str) -> Response:
-        data = _valid(serializers.APIKeyInput, request)
+        data = validated(serializers.APIKeyInput, request)
         key, secret = services.do_create_api_key(
             organization=self.organization, actor_role=self.actor_role,
             created_by=_creator(request), **data,

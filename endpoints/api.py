@@ -15,6 +15,7 @@ from endpoints.serializers import (
     EndpointInput, EndpointSerializer, EventSerializer, GPUTypeSerializer, ModelSpecSerializer,
     ScaleInput, SizingInput,
 )
+from kvrun.api import validated
 
 
 class ModelCatalogViewSet(viewsets.ReadOnlyModelViewSet):
@@ -45,17 +46,11 @@ class GPUCatalogViewSet(viewsets.ReadOnlyModelViewSet):
         return selectors.gpu_catalog()
 
 
-def _valid(serializer_class: type, request: Request) -> dict:
-    serializer = serializer_class(data=request.data)
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
-
-
 @extend_schema(request=SizingInput, responses={200: OpenApiTypes.OBJECT})
 @api_view(["POST"])
 def size(request: Request) -> Response:
     """What an endpoint would need and cost, without creating it."""
-    data = _valid(SizingInput, request)
+    data = validated(SizingInput, request)
     decided = plan(model=data["model"], context_length=data["context_length"],
                    concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
                    gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"))
@@ -77,7 +72,7 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
 
     @extend_schema(request=EndpointInput, responses={201: EndpointSerializer})
     def create(self, request: Request, **kwargs: str) -> Response:
-        data = dict(_valid(EndpointInput, request))
+        data = validated(EndpointInput, request)
         endpoint = services.do_create_endpoint(
             organization=self.organization, actor_role=self.actor_role,
             created_by=request.user if isinstance(request.user, User) else None, **data)
@@ -87,7 +82,7 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
     @extend_schema(request=ScaleInput, responses=EndpointSerializer)
     @action(detail=True, methods=["post"])
     def scale(self, request: Request, **kwargs: str) -> Response:
-        data = _valid(ScaleInput, request)
+        data = validated(ScaleInput, request)
         endpoint = services.do_scale_endpoint(endpoint=self.get_object(),
                                               actor_role=self.actor_role, **data)
         return Response(self.get_serializer(self._fresh(endpoint)).data)

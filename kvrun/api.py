@@ -81,6 +81,13 @@ def _type_of(exc: Exception) -> str:
     }.get(type(exc), "error")
 
 
+def validated(serializer_class: type[serializers.Serializer], request: Any) -> dict[str, Any]:
+    """The request body checked by `serializer_class`; a 400 with field messages otherwise."""
+    serializer = serializer_class(data=request.data)
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
+
+
 class StrictSerializer(serializers.Serializer):
     """A serializer that refuses fields it does not know instead of ignoring them."""
 

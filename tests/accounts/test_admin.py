@@ -1,7 +1,7 @@
 import pytest
 from django.test import Client
 
-from accounts.models import APIKey, Organization
+from accounts.models import Organization
 from accounts.services import do_create_invite
 from tests.factories import UserFactory, api_key
 

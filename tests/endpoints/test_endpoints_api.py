@@ -4,7 +4,7 @@ from rest_framework.test import APIClient
 from accounts.models import Organization
 from endpoints.models import Endpoint, EndpointEvent, Node, Replica, State
 from endpoints.services import do_load_catalogs, do_register_node
-from engine.devices import Device, HostResources
+from engine.devices import HostResources
 
 pytestmark = pytest.mark.django_db
 
