@@ -136,12 +136,17 @@ def stop_replica(replica_id: str) -> None:
 
 
 def check_engines() -> None:
-    """Called by the agent's heartbeat: a ready engine that exited is a failed replica,
-    which the reconciler restarts after a backoff."""
+    """Called by the agent's heartbeat: publish each running engine's last log lines (the API
+    shows them while it loads), and fail a ready engine that exited; the reconciler restarts
+    it after a backoff."""
     with _engines_lock:
         exited = {rid: p for rid, p in _engines.items() if p.poll() is not None}
         for rid in exited:
             _engines.pop(rid)
+        running = list(_engines)
+    for rid in running:
+        Replica.objects.filter(id=rid, state__in=[State.LOADING, State.READY]).update(
+            log_tail=supervisor.tail(log_path(rid)))
     for rid, process in exited.items():
         # The API server is gone; its engine-core children may not be. End the whole group.
         supervisor.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)

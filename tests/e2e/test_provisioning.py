@@ -104,6 +104,10 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
                                     org: Organization) -> None:
     create(owner_api, org, "chat")
 
+    # While it loads, the engine's own log lines reach the API through the agent's heartbeat.
+    assert drive(lambda: "vllm" in (Replica.objects.filter(endpoint__name="chat")
+                                   .values_list("log_tail", flat=True).first() or "").lower(),
+                 READY_WITHIN)
     assert drive(lambda: state_of("chat") == State.READY, READY_WITHIN), (
         Endpoint.objects.get(name="chat").events.values_list("message", flat=True))
     replica = ready_replica("chat")
