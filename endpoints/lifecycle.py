@@ -2,10 +2,14 @@
 only when the row is still in the state the caller saw, and leaves an event the user sees."""
 
 from collections.abc import Iterable
+from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
 
+from django.conf import settings
 from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
 
 from endpoints.models import Endpoint, EndpointEvent, Replica, State
 
@@ -31,6 +35,24 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
                                      state=to_state, message=message)
         do_refresh_endpoint_state(endpoint_id=endpoint_id)
     return True
+
+
+def backoff_until(failures: int) -> datetime:
+    """When a replica that has failed `failures` times in a row may start again."""
+    delay = settings.KVRUN_ENGINE_BACKOFF_SECONDS * 2 ** max(0, failures - 1)
+    return timezone.now() + timedelta(seconds=min(delay, 300))
+
+
+def do_fail_replica(*, replica_id: UUID, from_states: Iterable[str], reason: str,
+                    **fields: Any) -> bool:
+    """Move a replica to `failed`, counting the failure and setting its restart backoff."""
+    failures = (Replica.objects.filter(id=replica_id).values_list("restarts", flat=True)
+                .first() or 0) + 1
+    fields.setdefault("failure_reason", reason)
+    return do_transition_replica(
+        replica_id=replica_id, from_states=from_states, to_state=State.FAILED, message=reason,
+        restarts=F("restarts") + 1, next_start_at=backoff_until(failures), **fields,
+    )
 
 
 def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent: int) -> None:

@@ -5,17 +5,17 @@ rows, decides, and acts only through conditional transitions, so two passes at o
 pass replayed, never start a second engine for one replica.
 """
 
-from datetime import datetime, timedelta
+from datetime import timedelta
 from uuid import UUID
 
 from celery import current_app
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 from django.utils import timezone
 
 from endpoints.lifecycle import (
-    do_create_replica, do_refresh_endpoint_state, do_transition_replica,
+    do_create_replica, do_fail_replica, do_refresh_endpoint_state, do_transition_replica,
 )
 from endpoints.models import Endpoint, NodeState, Replica, State
 from endpoints.scheduling import do_place_replica
@@ -112,20 +112,8 @@ def _fail_stuck(endpoint: Endpoint) -> None:
     for replica in endpoint.replicas.filter(state__in=[State.SCHEDULING, State.STARTING]):
         last = replica.events.order_by("-at").values_list("at", flat=True).first()
         if last is not None and last < cutoff:
-            _fail(replica, "no node agent started the engine in time")
-
-
-def _fail(replica: Replica, reason: str) -> None:
-    do_transition_replica(
-        replica_id=replica.id, from_states=[State.SCHEDULING, State.STARTING],
-        to_state=State.FAILED, message=reason, failure_reason=reason,
-        restarts=F("restarts") + 1, next_start_at=backoff_until(replica.restarts + 1),
-    )
-
-
-def backoff_until(failures: int) -> datetime:
-    delay = settings.KVRUN_ENGINE_BACKOFF_SECONDS * 2 ** max(0, failures - 1)
-    return timezone.now() + timedelta(seconds=min(delay, 300))
+            do_fail_replica(replica_id=replica.id, from_states=[State.SCHEDULING, State.STARTING],
+                            reason="no node agent started the engine in time")
 
 
 def _stop(replica: Replica, reason: str) -> None:

@@ -15,13 +15,11 @@ from subprocess import Popen
 from uuid import UUID
 
 from django.conf import settings
-from django.db.models import F
 from django.utils import timezone
 
-from endpoints.lifecycle import do_set_replica_progress, do_transition_replica
+from endpoints.lifecycle import do_fail_replica, do_set_replica_progress, do_transition_replica
 from endpoints.models import Node, Replica, State
 from endpoints.planning import CPU
-from endpoints.reconciler import backoff_until
 from engine import demo_model, supervisor
 
 logger = logging.getLogger(__name__)
@@ -167,14 +165,9 @@ def do_fail_replicas_of_previous_agent(*, node: Node) -> int:
 def _record_failure(replica_id: UUID, reason: str, log: Path, *, from_states: list[str]) -> bool:
     last_lines = supervisor.tail(log)
     full = f"{reason}. Last engine log lines:\n{last_lines}" if last_lines else reason
-    failures = (Replica.objects.filter(id=replica_id).values_list("restarts", flat=True)
-                .first() or 0) + 1
     logger.warning("replica %s failed: %s", replica_id, reason)
-    return do_transition_replica(
-        replica_id=replica_id, from_states=from_states, to_state=State.FAILED, message=reason,
-        failure_reason=full, restarts=F("restarts") + 1, next_start_at=backoff_until(failures),
-        log_tail=last_lines, pid=None,
-    )
+    return do_fail_replica(replica_id=replica_id, from_states=from_states, reason=reason,
+                           failure_reason=full, log_tail=last_lines, pid=None)
 
 
 def _forget_and_stop(replica_id: str, process: Popen) -> None:

@@ -85,7 +85,8 @@ def port_is_free(port: int) -> bool:
         return True
 
 
-def _own_group_dying_with_parent() -> None:
+def own_group_dying_with_parent() -> None:
+    """In a child, before exec: a process group of its own, SIGTERM when the parent dies."""
     os.setsid()
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
@@ -97,7 +98,7 @@ def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         return subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_own_group_dying_with_parent)
+                                preexec_fn=own_group_dying_with_parent)
 
 
 class EngineFailed(Exception):
@@ -158,21 +159,23 @@ def process_alive(pid: int) -> bool:
     return state not in {"Z", "X"}
 
 
-def stop_group(pgid: int, *, grace: float) -> None:
-    """SIGTERM the engine's process group, then SIGKILL whatever is left after `grace` s."""
+def stop_group(pgid: int, *, grace: float) -> bool:
+    """SIGTERM a process group, then SIGKILL whatever is left after `grace` s.
+    Returns True when SIGKILL was needed."""
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
-        return
+        return False
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         if not _group_alive(pgid):
-            return
+            return False
         time.sleep(0.2)
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
-        return
+        return False
+    return True
 
 
 def _group_alive(pgid: int) -> bool:

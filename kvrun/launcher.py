@@ -18,7 +18,6 @@ environment that this module prepares.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import secrets
@@ -30,11 +29,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.supervisor import free_port, own_group_dying_with_parent, stop_group
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("KVRUN_STATE_DIR", BASE_DIR / ".kvrun"))
 DATABASE_NAME = "kvrun"
 STOP_GRACE_SECONDS = 10.0
-PR_SET_PDEATHSIG = 1
 
 
 def log(message: str) -> None:
@@ -54,19 +54,6 @@ def load_or_create_secrets() -> dict[str, str]:
     with os.fdopen(fd, "w") as handle:
         json.dump(values, handle)
     return values
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: own process group, SIGTERM when the launcher dies."""
-    os.setsid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class Services:
@@ -122,7 +109,7 @@ class Services:
                 "--save", "",
                 "--logfile", str(data_dir / "redis.log"),
             ],
-            preexec_fn=_die_with_parent,
+            preexec_fn=own_group_dying_with_parent,
         )
         self._stops.append(lambda: stop_process_group(process, "redis"))
         url = f"redis://127.0.0.1:{port}/0"
@@ -149,15 +136,9 @@ def wait_for_redis(url: str, timeout: float = 15.0) -> None:
 def stop_process_group(process: subprocess.Popen, name: str) -> None:
     if process.poll() is not None:
         return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(STOP_GRACE_SECONDS)
-    except subprocess.TimeoutExpired:
-        log(f"{name} did not stop within {STOP_GRACE_SECONDS:.0f} s; killing it")
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    except ProcessLookupError:
-        process.wait()
+    if stop_group(process.pid, grace=STOP_GRACE_SECONDS):
+        log(f"{name} did not stop within {STOP_GRACE_SECONDS:.0f} s; killed it")
+    process.wait()
 
 
 def manage(*args: str, env: dict[str, str]) -> None:
@@ -208,7 +189,7 @@ def run() -> int:
         for name, args in commands.items():
             children.append(
                 (name, subprocess.Popen([sys.executable, *args], cwd=BASE_DIR, env=env,
-                                        preexec_fn=_die_with_parent))
+                                        preexec_fn=own_group_dying_with_parent))
             )
         log(f"dashboard: http://{host}:{port}/   API docs: http://{host}:{port}/api/docs/")
         log("Ctrl-C stops every process.")

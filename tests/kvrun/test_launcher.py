@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrun.launcher import free_port
+from engine.supervisor import free_port, process_alive
 from tests.conftest import ROOT
 
 
@@ -30,14 +30,6 @@ def descendants(pid: int) -> set[int]:
             found.add(child)
             todo.append(child)
     return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class Launch:
@@ -103,7 +95,7 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
     assert len(processes) >= 5  # web, worker (+ its pool), beat, node agent, redis
     assert first.interrupt() == 0
     time.sleep(1)
-    assert not [pid for pid in processes | {postmaster} if alive(pid)], "orphaned processes"
+    assert not [pid for pid in processes | {postmaster} if process_alive(pid)], "orphaned processes"
 
     second = Launch(state_dir, port)
     output = second.read_until("Ctrl-C stops every process")
@@ -119,4 +111,4 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
     processes = descendants(second.process.pid)
     assert second.interrupt() == 0
     time.sleep(1)
-    assert not [pid for pid in processes if alive(pid)]
+    assert not [pid for pid in processes if process_alive(pid)]
