@@ -7,9 +7,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
+import psycopg
 import pytest
 import redis
 from django.conf import settings
+from django.db import OperationalError
+from django.db.backends.postgresql.operations import DatabaseOperations
 from rest_framework.test import APIClient
 
 from accounts.models import Organization, User
@@ -21,6 +24,27 @@ NODE_LOST_AFTER_SECONDS = 3
 # Fast restarts and an early verdict, so that failure paths finish in seconds.
 ENGINE_TIMINGS = {"KVRUN_ENGINE_BACKOFF_SECONDS": "1", "KVRUN_ENGINE_MAX_FAILURES": "2",
                   "KVRUN_ENGINE_START_TIMEOUT_SECONDS": "180"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _flush_retried_on_deadlock() -> Iterator[None]:
+    """The worker and node agents keep using the test database between tests, so the TRUNCATE
+    that ends a transactional test can deadlock with one of their statements; PostgreSQL then
+    aborts one side. When the flush is the one aborted, it is simply run again."""
+    flush = DatabaseOperations.execute_sql_flush
+
+    def execute_sql_flush(self: DatabaseOperations, sql_list: list[str]) -> None:
+        for attempt in range(5):
+            try:
+                return flush(self, sql_list)
+            except OperationalError as exc:
+                if not isinstance(exc.__cause__, psycopg.errors.DeadlockDetected) or attempt == 4:
+                    raise
+                time.sleep(0.2)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(DatabaseOperations, "execute_sql_flush", execute_sql_flush)
+        yield
 
 
 @pytest.fixture(autouse=True)
