@@ -29,6 +29,7 @@ endif
 	touch $@
 
 bench: install
+	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 	$(BIN)/python -m kvrun.launcher bench $(BENCH)
 
 # Playwright drives Debian's Chromium; its own browser download cannot work offline.

@@ -33,7 +33,7 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Organization)
 class OrganizationAdmin(admin.ModelAdmin):
-    list_display = ["name", "slug", "created_at"]
+    list_display = ["name", "slug", "max_concurrent_requests", "created_at"]
     search_fields = ["name", "slug"]
     inlines = [MembershipInline]
 
@@ -45,8 +45,11 @@ class APIKeyAdmin(admin.ModelAdmin):
     list_filter = ["scope", "revoked_at"]
     search_fields = ["name", "prefix", "organization__name", "organization__slug"]
     fields = ["organization", "name", "scope", "prefix", "last_four", "endpoint_names",
-              "created_by", "created_at", "expires_at", "revoked_at", "last_used_at"]
-    readonly_fields = fields
+              "requests_per_minute", "tokens_per_minute", "created_by", "created_at",
+              "expires_at", "revoked_at", "last_used_at"]
+    # Operators may change a key's limits (gateways pick them up within the key-cache TTL).
+    readonly_fields = [name for name in fields
+                       if name not in ("requests_per_minute", "tokens_per_minute")]
     actions = ["revoke"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:

@@ -59,6 +59,9 @@ class Organization(models.Model):
     slug = models.SlugField(max_length=60, unique=True)
     created_at = models.DateTimeField(default=timezone.now)
     members = models.ManyToManyField(User, through="Membership", related_name="organizations")
+    max_concurrent_requests = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Inference requests in flight at once; empty means the deployment's default.")
 
     def __str__(self) -> str:
         return self.name
@@ -126,6 +129,10 @@ class APIKey(models.Model):
     prefix = models.CharField(max_length=12, editable=False)
     last_four = models.CharField(max_length=4, editable=False)
     endpoint_names = ArrayField(models.CharField(max_length=63), default=list, blank=True)
+    requests_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Empty means the deployment's default.")
+    tokens_per_minute = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Prompt and completion tokens; empty means the default.")
     created_by = models.ForeignKey(User, null=True, on_delete=models.SET_NULL, related_name="+")
     created_at = models.DateTimeField(default=timezone.now)
     expires_at = models.DateTimeField(null=True, blank=True)

@@ -19,6 +19,10 @@ class KeyIdentity:
     expires_at: datetime | None
     revoked: bool
     endpoint_names: tuple[str, ...] = field(default_factory=tuple)
+    # Inference limits with the deployment's defaults applied; 0 means no limit.
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent_requests: int = 0
 
     def is_usable(self) -> bool:
         if self.revoked:

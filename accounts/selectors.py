@@ -12,6 +12,10 @@ from accounts.principals import KeyIdentity, KeyPrincipal
 Principal = User | KeyPrincipal
 
 
+# Gateways drop a key from their memory when its digest is published here.
+KEY_REVOKED_CHANNEL = "kvrun:apikey-revoked"
+
+
 def key_cache_name(digest: str) -> str:
     return f"apikey:{digest}"
 
@@ -25,11 +29,14 @@ def get_key_identity(*, secret: str) -> KeyIdentity | None:
     if identity is None:
         row = (
             APIKey.objects.filter(digest=digest)
-            .values("id", "organization_id", "scope", "expires_at", "revoked_at", "endpoint_names")
+            .values("id", "organization_id", "scope", "expires_at", "revoked_at", "endpoint_names",
+                    "requests_per_minute", "tokens_per_minute",
+                    "organization__max_concurrent_requests")
             .first()
         )
         if row is None:
             return None
+        concurrent = row["organization__max_concurrent_requests"]
         identity = KeyIdentity(
             id=row["id"],
             organization_id=row["organization_id"],
@@ -37,9 +44,19 @@ def get_key_identity(*, secret: str) -> KeyIdentity | None:
             expires_at=row["expires_at"],
             revoked=row["revoked_at"] is not None,
             endpoint_names=tuple(row["endpoint_names"]),
+            requests_per_minute=_or_default(row["requests_per_minute"],
+                                            settings.KVRUN_KEY_REQUESTS_PER_MINUTE),
+            tokens_per_minute=_or_default(row["tokens_per_minute"],
+                                          settings.KVRUN_KEY_TOKENS_PER_MINUTE),
+            max_concurrent_requests=_or_default(concurrent,
+                                                settings.KVRUN_ORG_MAX_CONCURRENT_REQUESTS),
         )
         cache.set(key_cache_name(digest), identity, settings.KVRUN_API_KEY_CACHE_SECONDS)
     return identity if identity.is_usable() else None
+
+
+def _or_default(value: int | None, default: int) -> int:
+    return default if value is None else value
 
 
 def organizations_visible_to(*, principal: Principal) -> QuerySet[Organization]:

@@ -13,7 +13,8 @@ class UserSerializer(serializers.ModelSerializer):
 class OrganizationSerializer(serializers.ModelSerializer):
     class Meta:
         model = Organization
-        fields = ["id", "name", "slug", "created_at"]
+        fields = ["id", "name", "slug", "max_concurrent_requests", "created_at"]
+        read_only_fields = ["max_concurrent_requests"]
 
 
 class MembershipSerializer(serializers.ModelSerializer):
@@ -48,7 +49,7 @@ class APIKeySerializer(serializers.ModelSerializer):
         model = APIKey
         fields = [
             "id", "name", "scope", "prefix", "last_four", "state", "endpoint_names",
-            "created_by", "created_at", "expires_at", "revoked_at", "last_used_at",
+            "requests_per_minute", "tokens_per_minute", "created_by", "created_at", "expires_at", "revoked_at", "last_used_at",
         ]
 
 
@@ -98,3 +99,9 @@ class APIKeyInput(StrictSerializer):
         child=serializers.SlugField(max_length=63), required=False, default=list, max_length=100,
         help_text="Restrict the key to these endpoints; empty means every endpoint.",
     )
+    requests_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, default=None, min_value=1,
+        help_text="Inference requests per minute; omit for the deployment's default.")
+    tokens_per_minute = serializers.IntegerField(
+        required=False, allow_null=True, default=None, min_value=1,
+        help_text="Prompt plus completion tokens per minute; omit for the default.")

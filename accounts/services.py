@@ -24,7 +24,8 @@ from accounts import tokens
 from accounts.models import (
     MANAGER_ROLES, APIKey, Invite, Membership, Organization, Role, Scope, User,
 )
-from accounts.selectors import key_cache_name
+from accounts.selectors import KEY_REVOKED_CHANNEL, key_cache_name
+from kvrun.redis import redis_client
 
 logger = logging.getLogger(__name__)
 
@@ -194,7 +195,8 @@ def _refuse_last_owner(membership: Membership, advice: str) -> None:
 def do_create_api_key(
     *, organization: Organization, name: str, scope: str, actor_role: str | None,
     created_by: User | None, expires_at: datetime | None = None,
-    endpoint_names: Iterable[str] = (),
+    endpoint_names: Iterable[str] = (), requests_per_minute: int | None = None,
+    tokens_per_minute: int | None = None,
 ) -> tuple[APIKey, str]:
     """Create an API key. Returns the row and the secret, which is shown once and never stored."""
     require_manager(actor_role, "create API keys")
@@ -209,6 +211,8 @@ def do_create_api_key(
         prefix=tokens.visible_prefix(secret),
         last_four=secret[-4:],
         endpoint_names=sorted(set(endpoint_names)),
+        requests_per_minute=requests_per_minute,
+        tokens_per_minute=tokens_per_minute,
         created_by=created_by,
         expires_at=expires_at,
     )
@@ -219,8 +223,10 @@ def do_revoke_api_key(*, key: APIKey, actor_role: str | None) -> bool:
     """Revoke a key at once. Returns False when it was already revoked."""
     require_manager(actor_role, "revoke API keys")
     revoked = APIKey.objects.filter(id=key.id, revoked_at=None).update(revoked_at=timezone.now())
-    # Drop the cached identity so that the very next request is refused.
+    # Drop the cached identity, here and in every gateway process, so that the very next
+    # request is refused.
     cache.delete(key_cache_name(key.digest))
+    transaction.on_commit(lambda: redis_client().publish(KEY_REVOKED_CHANNEL, key.digest))
     return revoked == 1
 
 

@@ -78,6 +78,8 @@ class Node(models.Model):
     """A host running a node agent; it serves the Celery queue `node.<name>`."""
 
     name = models.CharField(max_length=100, unique=True)
+    address = models.GenericIPAddressField(
+        default="127.0.0.1", help_text="Where its engines listen; reachable from web processes.")
     state = models.CharField(max_length=10, choices=NodeState.choices, default=NodeState.ONLINE)
     gpu_type = models.ForeignKey(GPUType, null=True, blank=True, on_delete=models.PROTECT)
     devices = models.JSONField(default=list, help_text="[{index, name, memory_bytes}] per GPU")

@@ -1,6 +1,8 @@
+from collections.abc import Iterable
+
 from django.db.models import Prefetch, QuerySet
 
-from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 
 
 def model_catalog() -> QuerySet[ModelSpec]:
@@ -32,3 +34,24 @@ def endpoints_of(*, organization: object) -> QuerySet[Endpoint]:
             .select_related("model", "gpu_type")
             .prefetch_related(Prefetch("replicas", queryset=Replica.objects.select_related("node")
                                        .order_by("-created_at"))))
+
+
+def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str, object]:
+    """Where the endpoint stands, as {stage, percent}: its furthest replica while it starts."""
+    live = [r for r in replicas if r.state not in (State.STOPPED, State.FAILED)]
+    if endpoint.state in (State.READY, State.STOPPED, State.FAILED) or not live:
+        return {"stage": endpoint.state, "percent": 100 if endpoint.state != State.PENDING
+                else 0}
+    leader = max(live, key=lambda replica: replica.progress_percent)
+    return {"stage": leader.stage or leader.state, "percent": leader.progress_percent}
+
+
+def endpoints_for_gateway(*, organization_id: object) -> QuerySet[Endpoint]:
+    """The organisation's live endpoints with their ready replicas and nodes: what the
+    gateway routes by."""
+    ready = Replica.objects.filter(state=State.READY, port__isnull=False,
+                                   node__isnull=False).select_related("node")
+    return (Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
+            .select_related("organization")
+            .prefetch_related("replicas",
+                              Prefetch("replicas", queryset=ready, to_attr="ready_replicas")))

@@ -4,6 +4,7 @@ from rest_framework import serializers
 from endpoints.models import (
     Endpoint, EndpointEvent, GPUType, KVCacheDtype, ModelSpec, Replica, State,
 )
+from endpoints.selectors import progress_of
 from kvrun.api import StrictSerializer
 
 
@@ -50,12 +51,7 @@ class EndpointSerializer(serializers.ModelSerializer):
     @extend_schema_field({"type": "object", "properties": {
         "stage": {"type": "string"}, "percent": {"type": "integer"}}})
     def get_progress(self, endpoint: Endpoint) -> dict:
-        live = [r for r in endpoint.replicas.all() if r.state not in (State.STOPPED, State.FAILED)]
-        if endpoint.state in (State.READY, State.STOPPED, State.FAILED) or not live:
-            return {"stage": endpoint.state, "percent": 100 if endpoint.state != State.PENDING
-                    else 0}
-        leader = max(live, key=lambda replica: replica.progress_percent)
-        return {"stage": leader.stage or leader.state, "percent": leader.progress_percent}
+        return progress_of(endpoint=endpoint, replicas=endpoint.replicas.all())
 
     @extend_schema_field(ReplicaSerializer(many=True))
     def get_replicas(self, endpoint: Endpoint) -> list:

@@ -44,8 +44,9 @@ def _upsert(model: type, rows: list[dict]) -> None:
     )
 
 
-def do_register_node(*, name: str, resources: HostResources) -> Node:
-    """Insert or refresh the node `name` with what its agent detected; it is online again."""
+def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1") -> Node:
+    """Insert or refresh the node `name` with what its agent detected; it is online again.
+    `address` is where its engines listen for the gateway."""
     if resources.devices:
         first = resources.devices[0]
         gpu_type = gpu_type_for_device(device_name=first.name, memory_bytes=first.memory_bytes)
@@ -55,14 +56,14 @@ def do_register_node(*, name: str, resources: HostResources) -> Node:
     Node.objects.bulk_create(
         [
             Node(
-                name=name, state=NodeState.ONLINE, gpu_type=gpu_type,
+                name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
                 devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
                 memory_bytes=resources.memory_bytes, registered_at=now, last_heartbeat_at=now,
             )
         ],
         update_conflicts=True,
         unique_fields=["name"],
-        update_fields=["state", "gpu_type", "devices", "cpu_count", "memory_bytes",
+        update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
                        "last_heartbeat_at"],
     )
     return Node.objects.get(name=name)

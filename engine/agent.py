@@ -53,6 +53,7 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
     return supervisor.EngineSpec(
         model_dir=model_dir(endpoint.model.slug, endpoint.model.hf_repo),
         served_model_name=endpoint.name,
+        host=replica.node.address,
         port=port,
         max_model_len=endpoint.context_length,
         max_num_seqs=endpoint.concurrency,
@@ -73,7 +74,7 @@ def start_replica(replica_id: str) -> None:
                .filter(id=replica_id).first())
     if replica is None:
         return
-    port = supervisor.free_port()
+    port = supervisor.free_port(replica.node.address)
     if not do_transition_replica(replica_id=replica.id, from_states=[State.STARTING],
                                  to_state=State.LOADING, message="starting the engine",
                                  port=port):
@@ -91,7 +92,7 @@ def start_replica(replica_id: str) -> None:
         do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
                                 stage="loading weights and allocating the KV cache", percent=50)
         supervisor.wait_ready(
-            port=port, served_model_name=spec.served_model_name, api_key=spec.api_key,
+            host=spec.host, port=port, served_model_name=spec.served_model_name, api_key=spec.api_key,
             alive=lambda: process.poll() is None,
             timeout=settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS,
             on_progress=lambda stage: do_set_replica_progress(
@@ -114,7 +115,7 @@ def start_replica(replica_id: str) -> None:
 
 def stop_replica(replica_id: str) -> None:
     """Stop the replica's engine: SIGTERM, SIGKILL after the grace period; wait for the port."""
-    replica = Replica.objects.filter(id=replica_id).first()
+    replica = Replica.objects.select_related("node").filter(id=replica_id).first()
     if replica is None or replica.state != State.STOPPING:
         return
     with _engines_lock:
@@ -125,7 +126,9 @@ def stop_replica(replica_id: str) -> None:
     if process is not None:
         process.wait(timeout=10)
     deadline = time.monotonic() + 10
-    while replica.port and not supervisor.port_is_free(replica.port) and time.monotonic() < deadline:
+    host = replica.node.address if replica.node else "127.0.0.1"
+    while (replica.port and not supervisor.port_is_free(replica.port, host)
+           and time.monotonic() < deadline):
         time.sleep(0.2)
     do_transition_replica(replica_id=replica.id, from_states=[State.STOPPING],
                           to_state=State.STOPPED, message="engine stopped, port freed",

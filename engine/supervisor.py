@@ -1,7 +1,7 @@
 """Build, start, watch and stop one vLLM engine process. Pure Python, no Django.
 
-An engine runs in a process group of its own, bound to 127.0.0.1 (its /health and /metrics
-are unauthenticated), with a per-replica log file from which kvrun reads the KV capacity and
+An engine runs in a process group of its own, bound to its node's private address (127.0.0.1
+by default; its /health and /metrics are unauthenticated), with a per-replica log file from which kvrun reads the KV capacity and
 shows the last lines when it fails.
 """
 
@@ -34,6 +34,7 @@ class EngineSpec:
     port: int
     max_model_len: int
     max_num_seqs: int
+    host: str = "127.0.0.1"
     device: str = "gpu"  # "gpu" or "cpu"
     tensor_parallel: int = 1
     kv_cache_dtype: str = "auto"
@@ -51,13 +52,15 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model_dir,
         "--served-model-name", spec.served_model_name,
-        "--host", "127.0.0.1",
+        "--host", spec.host,
         "--port", str(spec.port),
         "-tp", str(spec.tensor_parallel),
         "--max-model-len", str(spec.max_model_len),
         "--max-num-seqs", str(spec.max_num_seqs),
         "--kv-cache-dtype", spec.kv_cache_dtype,
         "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
+        # Usage then reports cached prompt tokens, which the gateway meters.
+        "--enable-prompt-tokens-details",
     ]
     # The key goes in the environment: an argv is readable by every user through `ps`.
     env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key, **spec.extra_env}
@@ -70,16 +73,16 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
     return argv, env
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
-def port_is_free(port: int) -> bool:
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as sock:
         try:
-            sock.bind(("127.0.0.1", port))
+            sock.bind((host, port))
         except OSError:
             return False
         return True
@@ -105,11 +108,12 @@ class EngineFailed(Exception):
     """The engine exited or never became ready; the message carries its last log lines."""
 
 
-def wait_ready(*, port: int, served_model_name: str, api_key: str, alive: Callable[[], bool],
-               timeout: float, on_progress: Callable[[str], None] = lambda stage: None) -> None:
-    """Return once /health answers and /v1/models lists the model; raise EngineFailed if the
-    process dies or the timeout passes first."""
-    base = f"http://127.0.0.1:{port}"
+def wait_ready(*, host: str = "127.0.0.1", port: int, served_model_name: str, api_key: str,
+               alive: Callable[[], bool], timeout: float,
+               on_progress: Callable[[str], None] = lambda stage: None) -> None:
+    """Return once /health answers, /v1/models lists the model and a warm-up completion has
+    been served; raise EngineFailed if the process dies or the timeout passes first."""
+    base = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout
     healthy = False
     with httpx.Client(timeout=2.0) as client:
@@ -127,11 +131,28 @@ def wait_ready(*, port: int, served_model_name: str, api_key: str, alive: Callab
                     if models.status_code == 200 and any(
                         item["id"] == served_model_name for item in models.json()["data"]
                     ):
+                        warm_up(client, base, served_model_name, api_key)
                         return
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
     raise EngineFailed(f"the engine was not ready within {timeout:.0f} s")
+
+
+WARM_UP_PROMPT = "kvrun checks that the engine answers before it takes traffic."
+
+
+def warm_up(client: httpx.Client, base: str, served_model_name: str, api_key: str) -> None:
+    """One short completion before any user request. On vLLM's CPU build a one-token prompt
+    as an engine's very first request kills its worker (SIGILL); after any longer first
+    request it is served normally. On a GPU it moves first-request compilation off users."""
+    response = client.post(f"{base}/v1/completions", timeout=60.0,
+                           headers={"Authorization": f"Bearer {api_key}"},
+                           json={"model": served_model_name, "prompt": WARM_UP_PROMPT,
+                                 "max_tokens": 1})
+    if response.status_code != 200:
+        raise EngineFailed(f"the engine failed its first completion ({response.status_code}): "
+                           f"{response.text[:300]}")
 
 
 def read_kv_capacity(log_text: str) -> int | None:

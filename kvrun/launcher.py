@@ -228,7 +228,7 @@ def manage_command(args: list[str]) -> int:
         services.stop()
 
 
-BENCHMARKS = ("provision",)
+BENCHMARKS = ("provision", "gateway")
 
 
 def bench(names: list[str]) -> int:

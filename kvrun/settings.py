@@ -141,8 +141,24 @@ KVRUN_API_KEY_CACHE_SECONDS = env.int("KVRUN_API_KEY_CACHE_SECONDS", default=5)
 KVRUN_API_KEY_TOUCH_SECONDS = env.int("KVRUN_API_KEY_TOUCH_SECONDS", default=60)
 KVRUN_INVITE_DAYS = env.int("KVRUN_INVITE_DAYS", default=7)
 
+# Inference limits; a key's or an organisation's own value overrides these. 0 means no limit.
+KVRUN_KEY_REQUESTS_PER_MINUTE = env.int("KVRUN_KEY_REQUESTS_PER_MINUTE", default=600)
+KVRUN_KEY_TOKENS_PER_MINUTE = env.int("KVRUN_KEY_TOKENS_PER_MINUTE", default=1_000_000)
+KVRUN_ORG_MAX_CONCURRENT_REQUESTS = env.int("KVRUN_ORG_MAX_CONCURRENT_REQUESTS", default=64)
+# How long the gateway serves an endpoint's ready replicas from memory before asking again.
+KVRUN_GATEWAY_ROUTE_CACHE_SECONDS = env.float("KVRUN_GATEWAY_ROUTE_CACHE_SECONDS", default=2.0)
+# Longest wait for an engine's next byte; generation of long answers can take minutes.
+KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS",
+                                                   default=600.0)
+# An Idempotency-Key is remembered this long; a repeat within it does not run again.
+KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
+# How often beat moves usage records from the gateway's stream into PostgreSQL.
+KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0)
+
 KVRUN_NODE_HEARTBEAT_SECONDS = env.int("KVRUN_NODE_HEARTBEAT_SECONDS", default=5)
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
+# The private address a node agent's engines listen on (one that web processes reach).
+KVRUN_NODE_ADDRESS = env.str("KVRUN_NODE_ADDRESS", default="127.0.0.1")
 
 # Engines
 KVRUN_STATE_DIR = Path(env.str("KVRUN_STATE_DIR", default=str(BASE_DIR / ".kvrun")))
@@ -206,6 +222,7 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(KVRUN_NODE_HEARTBEAT_SECONDS),
     },
     "endpoints.reconcile": {"task": "endpoints.reconcile", "schedule": KVRUN_RECONCILE_SECONDS},
+    "billing.ingest_usage": {"task": "billing.ingest_usage", "schedule": KVRUN_USAGE_INGEST_SECONDS},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -20,20 +20,24 @@ class Command(BaseCommand):
     def add_arguments(self, parser: object) -> None:
         parser.add_argument("--name", default=socket.gethostname(), help="Node name (unique).")
         parser.add_argument("--concurrency", type=int, default=4)
+        parser.add_argument("--address", default=settings.KVRUN_NODE_ADDRESS,
+                            help="Private address engines listen on, reachable from the web.")
 
-    def handle(self, *args: object, name: str, concurrency: int, **options: object) -> None:
+    def handle(self, *args: object, name: str, concurrency: int, address: str,
+               **options: object) -> None:
         resources = devices.detect()
-        node = do_register_node(name=name, resources=resources)
+        node = do_register_node(name=name, resources=resources, address=address)
         gpu = node.gpu_type.name if node.gpu_type else "no catalog match"
         self.stdout.write(
             f"node {name}: {len(resources.devices)} GPU(s) ({gpu}), {resources.cpu_count} CPUs, "
-            f"{resources.memory_bytes / 2**30:.1f} GiB; queue {node.queue}"
+            f"{resources.memory_bytes / 2**30:.1f} GiB; engines on {address}; queue {node.queue}"
         )
         failed = do_fail_replicas_of_previous_agent(node=node)
         if failed:
             self.stdout.write(f"{failed} replica(s) from this node's previous run marked failed")
         stop = threading.Event()
-        heartbeat = threading.Thread(target=self._beat, args=(name, resources, stop), daemon=True)
+        heartbeat = threading.Thread(target=self._beat, args=(name, resources, address, stop),
+                                     daemon=True)
         heartbeat.start()
         try:
             # Threads, not processes: node tasks wait on engines, they do not compute.
@@ -44,11 +48,12 @@ class Command(BaseCommand):
         finally:
             stop.set()
 
-    def _beat(self, name: str, resources: devices.HostResources, stop: threading.Event) -> None:
+    def _beat(self, name: str, resources: devices.HostResources, address: str,
+              stop: threading.Event) -> None:
         while not stop.wait(settings.KVRUN_NODE_HEARTBEAT_SECONDS):
             try:
                 if not do_record_node_heartbeat(name=name):  # row removed, or catalog type missing
-                    do_register_node(name=name, resources=resources)
+                    do_register_node(name=name, resources=resources, address=address)
                 check_engines()
             except Exception:  # a database blip must not kill the agent; the next beat retries
                 self.stderr.write("heartbeat failed; retrying at the next interval")

@@ -1,0 +1,281 @@
+"""`make bench` target `gateway`: what kvrun's OpenAI-compatible gateway adds to a request.
+
+Side by side in one run, with wrk as the load generator (one thread):
+  minimal upstream  bench.minimal_upstream (a raw ASGI app answering at once), direct and
+                    through the gateway: added latency at concurrency 1, non-streamed and
+                    streamed, and requests per second at concurrency 32, which isolates the
+                    gateway's own cost;
+  real engine       a vLLM CPU engine serving the demo model, direct and through the gateway:
+                    the ratio gateway / direct, and the metered tokens against the engine's own
+                    counters.
+Keys, limits (set high enough not to refuse) and metering are on throughout. At the end the
+web process gets SIGTERM, the usage stream is ingested, and the records are counted against
+the requests the gateway admitted. Writes bench/results/gateway.json.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import django
+import httpx
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
+django.setup()
+
+from django.conf import settings  # noqa: E402
+from django.db.models import Sum  # noqa: E402
+from django.utils import timezone  # noqa: E402
+
+from accounts.models import Organization, Role, Scope, User  # noqa: E402
+from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
+from billing.models import UsageRecord  # noqa: E402
+from billing.services import do_ingest_usage  # noqa: E402
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State  # noqa: E402
+from endpoints.services import do_load_catalogs  # noqa: E402
+from engine import demo_model, supervisor  # noqa: E402
+from engine.agent import engine_api_key  # noqa: E402
+from engine.metrics import engine_token_totals  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+SECONDS = int(os.environ.get("BENCH_SECONDS", "10"))
+WRK_SCRIPT = ROOT / "bench" / "wrk_post.lua"
+CORES = os.cpu_count() or 1
+COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "ignore_eos": True}
+
+
+def serve(app: str, port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
+         "--no-access-log", "--log-level", "info"],
+        cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log.open("w"),
+        stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while supervisor.port_is_free(port):
+        assert process.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline, f"{app} did not listen on {port}"
+        time.sleep(0.1)
+    return process
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(url: str, body: dict, key: str, *, connections: int, seconds: int = SECONDS,
+        watch: int | None = None) -> dict:
+    """One wrk run; adds its own and the watched process's share of all cores."""
+    env = {**os.environ, "WRK_BODY": json.dumps(body), "WRK_KEY": key}
+    watched_before = cpu_seconds(watch) if watch else 0.0
+    process = subprocess.Popen(
+        ["wrk", "-t1", f"-c{connections}", f"-d{seconds}s", "--timeout", "30s",
+         "-s", str(WRK_SCRIPT), url], env=env, stdout=subprocess.PIPE, text=True)
+    output = process.stdout.read()
+    _, status, usage = os.wait4(process.pid, 0)
+    assert status == 0, output
+    result = json.loads(output.strip().splitlines()[-1])
+    wall = result["duration_us"] / 1e6
+    result["rps"] = result["requests"] / wall
+    result["wrk_cpu_share"] = (usage.ru_utime + usage.ru_stime) / (wall * CORES)
+    if watch:
+        result["watched_cpu_share"] = (cpu_seconds(watch) - watched_before) / (wall * CORES)
+    errors = sum(result[name] for name in ("connect_errors", "write_errors", "status_errors",
+                                           "timeouts"))
+    assert errors == 0, f"wrk saw errors against {url}: {result}"
+    return result
+
+
+def register(organization: Organization, node: Node, name: str, port: int) -> Replica:
+    """An endpoint with one ready replica at 127.0.0.1:port, as the reconciler leaves it."""
+    endpoint = Endpoint.objects.create(
+        organization=organization, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        context_length=2048, concurrency=64, gpu_type=GPUType.objects.get(slug="cpu"),
+        gpu_count=1, hourly_price_usd=0, state=State.READY)
+    return Replica.objects.create(endpoint=endpoint, node=node, state=State.READY, port=port,
+                                  ready_at=timezone.now())
+
+
+def body_for(name: str, *, stream: bool) -> dict:
+    body = {**COMPLETION, "model": name}
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def main() -> None:
+    do_load_catalogs()
+    logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
+    organization = do_create_organization(user=owner, name="bench")
+    Organization.objects.filter(id=organization.id).update(max_concurrent_requests=10_000)
+    # Limits on, set high enough never to refuse: their cost is part of what is measured.
+    _, secret = do_create_api_key(organization=organization, name="bench", scope=Scope.INFERENCE,
+                                  actor_role=Role.OWNER, created_by=owner,
+                                  requests_per_minute=10**9, tokens_per_minute=10**9)
+    node = Node.objects.create(name="bench-gateway", cpu_count=CORES, memory_bytes=0,
+                               gpu_type=GPUType.objects.get(slug="cpu"))
+
+    upstream_port, engine_port, web_port = (supervisor.free_port() for _ in range(3))
+    register(organization, node, "minimal", upstream_port)
+    engine_replica = register(organization, node, "engine", engine_port)
+    model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / "kvrun-demo-tiny"))
+    engine_key = engine_api_key(engine_replica.id)
+    spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="engine",
+                                 port=engine_port, max_model_len=2048, max_num_seqs=8,
+                                 device="cpu", api_key=engine_key)
+    engine = supervisor.start(spec, logs / "gateway-engine.log")
+    upstream = serve("bench.minimal_upstream:app", upstream_port, logs / "minimal-upstream.log")
+    web_log = logs / "gateway-web.log"
+    web = serve("kvrun.asgi:application", web_port, web_log,
+                {"DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "INFO"})
+    gateway = f"http://127.0.0.1:{web_port}/v1/completions"
+    direct_minimal = f"http://127.0.0.1:{upstream_port}/v1/completions"
+    direct_engine = f"http://127.0.0.1:{engine_port}"
+    runs: dict[str, dict] = {}
+    try:
+        supervisor.wait_ready(port=engine_port, served_model_name="engine", api_key=engine_key,
+                              alive=lambda: engine.poll() is None, timeout=300)
+        for name in ("minimal", "engine"):  # the gateway learns the key and the routes
+            runs[f"warm_up_{name}"] = wrk(gateway, body_for(name, stream=False), secret,
+                                          connections=1, seconds=2)
+        for label, stream in (("plain", False), ("stream", True)):
+            body = body_for("minimal", stream=stream)
+            runs[f"minimal_direct_{label}_c1"] = wrk(direct_minimal, body, "", connections=1)
+            runs[f"minimal_gateway_{label}_c1"] = wrk(gateway, body, secret, connections=1,
+                                                      watch=web.pid)
+        body = body_for("minimal", stream=False)
+        runs["minimal_direct_plain_c32"] = wrk(direct_minimal, body, "", connections=32)
+        runs["minimal_gateway_plain_c32"] = wrk(gateway, body, secret, connections=32,
+                                                watch=web.pid)
+        # Metered tokens against the engine's own counters, over the gateway's runs alone.
+        counted_from = timezone.now()
+        before = engine_token_totals(httpx.get(f"{direct_engine}/metrics").text)
+        for label, stream in (("plain", False), ("stream", True)):
+            runs[f"engine_gateway_{label}_c1"] = wrk(gateway, body_for("engine", stream=stream),
+                                                     secret, connections=1)
+        time.sleep(1)  # the last cut-off request has been aborted
+        grew = {name: value - before[name] for name, value in
+                engine_token_totals(httpx.get(f"{direct_engine}/metrics").text).items()}
+        for label, stream in (("plain", False), ("stream", True)):
+            runs[f"engine_direct_{label}_c1"] = wrk(
+                f"{direct_engine}/v1/completions", body_for("engine", stream=stream),
+                engine_key, connections=1)
+        peak_rss_mb = peak_rss(web.pid) / 1024
+    finally:
+        web.send_signal(signal.SIGTERM)
+        web.wait(60)
+        upstream.terminate()
+        upstream.wait(30)
+        supervisor.stop_group(engine.pid, grace=15)
+        engine.wait(30)
+
+    while do_ingest_usage():
+        pass
+    metered = UsageRecord.objects.filter(
+        endpoint=engine_replica.endpoint, started_at__gte=counted_from).aggregate(
+        prompt=Sum("prompt_tokens"), generation=Sum("completion_tokens"))
+    completed = sum(run["requests"] for name, run in runs.items() if "gateway" in name
+                    or name.startswith("warm_up"))
+    result = summarise(runs, peak_rss_mb=peak_rss_mb, completed=completed,
+                       admitted=admitted_by_gateway(web_log.read_text()),
+                       records=UsageRecord.objects.count(), metered=metered, engine_grew=grew)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "gateway.json").write_text(json.dumps(result, indent=2) + "\n")
+    report(result)
+
+
+def peak_rss(pid: int) -> int:
+    """VmHWM in KiB: the most resident memory the process ever had."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return 0
+
+
+def admitted_by_gateway(log: str) -> int:
+    """What the web process itself counted, from the line its usage sink logs on shutdown."""
+    match = re.search(r"usage sink closed: queued=(\d+)", log)
+    assert match, "the web process did not log its usage sink's shutdown:\n" + log[-2000:]
+    return int(match.group(1))
+
+
+def ms(us: float) -> float:
+    return round(us / 1000, 3)
+
+
+def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, admitted: int,
+              records: int, metered: dict, engine_grew: dict) -> dict:
+    def added(label: str, pct: str) -> float:
+        return ms(runs[f"minimal_gateway_{label}_c1"][pct] - runs[f"minimal_direct_{label}_c1"][pct])
+
+    gateway_c32 = runs["minimal_gateway_plain_c32"]
+    return {
+        "seconds_per_run": SECONDS,
+        "added_p50_ms": added("plain", "p50_us"),
+        "added_p99_ms": added("plain", "p99_us"),
+        "stream_added_p50_ms": added("stream", "p50_us"),
+        "stream_added_p99_ms": added("stream", "p99_us"),
+        "rps_minimal_upstream": round(gateway_c32["rps"]),
+        "rps_minimal_upstream_direct": round(runs["minimal_direct_plain_c32"]["rps"]),
+        "gateway_cpu_share_c32": round(gateway_c32["watched_cpu_share"], 3),
+        "wrk_cpu_share_c32": round(gateway_c32["wrk_cpu_share"], 3),
+        "ratio_vs_direct": round(runs["engine_gateway_plain_c1"]["p50_us"]
+                                 / runs["engine_direct_plain_c1"]["p50_us"], 3),
+        "stream_ratio_vs_direct": round(runs["engine_gateway_stream_c1"]["p50_us"]
+                                        / runs["engine_direct_stream_c1"]["p50_us"], 3),
+        "engine_direct_p50_ms": ms(runs["engine_direct_plain_c1"]["p50_us"]),
+        "engine_gateway_p50_ms": ms(runs["engine_gateway_plain_c1"]["p50_us"]),
+        "peak_rss_mb": round(peak_rss_mb, 1),
+        "requests_completed": completed,
+        "requests_admitted": admitted,
+        "usage_records": records,
+        "records_lost": max(0, admitted - records),
+        "metered_prompt_tokens": metered["prompt"] or 0,
+        "metered_generation_tokens": metered["generation"] or 0,
+        "engine_prompt_tokens": int(engine_grew["prompt"]),
+        "engine_generation_tokens": int(engine_grew["generation"]),
+        "runs": {name: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in run.items()}
+                 for name, run in runs.items()},
+    }
+
+
+def report(result: dict) -> None:
+    runs = result["runs"]
+    print(f"\ngateway (wrk, 1 thread, {result['seconds_per_run']} s per run; "
+          f"latencies in ms)")
+    print(f"  {'':<36}{'direct p50':>11}{'gateway p50':>12}{'added p50':>10}{'added p99':>10}")
+    for label in ("plain", "stream"):
+        direct, through = runs[f"minimal_direct_{label}_c1"], runs[f"minimal_gateway_{label}_c1"]
+        prefix = "stream_" if label == "stream" else ""
+        print(f"  {'minimal upstream, ' + label + ', c=1':<36}{ms(direct['p50_us']):>11.3f}"
+              f"{ms(through['p50_us']):>12.3f}{result[prefix + 'added_p50_ms']:>10.3f}"
+              f"{result[prefix + 'added_p99_ms']:>10.3f}   (goal p50 ≤ 1, p99 ≤ 5)")
+    print(f"  {'minimal upstream, c=32, req/s':<36}{result['rps_minimal_upstream_direct']:>11,}"
+          f"{result['rps_minimal_upstream']:>12,}   (goal ≥ 2,000; gateway used "
+          f"{result['gateway_cpu_share_c32']:.0%} of the cores, wrk "
+          f"{result['wrk_cpu_share_c32']:.0%})")
+    for label in ("plain", "stream"):
+        direct, through = runs[f"engine_direct_{label}_c1"], runs[f"engine_gateway_{label}_c1"]
+        ratio = result["ratio_vs_direct" if label == "plain" else "stream_ratio_vs_direct"]
+        print(f"  {'vLLM engine, ' + label + ', 16 tokens, c=1':<36}{ms(direct['p50_us']):>11.3f}"
+              f"{ms(through['p50_us']):>12.3f}   ratio {ratio:.3f}")
+    print(f"  peak RSS of the web process: {result['peak_rss_mb']:.0f} MB")
+    print(f"  usage records: {result['usage_records']:,} for {result['requests_admitted']:,} "
+          f"requests admitted ({result['requests_completed']:,} completed by wrk); "
+          f"lost: {result['records_lost']}")
+    print(f"  tokens metered / engine counted: prompt {result['metered_prompt_tokens']:,} / "
+          f"{result['engine_prompt_tokens']:,}, generation "
+          f"{result['metered_generation_tokens']:,} / {result['engine_generation_tokens']:,}")
+    print(f"\nwritten to {RESULTS / 'gateway.json'}")
+
+
+if __name__ == "__main__":
+    main()

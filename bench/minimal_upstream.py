@@ -1,0 +1,57 @@
+"""A minimal OpenAI-compatible upstream for the gateway benchmark: a raw ASGI app that answers
+every completion at once with a fixed body and usage, so that what is measured through it is
+the gateway's own cost. `"stream": true` gets four SSE chunks, the usage chunk when asked
+for, and [DONE].
+
+    python -m uvicorn bench.minimal_upstream:app --port P --no-access-log
+"""
+
+import orjson
+
+USAGE = {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
+         "prompt_tokens_details": {"cached_tokens": 0}}
+COMPLETION = orjson.dumps({
+    "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "bench",
+    "choices": [{"index": 0, "text": " a b c d", "finish_reason": "length", "logprobs": None}],
+    "usage": USAGE,
+})
+JSON_HEADERS = [(b"content-type", b"application/json"),
+                (b"content-length", str(len(COMPLETION)).encode())]
+SSE_HEADERS = [(b"content-type", b"text/event-stream")]
+
+
+def _chunk(text: str, usage: dict | None) -> bytes:
+    return b"data: " + orjson.dumps({
+        "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "bench",
+        "choices": [{"index": 0, "text": text, "finish_reason": None}], "usage": usage,
+    }) + b"\n\n"
+
+
+async def app(scope: dict, receive: object, send: object) -> None:
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    request = orjson.loads(body) if body else {}
+    if not request.get("stream"):
+        await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
+        await send({"type": "http.response.body", "body": COMPLETION})
+        return
+    options = request.get("stream_options") or {}
+    running = bool(options.get("continuous_usage_stats"))
+    await send({"type": "http.response.start", "status": 200, "headers": SSE_HEADERS})
+    for done, text in enumerate([" a", " b", " c", " d"], start=1):
+        usage = {"prompt_tokens": 7, "completion_tokens": done,
+                 "total_tokens": 7 + done} if running else None
+        await send({"type": "http.response.body", "body": _chunk(text, usage),
+                    "more_body": True})
+    tail = b""
+    if options.get("include_usage"):
+        tail = b"data: " + orjson.dumps({"id": "cmpl-bench", "object": "text_completion",
+                                         "created": 0, "model": "bench", "choices": [],
+                                         "usage": USAGE}) + b"\n\n"
+    await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})

@@ -1,0 +1,44 @@
+from django.db import models
+
+
+class UsageRecord(models.Model):
+    """One request that the gateway admitted to an engine: what it consumed and how it went.
+
+    Part of the billing ledger: rows are written once by the ingester and never updated.
+    `request_id` is unique, so a batch delivered twice inserts each request once.
+    """
+
+    request_id = models.CharField(max_length=40, unique=True)
+    idempotency_key = models.CharField(max_length=255, blank=True)
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.PROTECT,
+                                     related_name="usage_records")
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT,
+                                 related_name="usage_records")
+    replica = models.ForeignKey("endpoints.Replica", null=True, blank=True,
+                                on_delete=models.SET_NULL, related_name="usage_records")
+    api_key = models.ForeignKey("accounts.APIKey", null=True, blank=True,
+                                on_delete=models.SET_NULL, related_name="usage_records")
+    operation = models.CharField(max_length=20, help_text="chat.completions or completions")
+    stream = models.BooleanField(default=False)
+    prompt_tokens = models.PositiveIntegerField(default=0)
+    completion_tokens = models.PositiveIntegerField(default=0)
+    cached_tokens = models.PositiveIntegerField(default=0, help_text="Prompt tokens served "
+                                                "from the engine's prefix cache.")
+    status_code = models.PositiveSmallIntegerField(help_text="What the client got; 499 when "
+                                                   "it went away first.")
+    error_code = models.CharField(max_length=40, blank=True)
+    client_disconnected = models.BooleanField(default=False)
+    started_at = models.DateTimeField()
+    time_to_first_token_ms = models.PositiveIntegerField(null=True, blank=True)
+    duration_ms = models.PositiveIntegerField()
+    gateway_overhead_ms = models.DecimalField(max_digits=9, decimal_places=3)
+    ingested_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [
+            models.Index(fields=["organization", "started_at"]),
+            models.Index(fields=["endpoint", "started_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return self.request_id

@@ -1,0 +1,122 @@
+"""Writes for billing: usage records into the ledger."""
+
+import logging
+import socket
+from collections.abc import Iterable
+
+from django.db import IntegrityError, transaction
+from redis.exceptions import ResponseError
+
+from accounts.services import do_touch_api_key
+from billing import usage_stream
+from billing.models import UsageRecord
+from kvrun.redis import redis_client
+
+logger = logging.getLogger(__name__)
+
+INGEST_LOCK = "kvrun:usage:ingest-lock"
+# An entry another consumer read but did not acknowledge for this long is taken over.
+CLAIM_IDLE_MS = 60_000
+
+
+def do_record_usage(*, payloads: Iterable[bytes]) -> list[bytes]:
+    """Insert usage records as gateways encode them. A request already recorded is skipped
+    (unique request_id), so a batch may be delivered any number of times.
+
+    Returns the payloads that cannot be stored (malformed, or naming rows that do not exist);
+    every other record is committed when this returns.
+    """
+    rows, rejected = [], []
+    for payload in payloads:
+        try:
+            rows.append((payload, usage_stream.decode(payload)))
+        except (ValueError, KeyError, TypeError):
+            rejected.append(payload)
+    try:
+        with transaction.atomic():
+            UsageRecord.objects.bulk_create([row for _, row in rows], ignore_conflicts=True)
+    except IntegrityError:
+        # One bad row must not hold back the others: store them one by one.
+        for payload, row in rows:
+            try:
+                with transaction.atomic():
+                    UsageRecord.objects.bulk_create([row], ignore_conflicts=True)
+            except IntegrityError:
+                rejected.append(payload)
+    _touch_keys(row for _, row in rows)
+    return rejected
+
+
+def _touch_keys(records: Iterable[UsageRecord]) -> None:
+    """Keys' last_used_at comes from their usage, so the gateway writes nothing per request."""
+    latest: dict[object, object] = {}
+    for record in records:
+        if record.api_key_id and (record.api_key_id not in latest
+                                  or record.started_at > latest[record.api_key_id]):
+            latest[record.api_key_id] = record.started_at
+    for key_id, used_at in latest.items():
+        do_touch_api_key(key_id=key_id, used_at=used_at)
+
+
+def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
+    """Move usage records from the gateways' Redis stream into PostgreSQL.
+
+    An entry is acknowledged and deleted only after its row is committed; entries a dead
+    worker had read are taken over after CLAIM_IDLE_MS. Records that cannot be stored go to
+    the dead-letter stream with the reason logged. One run at a time (a Redis lock); returns
+    how many entries were handled.
+    """
+    redis = redis_client()
+    lock = redis.lock(INGEST_LOCK, timeout=120, blocking=False)
+    if not lock.acquire():
+        return 0
+    try:
+        _ensure_group(redis)
+        consumer = socket.gethostname()
+        handled = 0
+        for _ in range(max_batches):
+            entries = _next_entries(redis, consumer, batch)
+            if not entries:
+                break
+            ids = [entry_id for entry_id, _ in entries]
+            payloads = [fields.get(usage_stream.FIELD, b"") for _, fields in entries]
+            rejected = do_record_usage(payloads=payloads)
+            for payload in rejected:
+                logger.error("usage record cannot be stored; kept in %s: %r",
+                             usage_stream.DEAD_LETTERS, payload[:300])
+                redis.xadd(usage_stream.DEAD_LETTERS, {usage_stream.FIELD: payload})
+            redis.xack(usage_stream.STREAM, usage_stream.GROUP, *ids)
+            redis.xdel(usage_stream.STREAM, *ids)
+            handled += len(ids)
+        return handled
+    finally:
+        lock.release()
+
+
+def _ensure_group(redis: object) -> None:
+    try:
+        redis.xgroup_create(usage_stream.STREAM, usage_stream.GROUP, id="0", mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def _next_entries(redis: object, consumer: str, count: int) -> list[tuple[bytes, dict]]:
+    """This consumer's own unacknowledged entries first (a run that died), then entries other
+    consumers left idle, then new ones."""
+    for start in ("0", None, ">"):
+        if start is None:
+            _, entries, *_ = redis.xautoclaim(usage_stream.STREAM, usage_stream.GROUP, consumer,
+                                              min_idle_time=CLAIM_IDLE_MS, start_id="0-0",
+                                              count=count)
+        else:
+            reply = redis.xreadgroup(usage_stream.GROUP, consumer, {usage_stream.STREAM: start},
+                                     count=count)
+            entries = reply[0][1] if reply else []
+        empty = [entry_id for entry_id, fields in entries if not fields]
+        if empty:  # deleted before they were acknowledged: nothing left to store
+            redis.xack(usage_stream.STREAM, usage_stream.GROUP, *empty)
+        entries = [(entry_id, fields) for entry_id, fields in entries if fields]
+        if entries:
+            return entries
+    return []

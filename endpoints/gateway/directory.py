@@ -1,0 +1,171 @@
+"""What the gateway knows without asking the database on every request: API keys and each
+organisation's endpoints with their ready replicas, held in memory for a few seconds.
+
+A miss reads through the same selectors the REST API uses (on Django's thread, via
+sync_to_async); concurrent misses for one entry share one read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+
+from accounts import tokens
+from accounts.principals import KeyIdentity
+from accounts.selectors import get_key_identity
+from endpoints.selectors import endpoints_for_gateway, progress_of
+from engine.agent import engine_api_key
+
+# Bound on remembered keys, so that a flood of made-up keys cannot grow memory without end.
+MAX_REMEMBERED_KEYS = 100_000
+# A replica that refused a connection is tried last for this long.
+DOWN_SECONDS = 5.0
+
+
+@dataclass(eq=False)
+class Upstream:
+    """One ready engine replica, with the gateway's own count of requests in flight to it."""
+
+    replica_id: str
+    base_url: str
+    authorization: str
+    in_flight: int = 0
+    served: int = 0
+    down_until: float = 0.0
+
+
+@dataclass(frozen=True)
+class Route:
+    endpoint_id: str
+    name: str
+    organization_slug: str
+    state: str
+    progress: dict[str, Any]
+    created: int
+    upstreams: tuple[Upstream, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class _ReplicaRow:
+    replica_id: str
+    base_url: str
+
+
+@dataclass(frozen=True)
+class _EndpointRow:
+    endpoint_id: str
+    name: str
+    organization_slug: str
+    state: str
+    progress: dict[str, Any]
+    created: int
+    replicas: tuple[_ReplicaRow, ...]
+
+
+def _base_url(address: str, port: int) -> str:
+    host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+    return f"http://{host}:{port}"
+
+
+def _read_endpoints(organization_id: UUID) -> list[_EndpointRow]:
+    close_old_connections()  # this thread serves no Django request that would do it
+    rows = []
+    for endpoint in endpoints_for_gateway(organization_id=organization_id):
+        rows.append(_EndpointRow(
+            endpoint_id=str(endpoint.id), name=endpoint.name,
+            organization_slug=endpoint.organization.slug, state=endpoint.state,
+            progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),
+            created=int(endpoint.created_at.timestamp()),
+            replicas=tuple(_ReplicaRow(replica_id=str(replica.id),
+                                       base_url=_base_url(replica.node.address, replica.port))
+                           for replica in endpoint.ready_replicas),
+        ))
+    return rows
+
+
+def _read_key(secret: str) -> KeyIdentity | None:
+    close_old_connections()
+    return get_key_identity(secret=secret)
+
+
+class Directory:
+    def __init__(self, *, key_seconds: float, route_seconds: float) -> None:
+        self._key_seconds = key_seconds
+        self._route_seconds = route_seconds
+        self._keys: dict[str, tuple[float, KeyIdentity | None]] = {}
+        self._routes: dict[UUID, tuple[float, dict[str, Route]]] = {}
+        self._upstreams: dict[str, Upstream] = {}
+        self._loading: dict[object, asyncio.Future[Any]] = {}
+
+    async def identity(self, secret: str) -> KeyIdentity | None:
+        """The usable key for `secret`, or None (unknown, revoked or expired)."""
+        if not secret.startswith(tokens.API_KEY_PREFIX):
+            return None
+        digest = tokens.digest(secret)
+        entry = self._keys.get(digest)
+        if entry is None or entry[0] <= time.monotonic():
+            identity = await self._once(("key", digest),
+                                        lambda: sync_to_async(_read_key)(secret))
+            if len(self._keys) >= MAX_REMEMBERED_KEYS:
+                self._keys.clear()
+            self._keys[digest] = (time.monotonic() + self._key_seconds, identity)
+        else:
+            identity = entry[1]
+        return identity if identity is not None and identity.is_usable() else None
+
+    def forget_key(self, digest: str) -> None:
+        self._keys.pop(digest, None)
+
+    async def routes(self, organization_id: UUID) -> dict[str, Route]:
+        """The organisation's endpoints by name."""
+        entry = self._routes.get(organization_id)
+        if entry is not None and entry[0] > time.monotonic():
+            return entry[1]
+        rows = await self._once(("routes", organization_id),
+                                lambda: sync_to_async(_read_endpoints)(organization_id))
+        routes = {row.name: self._route(row) for row in rows}
+        self._routes[organization_id] = (time.monotonic() + self._route_seconds, routes)
+        return routes
+
+    def _route(self, row: _EndpointRow) -> Route:
+        upstreams = []
+        for replica in row.replicas:
+            upstream = self._upstreams.get(replica.replica_id)
+            if upstream is None or upstream.base_url != replica.base_url:
+                upstream = Upstream(replica_id=replica.replica_id, base_url=replica.base_url,
+                                    authorization=f"Bearer {engine_api_key(replica.replica_id)}")
+                self._upstreams[replica.replica_id] = upstream
+            upstreams.append(upstream)
+        return Route(endpoint_id=row.endpoint_id, name=row.name,
+                     organization_slug=row.organization_slug, state=row.state,
+                     progress=row.progress, created=row.created, upstreams=tuple(upstreams))
+
+    async def _once(self, key: object, load: Callable[[], Awaitable[Any]]) -> Any:
+        pending = self._loading.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(load())
+            self._loading[key] = pending
+            pending.add_done_callback(lambda _: self._loading.pop(key, None))
+        return await asyncio.shield(pending)
+
+
+def choose_upstream(route: Route, *, tried: set[Upstream]) -> Upstream | None:
+    """The ready replica with the fewest requests in flight, not yet tried for this request;
+    replicas that recently refused a connection come last. Ties go round-robin."""
+    candidates = [upstream for upstream in route.upstreams if upstream not in tried]
+    if not candidates:
+        return None
+    now = time.monotonic()
+    return min(candidates, key=lambda u: (u.down_until > now, u.in_flight, u.served))
+
+
+def mark_down(upstream: Upstream) -> None:
+    upstream.down_until = time.monotonic() + DOWN_SECONDS

@@ -1,0 +1,72 @@
+"""Errors in OpenAI's shape and codes, whatever the engine said.
+
+OpenAI clients read `error.code` and `error.type` and map the status to an exception
+(401 AuthenticationError, 404 NotFoundError, 429 RateLimitError, ...); vLLM answers with an
+integer `code` and its own type names, so engine errors are rewritten here.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+CONTEXT_LENGTH_MARKERS = ("maximum context length", "maximum model length", "max_model_len")
+
+
+class GatewayError(Exception):
+    """A request the gateway answers itself, with an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, *, code: str | None,
+                 kind: str | None = None, param: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.kind = kind or _kind_for(status)
+        self.param = param
+        self.headers = headers or []
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": self.as_dict()})
+
+    def as_dict(self) -> dict[str, object]:
+        return {"message": self.message, "type": self.kind, "param": self.param,
+                "code": self.code}
+
+
+def _kind_for(status: int) -> str:
+    if status == 403:
+        return "permission_error"
+    if status == 429:
+        return "requests"
+    if status >= 500:
+        return "server_error"
+    return "invalid_request_error"
+
+
+def from_engine(status: int, body: bytes) -> GatewayError:
+    """The engine's error response, as the client should see it."""
+    try:
+        detail = orjson.loads(body).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        detail = {}
+    message = str(detail.get("message") or body[:500].decode("utf-8", "replace")
+                  or f"the engine answered {status}")
+    return engine_message(status, message, param=detail.get("param"))
+
+
+def engine_message(status: int, message: str, *, param: str | None = None) -> GatewayError:
+    if status in (400, 422):
+        if any(marker in message for marker in CONTEXT_LENGTH_MARKERS):
+            return GatewayError(400, message, code="context_length_exceeded", param=param)
+        return GatewayError(400, message, code="invalid_request", param=param)
+    if status == 404:
+        return GatewayError(404, message, code="model_not_found", param=param)
+    if status in (401, 403):
+        # The engine refused the gateway's own credentials: kvrun's fault, not the caller's.
+        return GatewayError(502, "The engine refused the gateway; this is kvrun's error, "
+                            "retry shortly.", code="engine_unavailable")
+    if status == 503:
+        return GatewayError(503, f"The engine is overloaded or restarting ({message}); retry "
+                            "shortly.", code="engine_unavailable")
+    return GatewayError(502, f"The engine failed: {message}", code="engine_error")
