@@ -27,32 +27,38 @@ def get_key_identity(*, secret: str) -> KeyIdentity | None:
     digest = tokens.digest(secret)
     identity: KeyIdentity | None = cache.get(key_cache_name(digest))
     if identity is None:
-        row = (
-            APIKey.objects.filter(digest=digest)
-            .values("id", "organization_id", "scope", "expires_at", "revoked_at", "endpoint_names",
-                    "requests_per_minute", "tokens_per_minute",
-                    "organization__max_concurrent_requests")
-            .first()
-        )
-        if row is None:
+        identity = key_identity_from_database(digest=digest)
+        if identity is None:
             return None
-        concurrent = row["organization__max_concurrent_requests"]
-        identity = KeyIdentity(
-            id=row["id"],
-            organization_id=row["organization_id"],
-            scope=row["scope"],
-            expires_at=row["expires_at"],
-            revoked=row["revoked_at"] is not None,
-            endpoint_names=tuple(row["endpoint_names"]),
-            requests_per_minute=_or_default(row["requests_per_minute"],
-                                            settings.KVRUN_KEY_REQUESTS_PER_MINUTE),
-            tokens_per_minute=_or_default(row["tokens_per_minute"],
-                                          settings.KVRUN_KEY_TOKENS_PER_MINUTE),
-            max_concurrent_requests=_or_default(concurrent,
-                                                settings.KVRUN_ORG_MAX_CONCURRENT_REQUESTS),
-        )
         cache.set(key_cache_name(digest), identity, settings.KVRUN_API_KEY_CACHE_SECONDS)
     return identity if identity.is_usable() else None
+
+
+def key_identity_from_database(*, digest: str) -> KeyIdentity | None:
+    """The key with this digest as stored now, usable or not; None when there is none."""
+    row = (
+        APIKey.objects.filter(digest=digest)
+        .values("id", "organization_id", "scope", "expires_at", "revoked_at", "endpoint_names",
+                "requests_per_minute", "tokens_per_minute",
+                "organization__max_concurrent_requests")
+        .first()
+    )
+    if row is None:
+        return None
+    return KeyIdentity(
+        id=row["id"],
+        organization_id=row["organization_id"],
+        scope=row["scope"],
+        expires_at=row["expires_at"],
+        revoked=row["revoked_at"] is not None,
+        endpoint_names=tuple(row["endpoint_names"]),
+        requests_per_minute=_or_default(row["requests_per_minute"],
+                                        settings.KVRUN_KEY_REQUESTS_PER_MINUTE),
+        tokens_per_minute=_or_default(row["tokens_per_minute"],
+                                      settings.KVRUN_KEY_TOKENS_PER_MINUTE),
+        max_concurrent_requests=_or_default(row["organization__max_concurrent_requests"],
+                                            settings.KVRUN_ORG_MAX_CONCURRENT_REQUESTS),
+    )
 
 
 def _or_default(value: int | None, default: int) -> int:

@@ -36,11 +36,12 @@ from accounts.models import Organization, Role, Scope, User  # noqa: E402
 from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
 from billing.services import do_ingest_usage  # noqa: E402
-from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
 from engine import demo_model, supervisor  # noqa: E402
 from engine.agent import engine_api_key  # noqa: E402
 from engine.metrics import engine_token_totals  # noqa: E402
+from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
+from tests.factories import ready_endpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -51,16 +52,10 @@ COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "i
 
 
 def serve(app: str, port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port),
-         "--no-access-log", "--log-level", "info"],
-        cwd=ROOT, env={**os.environ, **(env or {})}, stdout=log.open("w"),
-        stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while supervisor.port_is_free(port):
-        assert process.poll() is None, log.read_text()[-2000:]
-        assert time.monotonic() < deadline, f"{app} did not listen on {port}"
-        time.sleep(0.1)
+    process = subprocess.Popen([sys.executable, *uvicorn_args(app, port=port)], cwd=ROOT,
+                               env={**os.environ, **(env or {})}, stdout=log.open("w"),
+                               stderr=subprocess.STDOUT)
+    wait_until_listening(process, port)
     return process
 
 
@@ -92,16 +87,6 @@ def wrk(url: str, body: dict, key: str, *, connections: int, seconds: int = SECO
     return result
 
 
-def register(organization: Organization, node: Node, name: str, port: int) -> Replica:
-    """An endpoint with one ready replica at 127.0.0.1:port, as the reconciler leaves it."""
-    endpoint = Endpoint.objects.create(
-        organization=organization, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-        context_length=2048, concurrency=64, gpu_type=GPUType.objects.get(slug="cpu"),
-        gpu_count=1, hourly_price_usd=0, state=State.READY)
-    return Replica.objects.create(endpoint=endpoint, node=node, state=State.READY, port=port,
-                                  ready_at=timezone.now())
-
-
 def body_for(name: str, *, stream: bool) -> dict:
     body = {**COMPLETION, "model": name}
     if stream:
@@ -120,14 +105,12 @@ def main() -> None:
     _, secret = do_create_api_key(organization=organization, name="bench", scope=Scope.INFERENCE,
                                   actor_role=Role.OWNER, created_by=owner,
                                   requests_per_minute=10**9, tokens_per_minute=10**9)
-    node = Node.objects.create(name="bench-gateway", cpu_count=CORES, memory_bytes=0,
-                               gpu_type=GPUType.objects.get(slug="cpu"))
 
     upstream_port, engine_port, web_port = (supervisor.free_port() for _ in range(3))
-    register(organization, node, "minimal", upstream_port)
-    engine_replica = register(organization, node, "engine", engine_port)
+    ready_endpoint(organization, "minimal", [upstream_port])
+    engine_endpoint = ready_endpoint(organization, "engine", [engine_port])
     model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / "kvrun-demo-tiny"))
-    engine_key = engine_api_key(engine_replica.id)
+    engine_key = engine_api_key(engine_endpoint.replicas.get().id)
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="engine",
                                  port=engine_port, max_model_len=2048, max_num_seqs=8,
                                  device="cpu", api_key=engine_key)
@@ -180,7 +163,7 @@ def main() -> None:
     while do_ingest_usage():
         pass
     metered = UsageRecord.objects.filter(
-        endpoint=engine_replica.endpoint, started_at__gte=counted_from).aggregate(
+        endpoint=engine_endpoint, started_at__gte=counted_from).aggregate(
         prompt=Sum("prompt_tokens"), generation=Sum("completion_tokens"))
     completed = sum(run["requests"] for name, run in runs.items() if "gateway" in name
                     or name.startswith("warm_up"))

@@ -3,7 +3,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
@@ -134,3 +134,62 @@ def wait_until(predicate: object, timeout: float, interval: float = 0.2) -> bool
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+def start_web(port: int, **env: str) -> subprocess.Popen:
+    """The web process (gateway and Django) as `make run` starts it, against the test
+    database."""
+    from kvrun.launcher import uvicorn_args, wait_until_listening
+
+    process = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application",
+                                                              port=port)],
+                               cwd=ROOT, env=process_env(**env))
+    wait_until_listening(process, port)
+    return process
+
+
+@pytest.fixture(scope="session")
+def web(celery_worker: subprocess.Popen) -> Iterator[str]:
+    """The base URL of a web process shared by the gateway tests, with the control worker
+    that ingests its usage records."""
+    from engine.supervisor import free_port
+
+    port = free_port()
+    process = start_web(port)
+    yield f"http://127.0.0.1:{port}"
+    stop(process)
+
+
+@pytest.fixture(scope="session")
+def stub_ports() -> Iterator[list[int]]:
+    """Two scripted stand-ins for engines (tests.stub_upstream), by port."""
+    from engine.supervisor import free_port
+    from kvrun.launcher import uvicorn_args, wait_until_listening
+
+    ports = [free_port(), free_port()]
+    processes = [subprocess.Popen([sys.executable, *uvicorn_args("tests.stub_upstream:app",
+                                                                 port=port)], cwd=ROOT)
+                 for port in ports]
+    for process, port in zip(processes, ports, strict=True):
+        wait_until_listening(process, port)
+    yield ports
+    for process in processes:
+        stop(process)
+
+
+Ingested = Callable[..., bool]
+
+
+@pytest.fixture
+def ingested(celery_worker: subprocess.Popen) -> Ingested:
+    """ingested(n): run the real ingestion task on the worker until n usage records are
+    stored; False if they are not there in time."""
+    from billing.models import UsageRecord
+    from billing.tasks import ingest_usage
+
+    def until(count: int, timeout: float = 30) -> bool:
+        def enough() -> bool:
+            ingest_usage.delay()
+            return UsageRecord.objects.count() >= count
+        return wait_until(enough, timeout, interval=0.5)
+    return until

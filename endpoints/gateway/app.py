@@ -8,6 +8,7 @@ after the client has its answer. Engines are reached over pooled aiohttp connect
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -55,7 +56,6 @@ class Gateway:
     def __init__(self) -> None:
         self._started = False
         self._start_lock = asyncio.Lock()
-        self._salts: dict[object, str] = {}
         self._background: list[asyncio.Task[None]] = []
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -204,6 +204,11 @@ class Gateway:
         except GatewayError as error:
             exchange.status, exchange.error_code = error.status, error.code or ""
             await _send_error(send, exchange, error)
+        except asyncio.CancelledError:
+            # The server is shutting down and its grace period is over: the usage so far
+            # is still recorded.
+            exchange.status, exchange.error_code = 503, "gateway_shutdown"
+            raise
         finally:
             await self._finish(exchange, payload, body)
 
@@ -225,7 +230,7 @@ class Gateway:
         body when it was not streamed."""
         assert exchange.identity is not None and exchange.route is not None
         client_options = payload.get("stream_options") or {}
-        payload["cache_salt"] = self._salt(exchange.identity.organization_id)
+        payload["cache_salt"] = cache_salt(exchange.identity.organization_id)
         if exchange.stream:
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         upstream_body = orjson.dumps(payload)
@@ -384,18 +389,15 @@ class Gateway:
             logger.warning("could not count the prompt tokens of %s", exchange.request_id)
             return 0
 
-    def _salt(self, organization_id: object) -> str:
-        """The organisation's cache salt: its cached prefixes are reused only for itself."""
-        salt = self._salts.get(organization_id)
-        if salt is None:
-            salt = hmac.new(settings.KVRUN_KEY_PEPPER.encode(),
-                            f"cache-salt:{organization_id}".encode(),
-                            hashlib.sha256).hexdigest()[:32]
-            self._salts[organization_id] = salt
-        return salt
-
 
 # --- helpers -------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=100_000)
+def cache_salt(organization_id: object) -> str:
+    """The organisation's vLLM cache salt: its cached prefixes are reused for it alone."""
+    return hmac.new(settings.KVRUN_KEY_PEPPER.encode(), f"cache-salt:{organization_id}".encode(),
+                    hashlib.sha256).hexdigest()[:32]
+
 
 def _header(scope: Scope_, name: bytes) -> str:
     for key, value in scope["headers"]:

@@ -20,7 +20,7 @@ from django.db import close_old_connections
 
 from accounts import tokens
 from accounts.principals import KeyIdentity
-from accounts.selectors import get_key_identity
+from accounts.selectors import key_identity_from_database
 from endpoints.selectors import endpoints_for_gateway, progress_of
 from engine.agent import engine_api_key
 
@@ -91,9 +91,11 @@ def _read_endpoints(organization_id: UUID) -> list[_EndpointRow]:
     return rows
 
 
-def _read_key(secret: str) -> KeyIdentity | None:
+def _read_key(digest: str) -> KeyIdentity | None:
     close_old_connections()
-    return get_key_identity(secret=secret)
+    # Straight from the database, not through the shared key cache: an entry here then
+    # outlives a change by at most this process's own TTL.
+    return key_identity_from_database(digest=digest)
 
 
 class Directory:
@@ -113,7 +115,7 @@ class Directory:
         entry = self._keys.get(digest)
         if entry is None or entry[0] <= time.monotonic():
             identity = await self._once(("key", digest),
-                                        lambda: sync_to_async(_read_key)(secret))
+                                        lambda: sync_to_async(_read_key)(digest))
             if len(self._keys) >= MAX_REMEMBERED_KEYS:
                 self._keys.clear()
             self._keys[digest] = (time.monotonic() + self._key_seconds, identity)

@@ -1,0 +1,91 @@
+"""A scripted stand-in for a vLLM engine, for tests of the gateway's own logic.
+
+    python -m uvicorn tests.stub_upstream:app --port P
+
+It keeps every request body it was sent (GET /_requests) and behaves by the prompt (or the
+last chat message): "context" answers vLLM's context-length 400, "slow" takes its time
+(a second, or a chunk every 0.2 s), "drop" dies after two chunks of a stream; anything else
+is answered at once with usage. Streams carry running usage when asked, as vLLM's do.
+"""
+
+import asyncio
+
+import orjson
+
+RECEIVED: list[dict] = []
+CONTEXT_ERROR = orjson.dumps({"error": {
+    "message": "This model's maximum context length is 2048 tokens. However, your prompt "
+               "contains 3000 input tokens. Please reduce the length of the input prompt.",
+    "type": "BadRequestError", "param": "input_tokens", "code": 400}})
+
+
+def _prompt(request: dict) -> str:
+    if "messages" in request:
+        return str(request["messages"][-1].get("content", ""))
+    return str(request.get("prompt", ""))
+
+
+def _chunk(index: int, usage: dict | None) -> bytes:
+    return b"data: " + orjson.dumps({
+        "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
+        "choices": [{"index": 0, "text": f" t{index}", "finish_reason": None}],
+        "usage": usage}) + b"\n\n"
+
+
+async def _respond(send: object, status: int, body: bytes) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def app(scope: dict, receive: object, send: object) -> None:
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if scope["path"] == "/_requests":
+        if scope["method"] == "DELETE":
+            RECEIVED.clear()
+        await _respond(send, 200, orjson.dumps(RECEIVED))
+        return
+    request = orjson.loads(body)
+    RECEIVED.append({"path": scope["path"], "body": request,
+                     "authorization": dict(scope["headers"]).get(b"authorization", b"").decode()})
+    prompt = _prompt(request)
+    if prompt == "context":
+        await _respond(send, 400, CONTEXT_ERROR)
+        return
+    slow = prompt == "slow"
+    chunks = 20 if slow else 4
+    if not request.get("stream"):
+        if slow:
+            await asyncio.sleep(1.0)
+        await _respond(send, 200, orjson.dumps({
+            "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
+            "choices": [{"index": 0, "text": " t0 t1 t2 t3", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
+                      "prompt_tokens_details": {"cached_tokens": 3}}}))
+        return
+    options = request.get("stream_options") or {}
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    for index in range(chunks):
+        if prompt == "drop" and index == 2:
+            raise ConnectionAbortedError("the stub engine dies in mid-stream")
+        usage = ({"prompt_tokens": 7, "completion_tokens": index + 1,
+                  "total_tokens": 8 + index} if options.get("continuous_usage_stats") else None)
+        await send({"type": "http.response.body", "body": _chunk(index, usage),
+                    "more_body": True})
+        if slow:
+            await asyncio.sleep(0.2)
+    tail = b""
+    if options.get("include_usage"):
+        tail = b"data: " + orjson.dumps({
+            "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
+            "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": chunks,
+                                     "total_tokens": 7 + chunks}}) + b"\n\n"
+    await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
