@@ -1,0 +1,121 @@
+"""Usage records move from the gateways' Redis stream into PostgreSQL exactly once."""
+
+from datetime import UTC, datetime, timedelta
+from uuid import uuid4
+
+import pytest
+from django.utils import timezone
+
+from accounts.models import APIKey, Organization
+from billing import usage_stream
+from billing.models import UsageRecord
+from billing.services import do_ingest_usage, do_record_usage
+from endpoints.models import Endpoint
+from kvrun.redis import redis_client
+from tests.factories import inference_key, ready_endpoint
+
+STARTED = datetime(2026, 12, 2, 12, 0, 0, 123000, tzinfo=UTC)
+
+
+@pytest.fixture
+def endpoint(org: Organization) -> Endpoint:
+    return ready_endpoint(org, "chat", [41000])
+
+
+@pytest.fixture
+def key(org: Organization) -> APIKey:
+    return inference_key(org)[0]
+
+
+def record(endpoint: Endpoint, key: APIKey, **fields: object) -> dict:
+    return {"request_id": f"req_{uuid4().hex}", "idempotency_key": "",
+            "organization_id": str(endpoint.organization_id), "endpoint_id": str(endpoint.id),
+            "replica_id": str(endpoint.replicas.get().id), "api_key_id": str(key.id),
+            "operation": "completions", "stream": False, "prompt_tokens": 7,
+            "completion_tokens": 4, "cached_tokens": 0, "status_code": 200, "error_code": "",
+            "client_disconnected": False,
+            "started_at_ms": int(STARTED.timestamp() * 1000), "ttft_ms": None,
+            "duration_ms": 12, "overhead_ms": 0.412, **fields}
+
+
+def append(*records: dict) -> None:
+    for one in records:
+        redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: usage_stream.encode(one)})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_it_stores_each_record_and_empties_the_stream(endpoint: Endpoint, key: APIKey) -> None:
+    first, second = record(endpoint, key), record(endpoint, key, stream=True, ttft_ms=5)
+    append(first, second)
+
+    assert do_ingest_usage() == 2
+
+    stored = UsageRecord.objects.get(request_id=first["request_id"])
+    assert stored.started_at == STARTED
+    assert (stored.prompt_tokens, stored.completion_tokens, stored.duration_ms) == (7, 4, 12)
+    assert str(stored.gateway_overhead_ms) == "0.412"
+    assert UsageRecord.objects.get(request_id=second["request_id"]).time_to_first_token_ms == 5
+    assert redis_client().xlen(usage_stream.STREAM) == 0
+    assert APIKey.objects.get(id=key.id).last_used_at == STARTED
+    assert do_ingest_usage() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_delivered_twice_is_stored_once(endpoint: Endpoint, key: APIKey) -> None:
+    one = usage_stream.encode(record(endpoint, key))
+
+    assert do_record_usage(payloads=[one]) == []
+    assert do_record_usage(payloads=[one, one]) == []
+
+    assert UsageRecord.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+def test_entries_a_dead_worker_had_read_are_stored_on_the_next_run(
+    endpoint: Endpoint, key: APIKey, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    append(record(endpoint, key), record(endpoint, key))
+    do_ingest_usage(max_batches=0)  # creates the consumer group, reads nothing
+    client = redis_client()
+    # One worker read an entry under this host's name and died before acknowledging it;
+    # another host's worker read the second one and died too.
+    client.xreadgroup(usage_stream.GROUP, socket.gethostname(), {usage_stream.STREAM: ">"},
+                      count=1)
+    client.xreadgroup(usage_stream.GROUP, "elsewhere", {usage_stream.STREAM: ">"}, count=1)
+    monkeypatch.setattr("billing.services.CLAIM_IDLE_MS", 0)
+
+    assert do_ingest_usage() == 2
+
+    assert UsageRecord.objects.count() == 2
+    assert client.xpending(usage_stream.STREAM, usage_stream.GROUP)["pending"] == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_record_that_cannot_be_stored_goes_to_dead_letters_and_holds_back_nothing(
+    endpoint: Endpoint, key: APIKey
+) -> None:
+    good = record(endpoint, key)
+    orphan = record(endpoint, key, endpoint_id=str(uuid4()))  # no such endpoint
+    append(good, orphan)
+    redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: b"not json"})
+
+    assert do_ingest_usage() == 3
+
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == [good["request_id"]]
+    dead = redis_client().xrange(usage_stream.DEAD_LETTERS)
+    assert len(dead) == 2
+    assert redis_client().xlen(usage_stream.STREAM) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_last_used_at_never_moves_backwards(endpoint: Endpoint, key: APIKey) -> None:
+    later = STARTED + timedelta(minutes=5)
+    APIKey.objects.filter(id=key.id).update(last_used_at=later)
+    append(record(endpoint, key))
+
+    do_ingest_usage()
+
+    assert APIKey.objects.get(id=key.id).last_used_at == later
+    assert timezone.is_aware(later)
