@@ -26,6 +26,27 @@ ENGINE_TIMINGS = {"KVRUN_ENGINE_BACKOFF_SECONDS": "1", "KVRUN_ENGINE_MAX_FAILURE
                   "KVRUN_ENGINE_START_TIMEOUT_SECONDS": "180"}
 
 
+@pytest.fixture(scope="session")
+def django_db_setup(request: pytest.FixtureRequest, django_test_environment: None,
+                    django_db_blocker: object) -> Iterator[None]:
+    """The test database, always created: pytest-django would create it only when a collected
+    test is marked for the database, and processes started for the suite (worker, node
+    agents, web) must never be pointed at the development database instead."""
+    from django.db import connection
+    from django.test.utils import setup_databases, teardown_databases
+
+    with django_db_blocker.unblock():
+        config = setup_databases(verbosity=request.config.option.verbose, interactive=False,
+                                 aliases={"default"}, serialized_aliases=set())
+    yield
+    with django_db_blocker.unblock():
+        # Backends of processes that have just exited may not have gone yet.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                           "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        teardown_databases(config, verbosity=request.config.option.verbose)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _flush_retried_on_deadlock() -> Iterator[None]:
     """The worker and node agents keep using the test database between tests, so the TRUNCATE
@@ -89,6 +110,7 @@ def manage_secret(org: Organization) -> str:
 
 def database_url_for_tests() -> str:
     """DATABASE_URL with the database pytest-django created, for processes started by tests."""
+    assert settings.DATABASES["default"]["NAME"].startswith("test_"), "no test database yet"
     parts = urlsplit(os.environ["DATABASE_URL"])
     return urlunsplit(parts._replace(path="/" + settings.DATABASES["default"]["NAME"]))
 

@@ -2,9 +2,6 @@
 
 import os
 import signal
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -14,55 +11,17 @@ from rest_framework.test import APIClient
 
 from accounts.models import Organization
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
-from endpoints.services import do_load_catalogs
-from endpoints.tasks import mark_lost_nodes, reconcile
+from endpoints.planning import shape_of
 from engine.agent import engine_api_key
 from engine.sizing import GIB, kv_cache_tokens
 from engine.supervisor import port_is_free, process_alive
-from endpoints.planning import shape_of
-from tests.conftest import ENGINE_TIMINGS, ROOT, process_env, stop, wait_until
+from tests.conftest import stop, wait_until
+from tests.e2e.conftest import api_servers, drive, start_agent
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 READY_WITHIN = 120  # the issue's promise for create → ready
 RESTART_WITHIN = 180
-
-
-@pytest.fixture(scope="session")
-def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("engine-logs")
-
-
-def start_agent(name: str, logs: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "manage.py", "node_agent", "--name", name],
-        cwd=ROOT, env=process_env(KVRUN_NODE_GPUS="none", KVRUN_NODE_HEARTBEAT_SECONDS="1",
-                                  KVRUN_ENGINE_LOG_DIR=str(logs), **ENGINE_TIMINGS),
-    )
-
-
-@pytest.fixture(scope="session")
-def agent(celery_worker: object, engine_logs: Path) -> Iterator[subprocess.Popen]:
-    process = start_agent("e2e-a", engine_logs)
-    yield process
-    stop(process)
-
-
-@pytest.fixture
-def ready_node(agent: subprocess.Popen) -> Node:
-    do_load_catalogs()
-    assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",
-                                                  gpu_type__slug="cpu").exists(), 60)
-    return Node.objects.get(name="e2e-a")
-
-
-def drive(predicate: Callable[[], bool], timeout: float) -> bool:
-    """Wait for `predicate`, running the reconciler and the liveness check as beat would."""
-    def step() -> bool:
-        reconcile.delay()
-        mark_lost_nodes.delay()
-        return predicate()
-    return wait_until(step, timeout, interval=1.0)
 
 
 def create(api: APIClient, org: Organization, name: str, model: str = "kvrun-demo-tiny") -> dict:
@@ -79,19 +38,6 @@ def state_of(name: str) -> str:
 
 def ready_replica(name: str) -> Replica:
     return Replica.objects.get(endpoint__name=name, state=State.READY)
-
-
-def api_servers(name: str) -> list[int]:
-    """PIDs of vLLM API servers serving `name` on this machine."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"vllm.entrypoints.openai.api_server" in argv and name.encode() in argv:
-            found.append(int(cmdline.parent.name))
-    return [pid for pid in found if process_alive(pid)]
 
 
 def delete_and_settle(api: APIClient, org: Organization, name: str) -> None:

@@ -1,0 +1,234 @@
+"""The OpenAI-compatible gateway end to end: the official `openai` client → web process →
+a real vLLM engine provisioned by the node agent, with usage ingested by the real worker.
+
+One engine serves the whole module, so its rows must outlive each test: the module commits
+its own data (no test transaction, no flush between its tests) and flushes once at the end.
+"""
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+from django.conf import settings
+from django.core.management import call_command
+
+from accounts.models import Organization, Role
+from accounts.services import do_create_organization, do_revoke_api_key
+from billing.models import UsageRecord
+from billing.tasks import ingest_usage
+from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
+from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
+from engine.metrics import engine_token_totals, totals
+from tests.conftest import wait_until
+from tests.e2e.conftest import api_servers, drive
+from tests.factories import UserFactory, inference_key
+
+pytestmark = [pytest.mark.e2e]
+
+
+@dataclass(frozen=True)
+class Served:
+    web: str
+    endpoint: Endpoint
+    engine: str  # the engine's own address, for its /metrics
+    first: Organization
+    second: Organization
+
+    def client(self, secret: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.web}/v1", api_key=secret, max_retries=0)
+
+    def metrics(self) -> dict[str, float]:
+        return totals(httpx.get(f"{self.engine}/metrics").text)
+
+
+@pytest.fixture(scope="module")
+def served(django_db_blocker: object, agent: object, web: str) -> Iterator[Served]:
+    with django_db_blocker.unblock():
+        do_load_catalogs()
+        assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",
+                                                      gpu_type__slug="cpu").exists(), 60)
+        first = do_create_organization(user=UserFactory(), name="Initech")
+        second = do_create_organization(user=UserFactory(), name="Umbrella")
+        endpoint = do_create_endpoint(
+            organization=first, actor_role=Role.OWNER, created_by=None, name="chat",
+            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            context_length=2048, concurrency=8)
+        assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 180)
+        replica = Replica.objects.get(endpoint=endpoint, state=State.READY)
+        yield Served(web=web, endpoint=endpoint, engine=f"http://127.0.0.1:{replica.port}",
+                     first=first, second=second)
+        do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
+        assert drive(lambda: not api_servers("chat") and not Replica.objects.filter(
+            endpoint=endpoint).exclude(state=State.STOPPED).exists(), 60)
+        call_command("flush", interactive=False, verbosity=0)
+
+
+def records_for(request_ids: list[str]) -> list[UsageRecord]:
+    def stored() -> bool:
+        ingest_usage.delay()
+        return UsageRecord.objects.filter(request_id__in=request_ids).count() == len(request_ids)
+    assert wait_until(stored, 30, interval=0.5), "usage records did not arrive"
+    return list(UsageRecord.objects.filter(request_id__in=request_ids))
+
+
+def test_the_openai_client_works_against_kvrun(served: Served) -> None:
+    client = served.client(inference_key(served.first)[1])
+
+    assert [model.id for model in client.models.list()] == ["chat"]
+    chat = client.chat.completions.with_raw_response.create(
+        model="chat", messages=[{"role": "user", "content": "Say hello"}], max_tokens=5)
+    completion = client.completions.create(model="chat", prompt="Once upon a time",
+                                           max_tokens=5)
+    streamed = list(client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Count"}], max_tokens=6,
+        stream=True, stream_options={"include_usage": True}))
+    plain_stream = list(client.completions.create(model="chat", prompt="Hello", max_tokens=4,
+                                                  stream=True))
+
+    assert chat.headers["x-request-id"].startswith("req_")
+    assert float(chat.headers["x-kvrun-overhead-ms"]) < 1000
+    assert chat.parse().usage.completion_tokens == 5
+    assert completion.usage.completion_tokens == 5 and completion.choices[0].text
+    assert streamed[-1].usage.completion_tokens == 6 and streamed[-1].choices == []
+    assert all(chunk.usage is None for chunk in streamed[:-1])
+    assert all(chunk.usage is None for chunk in plain_stream)
+    assert sum(bool(chunk.choices) for chunk in plain_stream) == len(plain_stream)
+    records = records_for([chat.headers["x-request-id"]])
+    assert (records[0].prompt_tokens, records[0].completion_tokens) == (
+        chat.parse().usage.prompt_tokens, 5)
+
+
+def test_openai_errors_come_as_the_client_expects(served: Served) -> None:
+    client = served.client(inference_key(served.first)[1])
+    limited = served.client(inference_key(served.first, requests_per_minute=1)[1])
+
+    with pytest.raises(openai.AuthenticationError) as bad_key:
+        served.client("kvr_" + "0" * 43).models.list()
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client.completions.create(model="no-such-endpoint", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.completions.create(model="chat", prompt="lorem ipsum " * 3000, max_tokens=2)
+    limited.completions.create(model="chat", prompt="Hi there", max_tokens=2)
+    with pytest.raises(openai.RateLimitError) as exhausted:
+        limited.completions.create(model="chat", prompt="Hi there", max_tokens=2)
+
+    assert bad_key.value.code == "invalid_api_key"
+    assert unknown.value.code == "model_not_found"
+    assert too_long.value.code == "context_length_exceeded"
+    assert "maximum context length is 2048" in too_long.value.message
+    assert exhausted.value.code == "rate_limit_exceeded"
+    assert int(exhausted.value.response.headers["retry-after"]) >= 1
+    assert exhausted.value.response.headers["x-ratelimit-limit-requests"] == "1"
+
+
+def test_one_organisation_s_cached_prefixes_never_serve_another(served: Served) -> None:
+    """Endpoints are dedicated, so to put two organisations' traffic on one engine the test
+    hands the endpoint from one to the other, as a shared engine would see it."""
+    prompt = f"{uuid.uuid4()} " + "The quick brown fox jumps over the lazy dog. " * 40
+    first = served.client(inference_key(served.first)[1])
+    second = served.client(inference_key(served.second)[1])
+
+    def cached(client: openai.OpenAI) -> tuple[int, float]:
+        before = served.metrics()["vllm:prefix_cache_hits_total"]
+        usage = client.completions.create(model="chat", prompt=prompt, max_tokens=1).usage
+        hits = served.metrics()["vllm:prefix_cache_hits_total"] - before
+        return usage.prompt_tokens_details.cached_tokens, hits
+
+    assert first.completions.create(model="chat", prompt=prompt, max_tokens=1).usage \
+        .prompt_tokens > 256
+    first_again = cached(first)
+    Endpoint.objects.filter(id=served.endpoint.id).update(organization=served.second)
+    try:
+        second_cold = cached(second)
+        second_again = cached(second)
+    finally:
+        Endpoint.objects.filter(id=served.endpoint.id).update(organization=served.first)
+
+    assert first_again[0] >= 128 and first_again[1] >= 128  # the same tenant hits
+    assert second_cold == (0, 0)  # the same prompt from another tenant does not
+    assert second_again[0] >= 128 and second_again[1] >= 128
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_engine_and_pays_for_what_it_got(
+    served: Served
+) -> None:
+    secret = inference_key(served.first)[1]
+    max_tokens = 2000
+    for _ in range(5):
+        before = served.metrics()["vllm:generation_tokens_total"]
+        with httpx.stream("POST", f"{served.web}/v1/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {secret}"},
+                          json={"model": "chat", "prompt": "Tell me everything",
+                                "stream": True, "max_tokens": max_tokens,
+                                "ignore_eos": True}) as response:
+            request_id = response.headers["x-request-id"]
+            chunks = 0
+            for line in response.iter_lines():
+                chunks += line.startswith("data: ")
+                if chunks == 3:
+                    break
+        [record] = records_for([request_id])
+        # On two busy cores the engine's API server can be starved until the engine has
+        # generated everything; then the whole stream was delivered before the client left,
+        # and there was nothing to abort. Only a real mid-stream departure tests the abort.
+        if record.client_disconnected:
+            break
+    assert record.client_disconnected, "every stream was over before the client could leave"
+
+    assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
+    generated = served.metrics()["vllm:generation_tokens_total"] - before
+    time.sleep(0.5)
+    assert served.metrics()["vllm:generation_tokens_total"] - before == generated
+    assert generated < max_tokens, "the engine kept generating for a client that had left"
+    assert record.status_code == 499
+    assert 3 <= record.completion_tokens <= generated
+    assert record.prompt_tokens > 0
+
+
+def test_metered_tokens_equal_what_the_engine_counted(served: Served) -> None:
+    secret = inference_key(served.first)[1]
+    client = served.client(secret)
+    before = engine_token_totals(httpx.get(f"{served.engine}/metrics").text)
+    ids = []
+    for prompt in ("Alpha", "Beta gamma delta", "Epsilon " * 20):
+        ids.append(client.completions.with_raw_response.create(
+            model="chat", prompt=prompt, max_tokens=7).headers["x-request-id"])
+    ids.append(client.chat.completions.with_raw_response.create(
+        model="chat", messages=[{"role": "user", "content": "Zeta"}], max_tokens=9,
+    ).headers["x-request-id"])
+    for body in ({"prompt": "Eta", "stream": True},
+                 {"prompt": "Theta", "stream": True, "stream_options": {"include_usage": True}},
+                 {"messages": [{"role": "user", "content": "Iota"}], "stream": True}):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        response = httpx.post(f"{served.web}{path}", timeout=30,
+                              headers={"Authorization": f"Bearer {secret}"},
+                              json={"model": "chat", "max_tokens": 5, **body})
+        assert response.text.rstrip().endswith("data: [DONE]")
+        ids.append(response.headers["x-request-id"])
+    after = engine_token_totals(httpx.get(f"{served.engine}/metrics").text)
+
+    records = records_for(ids)
+    assert sum(record.prompt_tokens for record in records) == after["prompt"] - before["prompt"]
+    assert sum(record.completion_tokens for record in records) == (
+        after["generation"] - before["generation"])
+    assert {record.stream for record in records} == {True, False}
+
+
+def test_a_revoked_key_stops_working_within_the_key_cache_ttl(served: Served) -> None:
+    key, secret = inference_key(served.first)
+    client = served.client(secret)
+    client.completions.create(model="chat", prompt="Hello", max_tokens=1)
+
+    do_revoke_api_key(key=key, actor_role=Role.OWNER)
+
+    def refused() -> bool:
+        try:
+            client.completions.create(model="chat", prompt="Hello", max_tokens=1)
+        except openai.AuthenticationError:
+            return True
+        return False
+    assert wait_until(refused, settings.KVRUN_API_KEY_CACHE_SECONDS, interval=0.1)
