@@ -5,8 +5,10 @@ import pytest
 from rest_framework.test import APIClient
 
 from endpoints.models import GPUType, ModelSpec
+from endpoints.planning import shape_of
 from endpoints.selectors import gpu_type_for_device
 from endpoints.services import CATALOG_DIR, do_load_catalogs
+from engine.sizing import kv_bytes_per_token
 
 pytestmark = pytest.mark.django_db
 
@@ -21,7 +23,7 @@ def test_loading_twice_updates_in_place(catalogs: None) -> None:
 
     models, gpus = do_load_catalogs()
 
-    assert models == ModelSpec.objects.count() >= 15
+    assert models == ModelSpec.objects.count() >= 16  # 15 popular open models and the demo
     assert gpus == GPUType.objects.count() == 10
     assert ModelSpec.objects.get(slug="llama-3.1-8b-instruct").layers == 32
 
@@ -70,3 +72,33 @@ def test_the_api_lists_gpu_types_by_price(owner_api: APIClient, catalogs: None) 
 )
 def test_a_device_maps_to_its_catalog_type(catalogs: None, name: str, mib: int, slug: str) -> None:
     assert gpu_type_for_device(device_name=name, memory_bytes=mib * 2**20).slug == slug
+
+
+# 2 (K and V) x layers x KV heads x head dim x 2 bytes (bf16), worked out by hand from each
+# model's config.json; MLA (DeepSeek-V3) stores layers x (latent rank + rope dim) x 2 bytes.
+KV_BYTES_PER_TOKEN = {
+    "kvrun-demo-tiny": 2 * 2 * 1 * 64 * 2,
+    "llama-3.1-8b-instruct": 131_072,
+    "llama-3.1-70b-instruct": 327_680,
+    "llama-3.1-405b-instruct": 516_096,
+    "llama-3.3-70b-instruct": 327_680,
+    "llama-3.2-3b-instruct": 114_688,
+    "qwen2.5-7b-instruct": 57_344,
+    "qwen2.5-32b-instruct": 262_144,
+    "qwen2.5-72b-instruct": 327_680,
+    "qwen3-8b": 147_456,
+    "mistral-7b-instruct-v0.3": 131_072,
+    "mistral-nemo-instruct-2407": 163_840,
+    "mixtral-8x7b-instruct-v0.1": 131_072,
+    "gemma-2-9b-it": 344_064,
+    "gemma-2-27b-it": 376_832,
+    "phi-3-mini-4k-instruct": 393_216,
+    "deepseek-v3": 61 * (512 + 64) * 2,
+}
+
+
+def test_every_catalog_model_needs_the_kv_bytes_worked_out_by_hand(catalogs: None) -> None:
+    computed = {model.slug: kv_bytes_per_token(shape_of(model))
+                for model in ModelSpec.objects.all()}
+
+    assert computed == KV_BYTES_PER_TOKEN

@@ -79,3 +79,11 @@ def test_port_is_free() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         assert not port_is_free(sock.getsockname()[1])
+
+
+def test_an_engine_listens_on_its_node_s_address_and_reports_cached_tokens() -> None:
+    argv, _ = build_command(spec(host="10.0.0.7"))
+
+    joined = " ".join(argv)
+    assert "--host 10.0.0.7" in joined
+    assert "--enable-prompt-tokens-details" in argv  # usage then carries cached_tokens
