@@ -36,7 +36,7 @@ from endpoints.models import State
 
 logger = logging.getLogger(__name__)
 
-Scope_ = dict[str, Any]
+ASGIScope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
@@ -119,7 +119,7 @@ class Gateway:
 
     # --- requests --------------------------------------------------------------------------
 
-    async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
         if not self._started:
             await self.start()
         path, method = scope["path"], scope["method"]
@@ -141,7 +141,7 @@ class Gateway:
         except ClientGone:
             pass
 
-    async def _authenticate(self, scope: Scope_) -> KeyIdentity:
+    async def _authenticate(self, scope: ASGIScope) -> KeyIdentity:
         header = _header(scope, b"authorization")
         scheme, _, secret = header.partition(" ")
         if scheme.lower() != "bearer" or not secret.strip():
@@ -161,7 +161,7 @@ class Gateway:
                                code="insufficient_scope")
         return identity
 
-    async def _models(self, exchange: Exchange, scope: Scope_, send: Send, one: str) -> None:
+    async def _models(self, exchange: Exchange, scope: ASGIScope, send: Send, one: str) -> None:
         identity = await self._authenticate(scope)
         routes = await self.directory.routes(identity.organization_id)
         listed = [_model_entry(route) for name, route in sorted(routes.items())
@@ -175,7 +175,7 @@ class Gateway:
             body = orjson.dumps({"object": "list", "data": listed})
         await _respond(send, exchange, 200, body, [JSON])
 
-    async def _complete(self, exchange: Exchange, scope: Scope_, receive: Receive,
+    async def _complete(self, exchange: Exchange, scope: ASGIScope, receive: Receive,
                         send: Send) -> None:
         identity = await self._authenticate(scope)
         payload = _parse(await _read_body(scope, receive))
@@ -399,7 +399,7 @@ def cache_salt(organization_id: object) -> str:
                     hashlib.sha256).hexdigest()[:32]
 
 
-def _header(scope: Scope_, name: bytes) -> str:
+def _header(scope: ASGIScope, name: bytes) -> str:
     for key, value in scope["headers"]:
         if key == name:
             return value.decode("latin-1")
@@ -443,7 +443,7 @@ def _not_ready(route: Route) -> GatewayError:
                         headers=[(b"retry-after", b"5")])
 
 
-async def _read_body(scope: Scope_, receive: Receive) -> bytes:
+async def _read_body(scope: ASGIScope, receive: Receive) -> bytes:
     limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
     too_large = GatewayError(413, f"The request body is larger than the limit of {limit} bytes; "
                              "send a shorter prompt.", code="request_too_large")

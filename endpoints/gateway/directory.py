@@ -11,7 +11,7 @@ import asyncio
 import ipaddress
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from uuid import UUID
 
@@ -59,35 +59,24 @@ class _ReplicaRow:
     base_url: str
 
 
-@dataclass(frozen=True)
-class _EndpointRow:
-    endpoint_id: str
-    name: str
-    organization_slug: str
-    state: str
-    progress: dict[str, Any]
-    created: int
-    replicas: tuple[_ReplicaRow, ...]
-
-
 def _base_url(address: str, port: int) -> str:
     host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
     return f"http://{host}:{port}"
 
 
-def _read_endpoints(organization_id: UUID) -> list[_EndpointRow]:
+def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRow, ...]]]:
+    """Each endpoint as a route still without upstreams, and its ready replicas."""
     close_old_connections()  # this thread serves no Django request that would do it
     rows = []
     for endpoint in endpoints_for_gateway(organization_id=organization_id):
-        rows.append(_EndpointRow(
-            endpoint_id=str(endpoint.id), name=endpoint.name,
-            organization_slug=endpoint.organization.slug, state=endpoint.state,
-            progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),
-            created=int(endpoint.created_at.timestamp()),
-            replicas=tuple(_ReplicaRow(replica_id=str(replica.id),
-                                       base_url=_base_url(replica.node.address, replica.port))
-                           for replica in endpoint.ready_replicas),
-        ))
+        route = Route(endpoint_id=str(endpoint.id), name=endpoint.name,
+                      organization_slug=endpoint.organization.slug, state=endpoint.state,
+                      progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),
+                      created=int(endpoint.created_at.timestamp()))
+        replicas = tuple(_ReplicaRow(replica_id=str(replica.id),
+                                     base_url=_base_url(replica.node.address, replica.port))
+                         for replica in endpoint.ready_replicas)
+        rows.append((route, replicas))
     return rows
 
 
@@ -133,22 +122,22 @@ class Directory:
             return entry[1]
         rows = await self._once(("routes", organization_id),
                                 lambda: sync_to_async(_read_endpoints)(organization_id))
-        routes = {row.name: self._route(row) for row in rows}
+        routes = {route.name: self._with_upstreams(route, replicas) for route, replicas in rows}
         self._routes[organization_id] = (time.monotonic() + self._route_seconds, routes)
         return routes
 
-    def _route(self, row: _EndpointRow) -> Route:
+    def _with_upstreams(self, route: Route, replicas: tuple[_ReplicaRow, ...]) -> Route:
+        """The route with its replicas as upstreams; a replica keeps its upstream (and so
+        its in-flight count) from one refresh to the next."""
         upstreams = []
-        for replica in row.replicas:
+        for replica in replicas:
             upstream = self._upstreams.get(replica.replica_id)
             if upstream is None or upstream.base_url != replica.base_url:
                 upstream = Upstream(replica_id=replica.replica_id, base_url=replica.base_url,
                                     authorization=f"Bearer {engine_api_key(replica.replica_id)}")
                 self._upstreams[replica.replica_id] = upstream
             upstreams.append(upstream)
-        return Route(endpoint_id=row.endpoint_id, name=row.name,
-                     organization_slug=row.organization_slug, state=row.state,
-                     progress=row.progress, created=row.created, upstreams=tuple(upstreams))
+        return replace(route, upstreams=tuple(upstreams))
 
     async def _once(self, key: object, load: Callable[[], Awaitable[Any]]) -> Any:
         pending = self._loading.get(key)
