@@ -213,6 +213,9 @@ class Gateway:
             # is still recorded.
             exchange.status, exchange.error_code = 503, "gateway_shutdown"
             raise
+        except Exception:
+            exchange.status, exchange.error_code = 500, "gateway_error"
+            raise
         finally:
             await self._finish(exchange, payload, body)
 

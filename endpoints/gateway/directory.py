@@ -26,6 +26,8 @@ from engine.agent import engine_api_key
 
 # Bound on remembered keys, so that a flood of made-up keys cannot grow memory without end.
 MAX_REMEMBERED_KEYS = 100_000
+# Replicas come and go; past this many remembered upstreams the memory is started afresh.
+MAX_REMEMBERED_UPSTREAMS = 10_000
 # A replica that refused a connection is tried last for this long.
 DOWN_SECONDS = 5.0
 
@@ -133,6 +135,8 @@ class Directory:
         for replica in replicas:
             upstream = self._upstreams.get(replica.replica_id)
             if upstream is None or upstream.base_url != replica.base_url:
+                if len(self._upstreams) >= MAX_REMEMBERED_UPSTREAMS:
+                    self._upstreams.clear()
                 upstream = Upstream(replica_id=replica.replica_id, base_url=replica.base_url,
                                     authorization=f"Bearer {engine_api_key(replica.replica_id)}")
                 self._upstreams[replica.replica_id] = upstream
