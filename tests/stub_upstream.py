@@ -2,7 +2,8 @@
 
     python -m uvicorn tests.stub_upstream:app --port P
 
-It keeps every request body it was sent (GET /_requests) and behaves by the prompt (or the
+It keeps every completion request it was sent (GET /_requests), counts a prompt's words as
+its tokens (POST /tokenize), and behaves by the prompt (or the
 last chat message): "context" answers vLLM's context-length 400, "slow" takes its time
 (a second, or a chunk every 0.2 s), "drop" dies after two chunks of a stream; anything else
 is answered at once with usage. Streams carry running usage when asked, as vLLM's do.
@@ -53,6 +54,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
         await _respond(send, 200, orjson.dumps(RECEIVED))
         return
     request = orjson.loads(body)
+    if scope["path"] == "/tokenize":  # one token a word, as far as the stub's tokenizer goes
+        await _respond(send, 200, orjson.dumps({"count": len(_prompt(request).split())}))
+        return
     RECEIVED.append({"path": scope["path"], "body": request,
                      "authorization": dict(scope["headers"]).get(b"authorization", b"").decode()})
     prompt = _prompt(request)

@@ -241,10 +241,10 @@ class Gateway:
         if exchange.stream:
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         upstream_body = orjson.dumps(payload)
-        watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, exchange))
+        watcher = asyncio.get_running_loop().create_task(
+            _watch_disconnect(receive, exchange, asyncio.current_task()))
         try:
             response = await self._connect(exchange, upstream_body)
-            exchange.response = response
             async with response:
                 if exchange.stream and response.status == 200:
                     await self._relay_stream(
@@ -267,6 +267,15 @@ class Gateway:
                 exchange.take_usage(orjson.loads(body).get("usage"))
                 await _respond(send, exchange, 200, body, [JSON])
                 return body
+        except asyncio.CancelledError:
+            if not exchange.disconnected:
+                raise
+            # The client left while the engine had not answered yet (a non-streamed answer
+            # comes whole): the cancelled request closed the engine connection.
+            asyncio.current_task().uncancel()
+            if exchange.response is not None:
+                exchange.response.close()
+            return None
         finally:
             watcher.cancel()
             exchange.response = None
@@ -285,24 +294,24 @@ class Gateway:
             tried.add(upstream)
             upstream.in_flight += 1
             upstream.served += 1
+            exchange.upstream = upstream
             waited = time.perf_counter()
             try:
-                response = await self.session.post(
+                exchange.response = await self.session.post(
                     upstream.base_url + path, data=body,
                     headers={"Authorization": upstream.authorization,
                              "Content-Type": "application/json"})
             except aiohttp.ClientConnectorError:
                 upstream.in_flight -= 1
+                exchange.upstream = None
                 mark_down(upstream)
                 continue
             except (aiohttp.ClientError, TimeoutError):
-                exchange.upstream = upstream
                 raise GatewayError(502, "The engine did not answer; retry.",
                                    code="engine_error") from None
             finally:
                 exchange.upstream_seconds += time.perf_counter() - waited
-            exchange.upstream = upstream
-            return response
+            return exchange.response
         raise GatewayError(503, f"No replica of endpoint {route.name!r} accepted the request; "
                            "kvrun is restarting it. Retry in a few seconds.",
                            code="engine_unavailable", headers=[(b"retry-after", b"5")])
@@ -512,14 +521,18 @@ def _client_chunk(exchange: Exchange, chunk: dict[str, Any], data: bytes, *, wan
     return orjson.dumps(chunk)
 
 
-async def _watch_disconnect(receive: Receive, exchange: Exchange) -> None:
+async def _watch_disconnect(receive: Receive, exchange: Exchange,
+                            proxy: asyncio.Task[Any] | None) -> None:
     """Wait for the client to leave; then drop the engine connection, which makes vLLM abort
-    the request instead of generating for no one."""
+    the request instead of generating for no one: close the response being read, or cancel
+    the request still waiting for one."""
     while (await receive())["type"] != "http.disconnect":
         pass
     exchange.disconnected = True
     if exchange.response is not None:
         exchange.response.close()
+    elif proxy is not None:
+        proxy.cancel()
 
 
 def _headers(exchange: Exchange, extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

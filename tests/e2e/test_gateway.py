@@ -189,6 +189,31 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_pays_for_what_it_g
     assert record.prompt_tokens > 0
 
 
+def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Served) -> None:
+    key, secret = inference_key(served.first)
+    max_tokens = 2000
+    before = served.metrics()["vllm:generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):  # a non-streamed answer comes only when it is done
+        httpx.post(f"{served.web}/v1/completions", timeout=0.5,
+                   headers={"Authorization": f"Bearer {secret}"},
+                   json={"model": "chat", "prompt": "Write a long story",
+                         "max_tokens": max_tokens, "ignore_eos": True})
+
+    assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
+    generated = served.metrics()["vllm:generation_tokens_total"] - before
+    assert generated < max_tokens, "the engine kept generating for a client that had left"
+
+    def recorded() -> bool:
+        ingest_usage.delay()
+        return UsageRecord.objects.filter(api_key=key).exists()
+    assert wait_until(recorded, 30, interval=0.5)
+    record = UsageRecord.objects.get(api_key=key)
+    assert (record.status_code, record.client_disconnected) == (499, True)
+    # No usage came back: the engine's own tokenizer counted the prompt.
+    assert record.prompt_tokens == served.client(secret).completions.create(
+        model="chat", prompt="Write a long story", max_tokens=1).usage.prompt_tokens
+
+
 def test_metered_tokens_equal_what_the_engine_counted(served: Served) -> None:
     secret = inference_key(served.first)[1]
     client = served.client(secret)

@@ -397,6 +397,21 @@ def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
     assert 3 <= record.completion_tokens < 20 and record.prompt_tokens == 7
 
 
+def test_a_client_that_leaves_before_any_usage_is_billed_for_its_prompt(
+    web: str, endpoint: Endpoint, secret: str, ingested: Ingested
+) -> None:
+    with pytest.raises(httpx.ReadTimeout):  # gone before the slow answer is ready
+        httpx.post(f"{web}/v1/completions", timeout=0.3,
+                   headers={"Authorization": f"Bearer {secret}"},
+                   json={"model": "chat", "prompt": "slow"})
+
+    assert ingested(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.client_disconnected) == (499, True)
+    # No usage came back, so the engine's tokenizer counted the prompt.
+    assert (record.prompt_tokens, record.completion_tokens) == (1, 0)
+
+
 def test_usage_survives_a_web_process_told_to_stop(
     endpoint: Endpoint, secret: str, ingested: Ingested
 ) -> None:
