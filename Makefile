@@ -8,13 +8,19 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: run test bench install browser clean
+.PHONY: run test lint bench install browser clean
 
 run: install
 	$(BIN)/python -m kvrun.launcher run
 
-test: install browser
+# Lint and the import contracts first: a broken layout fails before any test runs.
+test: install browser lint
 	$(BIN)/python -m kvrun.launcher test $(PYTEST_ARGS)
+
+# ruff (pyflakes, isort, bugbear, pyupgrade) and import-linter's contracts (pyproject.toml).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
 
 install: $(STAMP)
 

@@ -1,7 +1,5 @@
 """REST views for accounts. Thin: they parse input, call a service or selector, render."""
 
-from functools import cached_property
-
 from django.db.models import QuerySet
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import extend_schema
@@ -16,6 +14,7 @@ from accounts import selectors, serializers, services
 from accounts.models import APIKey, Invite, Membership, Organization, User
 from accounts.permissions import SignedInUser
 from accounts.principals import KeyPrincipal
+from accounts.scoping import OrganizationScoped
 from kvrun.api import validated
 
 
@@ -96,23 +95,6 @@ class OrganizationViewSet(
         data = validated(serializers.OrganizationInput, request)
         organization = services.do_rename_organization(organization=organization, name=data["name"])
         return Response(self.get_serializer(organization).data)
-
-
-class OrganizationScoped:
-    """Resolves the organisation in the URL; one the caller cannot see is a 404."""
-
-    request: Request
-    kwargs: dict
-
-    @cached_property
-    def organization(self) -> Organization:
-        if getattr(self, "swagger_fake_view", False):  # schema generation: no request to scope by
-            return Organization()
-        return selectors.get_organization(principal=self.request.user, slug=self.kwargs["org_slug"])
-
-    @cached_property
-    def actor_role(self) -> str | None:
-        return selectors.role_of(principal=self.request.user, organization=self.organization)
 
 
 class MemberFilter(filters.FilterSet):

@@ -1,22 +1,8 @@
 from django import forms
 
-from accounts.models import Role, Scope
-
 
 class SignUpForm(forms.Form):
     email = forms.CharField(max_length=254, widget=forms.EmailInput(attrs={"autofocus": True}))
     password = forms.CharField(max_length=128, strip=False, widget=forms.PasswordInput)
     organization_name = forms.CharField(max_length=100, required=False,
                                         label="Organisation name (optional)")
-
-
-class APIKeyForm(forms.Form):
-    name = forms.CharField(max_length=100)
-    scope = forms.ChoiceField(choices=Scope.choices)
-    expires_at = forms.DateTimeField(required=False, label="Expires at (UTC, optional)",
-                                     widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
-
-
-class InviteForm(forms.Form):
-    email = forms.EmailField(required=False, label="Email (optional)")
-    role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)

@@ -8,12 +8,9 @@ from django.http import Http404
 from accounts import tokens
 from accounts.models import APIKey, Invite, Membership, Organization, Role, User
 from accounts.principals import KeyIdentity, KeyPrincipal
+from kvrun.digests import secret_digest
 
 Principal = User | KeyPrincipal
-
-
-# Gateways drop a key from their memory when its digest is published here.
-KEY_REVOKED_CHANNEL = "kvrun:apikey-revoked"
 
 
 def key_cache_name(digest: str) -> str:
@@ -24,7 +21,7 @@ def get_key_identity(*, secret: str) -> KeyIdentity | None:
     """The usable key for `secret`, or None. Served from the cache for a few seconds."""
     if not secret.startswith(tokens.API_KEY_PREFIX):
         return None
-    digest = tokens.digest(secret)
+    digest = secret_digest(secret)
     identity: KeyIdentity | None = cache.get(key_cache_name(digest))
     if identity is None:
         identity = key_identity_from_database(digest=digest)
@@ -101,7 +98,3 @@ def invites_of(*, organization: Organization) -> QuerySet[Invite]:
 
 def api_keys_of(*, organization: Organization) -> QuerySet[APIKey]:
     return APIKey.objects.filter(organization=organization).select_related("created_by")
-
-
-def owner_count(*, organization: Organization) -> int:
-    return Membership.objects.filter(organization=organization, role=Role.OWNER).count()

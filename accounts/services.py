@@ -6,8 +6,8 @@ must change, and PermissionDenied when the caller's role does not allow the chan
 
 import logging
 import secrets
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.conf import settings
@@ -22,10 +22,18 @@ from django.utils.text import slugify
 
 from accounts import tokens
 from accounts.models import (
-    MANAGER_ROLES, APIKey, Invite, Membership, Organization, Role, Scope, User,
+    MANAGER_ROLES,
+    APIKey,
+    Invite,
+    Membership,
+    Organization,
+    Role,
+    Scope,
+    User,
 )
-from accounts.selectors import KEY_REVOKED_CHANNEL, key_cache_name
-from kvrun.redis import redis_client
+from accounts.revocations import announce_key_revoked
+from accounts.selectors import key_cache_name
+from kvrun.digests import secret_digest
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +113,7 @@ def do_create_invite(
         organization=organization,
         email=email.strip().lower(),
         role=role,
-        token_digest=tokens.digest(token),
+        token_digest=secret_digest(token),
         created_by=created_by,
         expires_at=timezone.now() + timedelta(days=settings.KVRUN_INVITE_DAYS),
     )
@@ -124,7 +132,7 @@ def do_accept_invite(*, token: str, user: User) -> Membership:
     unusable = ValidationError(
         {"token": ["This invite link is invalid, used, revoked or expired; ask for a new one."]}
     )
-    invite = Invite.objects.filter(token_digest=tokens.digest(token or "")).first()
+    invite = Invite.objects.filter(token_digest=secret_digest(token or "")).first()
     if invite is None:
         raise unusable
     try:
@@ -207,7 +215,7 @@ def do_create_api_key(
         organization=organization,
         name=name.strip(),
         scope=scope,
-        digest=tokens.digest(secret),
+        digest=secret_digest(secret),
         prefix=tokens.visible_prefix(secret),
         last_four=secret[-4:],
         endpoint_names=sorted(set(endpoint_names)),
@@ -226,7 +234,7 @@ def do_revoke_api_key(*, key: APIKey, actor_role: str | None) -> bool:
     # Drop the cached identity, here and in every gateway process, so that the very next
     # request is refused.
     cache.delete(key_cache_name(key.digest))
-    transaction.on_commit(lambda: redis_client().publish(KEY_REVOKED_CHANNEL, key.digest))
+    transaction.on_commit(lambda: announce_key_revoked(key.digest))
     return revoked == 1
 
 

@@ -1,11 +1,8 @@
-"""Secrets shown once (API keys, invite tokens) and the peppered HMACs stored for them."""
+"""Secrets shown once: API keys and invite tokens. Only their digests are stored
+(kvrun.digests.secret_digest)."""
 
-import hashlib
-import hmac
 import secrets
 import string
-
-from django.conf import settings
 
 API_KEY_PREFIX = "kvr_"
 # 43 base62 characters carry 256 bits.
@@ -19,13 +16,6 @@ def new_api_key_secret() -> str:
 
 def new_invite_token() -> str:
     return secrets.token_urlsafe(32)
-
-
-def digest(secret: str) -> str:
-    """HMAC-SHA256 under the server-side pepper: a stolen table alone reveals no usable key."""
-    return hmac.new(
-        settings.KVRUN_KEY_PEPPER.encode(), secret.encode(), hashlib.sha256
-    ).hexdigest()
 
 
 def visible_prefix(secret: str) -> str:

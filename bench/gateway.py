@@ -37,9 +37,10 @@ from accounts.services import do_create_api_key, do_create_organization  # noqa:
 from billing.models import UsageRecord  # noqa: E402
 from billing.services import do_ingest_usage  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
-from engine import demo_model, supervisor  # noqa: E402
-from engine.agent import engine_api_key  # noqa: E402
+from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.metrics import engine_token_totals  # noqa: E402
+from engine.sizing import CPU  # noqa: E402
+from kvrun.digests import engine_api_key  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 from tests.factories import ready_endpoint  # noqa: E402
 
@@ -106,14 +107,14 @@ def main() -> None:
                                   actor_role=Role.OWNER, created_by=owner,
                                   requests_per_minute=10**9, tokens_per_minute=10**9)
 
-    upstream_port, engine_port, web_port = (supervisor.free_port() for _ in range(3))
+    upstream_port, engine_port, web_port = (processes.free_port() for _ in range(3))
     ready_endpoint(organization, "minimal", [upstream_port])
     engine_endpoint = ready_endpoint(organization, "engine", [engine_port])
     model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / "kvrun-demo-tiny"))
     engine_key = engine_api_key(engine_endpoint.replicas.get().id)
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="engine",
                                  port=engine_port, max_model_len=2048, max_num_seqs=8,
-                                 device="cpu", api_key=engine_key)
+                                 device=CPU, api_key=engine_key)
     engine = supervisor.start(spec, logs / "gateway-engine.log")
     upstream = serve("bench.minimal_upstream:app", upstream_port, logs / "minimal-upstream.log")
     web_log = logs / "gateway-web.log"
@@ -157,7 +158,7 @@ def main() -> None:
         web.wait(60)
         upstream.terminate()
         upstream.wait(30)
-        supervisor.stop_group(engine.pid, grace=15)
+        processes.stop_group(engine.pid, grace=15)
         engine.wait(30)
 
     while do_ingest_usage():

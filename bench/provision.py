@@ -29,11 +29,9 @@ from accounts.models import Role, User  # noqa: E402
 from accounts.services import do_create_organization  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State  # noqa: E402
 from endpoints.planning import shape_of  # noqa: E402
-from endpoints.services import (  # noqa: E402
-    do_create_endpoint, do_delete_endpoint, do_load_catalogs,
-)
-from engine import demo_model, supervisor  # noqa: E402
-from engine.sizing import GIB, kv_cache_tokens  # noqa: E402
+from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs  # noqa: E402
+from engine import demo_model, processes, supervisor  # noqa: E402
+from engine.sizing import CPU, GIB, kv_cache_tokens  # noqa: E402
 from kvrun.celery import app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,8 +41,8 @@ ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 def bare_start(model_dir: str, log: Path) -> float:
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="bare",
-                                 port=supervisor.free_port(), max_model_len=2048,
-                                 max_num_seqs=4, device="cpu", api_key="bench")
+                                 port=processes.free_port(), max_model_len=2048,
+                                 max_num_seqs=4, device=CPU, api_key="bench")
     started = time.monotonic()
     process = supervisor.start(spec, log)
     try:
@@ -52,7 +50,7 @@ def bare_start(model_dir: str, log: Path) -> float:
                               alive=lambda: process.poll() is None, timeout=300)
         return time.monotonic() - started
     finally:
-        supervisor.stop_group(process.pid, grace=15)
+        processes.stop_group(process.pid, grace=15)
         process.wait()
 
 

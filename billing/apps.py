@@ -2,7 +2,7 @@ from django.apps import AppConfig
 
 
 class BillingConfig(AppConfig):
-    """Usage records, GPU-second metering, invoices and Stripe (filled by the billing work)."""
+    """Usage records and their ingestion; GPU-second metering, invoices and Stripe next."""
 
     name = "billing"
     verbose_name = "Billing"

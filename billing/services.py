@@ -20,8 +20,9 @@ CLAIM_IDLE_MS = 60_000
 
 
 def do_record_usage(*, payloads: Iterable[bytes]) -> list[bytes]:
-    """Insert usage records as gateways encode them. A request already recorded is skipped
-    (unique request_id), so a batch may be delivered any number of times.
+    """Insert usage records as gateways encode them (usage_stream.UsageReport). A request
+    already recorded is skipped (unique request_id), so a batch may be delivered any number
+    of times.
 
     Returns the payloads that cannot be stored (malformed, or naming rows that do not exist);
     every other record is committed when this returns.
@@ -29,8 +30,8 @@ def do_record_usage(*, payloads: Iterable[bytes]) -> list[bytes]:
     rows, rejected = [], []
     for payload in payloads:
         try:
-            rows.append((payload, usage_stream.decode(payload)))
-        except (ValueError, KeyError, TypeError):
+            rows.append((payload, usage_stream.UsageReport.decode(payload).as_row()))
+        except (ValueError, KeyError, TypeError, ArithmeticError):
             rejected.append(payload)
     try:
         with transaction.atomic():

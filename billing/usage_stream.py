@@ -1,13 +1,16 @@
-"""The Redis stream that carries usage records from gateways to the ingester.
+"""The Redis stream that carries usage from gateways to the ingester, and what it carries.
 
-Gateways append one entry per finished request; the ingester reads them through a consumer
-group and acknowledges an entry only after its row is committed in PostgreSQL, so a worker
-that dies mid-batch leaves the entries pending for the next run.
+Gateways append one UsageReport per finished request; the ingester reads them through a
+consumer group and acknowledges an entry only after its row is committed in PostgreSQL, so a
+worker that dies mid-batch leaves the entries pending for the next run.
 """
 
-from datetime import UTC, datetime, timedelta
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from datetime import datetime
 from decimal import Decimal
-from typing import Any
 
 import orjson
 
@@ -17,33 +20,45 @@ STREAM = "kvrun:usage"
 GROUP = "ingest"
 DEAD_LETTERS = "kvrun:usage:dead"
 FIELD = b"r"
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
-def encode(record: dict[str, Any]) -> bytes:
-    return orjson.dumps(record)
+@dataclass(frozen=True, slots=True, kw_only=True)
+class UsageReport:
+    """One finished request as a gateway reports it: a UsageRecord's fields, by their names.
 
+    Encoded as one JSON object (times in RFC 3339, the overhead as a decimal string).
+    """
 
-def decode(payload: bytes) -> UsageRecord:
-    """A row from what a gateway appended (see endpoints.gateway.app for the fields)."""
-    data = orjson.loads(payload)
-    return UsageRecord(
-        request_id=data["request_id"],
-        idempotency_key=data.get("idempotency_key") or "",
-        organization_id=data["organization_id"],
-        endpoint_id=data["endpoint_id"],
-        replica_id=data.get("replica_id"),
-        api_key_id=data.get("api_key_id"),
-        operation=data["operation"],
-        stream=data["stream"],
-        prompt_tokens=data["prompt_tokens"],
-        completion_tokens=data["completion_tokens"],
-        cached_tokens=data["cached_tokens"],
-        status_code=data["status_code"],
-        error_code=data.get("error_code") or "",
-        client_disconnected=data["client_disconnected"],
-        started_at=EPOCH + timedelta(milliseconds=data["started_at_ms"]),
-        time_to_first_token_ms=data.get("ttft_ms"),
-        duration_ms=data["duration_ms"],
-        gateway_overhead_ms=Decimal(str(data["overhead_ms"])),
-    )
+    request_id: str
+    idempotency_key: str
+    organization_id: str
+    endpoint_id: str
+    replica_id: str | None
+    api_key_id: str | None
+    operation: str
+    stream: bool
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    status_code: int
+    error_code: str
+    client_disconnected: bool
+    started_at: datetime
+    time_to_first_token_ms: int | None
+    duration_ms: int
+    gateway_overhead_ms: Decimal
+
+    def encode(self) -> bytes:
+        return orjson.dumps(self, default=str)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> UsageReport:
+        """The report in `payload`; ValueError, KeyError or TypeError when it is not one."""
+        data = orjson.loads(payload)
+        data["started_at"] = datetime.fromisoformat(data["started_at"])
+        data["gateway_overhead_ms"] = Decimal(data["gateway_overhead_ms"])
+        return cls(**data)
+
+    def as_row(self) -> UsageRecord:
+        return UsageRecord(**{field.name: getattr(self, field.name)
+                              for field in dataclasses.fields(self)})

@@ -6,14 +6,19 @@ from rest_framework.decorators import action, api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from accounts.api import OrganizationScoped
 from accounts.models import User
+from accounts.scoping import OrganizationScoped
 from endpoints import selectors, services
 from endpoints.models import Endpoint, GPUType, ModelSpec
 from endpoints.planning import plan
 from endpoints.serializers import (
-    EndpointInput, EndpointSerializer, EventSerializer, GPUTypeSerializer, ModelSpecSerializer,
-    ScaleInput, SizingInput,
+    EndpointInput,
+    EndpointSerializer,
+    EventSerializer,
+    GPUTypeSerializer,
+    ModelSpecSerializer,
+    ScaleInput,
+    SizingInput,
 )
 from kvrun.api import validated
 

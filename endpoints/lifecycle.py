@@ -11,7 +11,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from endpoints.models import Endpoint, EndpointEvent, Replica, State
+from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
 
 PROGRESS = {
     State.PENDING: 0, State.SCHEDULING: 10, State.STARTING: 20, State.LOADING: 40,
@@ -63,7 +63,7 @@ def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent
 def summarise(*, desired_state: str, deleted: bool, replica_states: list[str]) -> str:
     """The endpoint's state as the user reads it, from its replicas' states."""
     live = [state for state in replica_states if state not in {State.STOPPED, State.FAILED}]
-    if desired_state == "stopped" or deleted:
+    if desired_state == DesiredState.STOPPED or deleted:
         return State.STOPPING if live else State.STOPPED
     if State.READY in live:
         return State.READY
@@ -80,7 +80,7 @@ def do_refresh_endpoint_state(*, endpoint_id: UUID, failure_reason: str | None =
     states = list(endpoint.replicas.values_list("state", flat=True))
     if failure_reason is not None:
         new_state = State.FAILED
-    elif endpoint.state == State.FAILED and endpoint.desired_state == "running":
+    elif endpoint.state == State.FAILED and endpoint.desired_state == DesiredState.RUNNING:
         return endpoint.state  # stays failed until the user starts it again
     else:
         new_state = summarise(desired_state=endpoint.desired_state,

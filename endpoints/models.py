@@ -96,6 +96,7 @@ class Node(models.Model):
 
     @property
     def queue(self) -> str:
+        """The Celery queue its agent serves; endpoints.dispatch sends its tasks there."""
         return f"node.{self.name}"
 
 
@@ -113,6 +114,13 @@ class State(models.TextChoices):
 
 
 ACTIVE_STATES = frozenset({State.SCHEDULING, State.STARTING, State.LOADING, State.READY})
+
+
+class DesiredState(models.TextChoices):
+    """What the user asked an endpoint to be; the reconciler moves its replicas there."""
+
+    RUNNING = "running", "running"
+    STOPPED = "stopped", "stopped"
 
 
 class KVCacheDtype(models.TextChoices):
@@ -142,8 +150,8 @@ class Endpoint(models.Model):
     min_replicas = models.PositiveSmallIntegerField(default=1)
     max_replicas = models.PositiveSmallIntegerField(default=1)
     desired_replicas = models.PositiveSmallIntegerField(default=1)
-    desired_state = models.CharField(max_length=10, default="running",
-                                     choices=[("running", "running"), ("stopped", "stopped")])
+    desired_state = models.CharField(max_length=10, choices=DesiredState.choices,
+                                     default=DesiredState.RUNNING)
     state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
     failure_reason = models.TextField(blank=True)
     sizing = models.JSONField(default=dict, help_text="The sizing decision, in numbers and words.")

@@ -9,8 +9,7 @@ from django.core.exceptions import ValidationError
 
 from endpoints.models import GPUType, ModelSpec, NodeState
 from engine import sizing
-
-CPU = "cpu"
+from engine.sizing import CPU
 
 
 def shape_of(model: ModelSpec) -> sizing.ModelShape:

@@ -8,16 +8,19 @@ pass replayed, never start a second engine for one replica.
 from datetime import timedelta
 from uuid import UUID
 
-from celery import current_app
 from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from endpoints.dispatch import send_start_after_commit, send_stop_after_commit
 from endpoints.lifecycle import (
-    do_create_replica, do_fail_replica, do_refresh_endpoint_state, do_transition_replica,
+    do_create_replica,
+    do_fail_replica,
+    do_refresh_endpoint_state,
+    do_transition_replica,
 )
-from endpoints.models import Endpoint, NodeState, Replica, State
+from endpoints.models import DesiredState, Endpoint, NodeState, Replica, State
 from endpoints.scheduling import do_place_replica
 
 LIVE = (State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
@@ -27,7 +30,7 @@ ON_NODE = (State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
 def endpoints_to_reconcile() -> list[UUID]:
     unsettled = Q(replicas__state__in=LIVE + (State.STOPPING,))
     return list(
-        Endpoint.objects.filter(Q(deleted_at=None, desired_state="running") | unsettled)
+        Endpoint.objects.filter(Q(deleted_at=None, desired_state=DesiredState.RUNNING) | unsettled)
         .values_list("id", flat=True).distinct()
     )
 
@@ -41,7 +44,7 @@ def reconcile_endpoint(*, endpoint_id: UUID) -> None:
         if endpoint is None:  # deleted for good, or another pass is on it
             return
         _release_replicas_on_lost_nodes(endpoint)
-        if endpoint.desired_state == "running" and endpoint.deleted_at is None:
+        if endpoint.desired_state == DesiredState.RUNNING and endpoint.deleted_at is None:
             if endpoint.state != State.FAILED:
                 _retry_failed(endpoint)
                 _match_replica_count(endpoint)
@@ -103,7 +106,7 @@ def _schedule_pending(endpoint: Endpoint) -> None:
                                       to_state=State.STARTING,
                                       message=f"start sent to node {node.name}")
         if moved:
-            _send("engine.start_replica", replica.id, node.queue)
+            send_start_after_commit(replica=replica, node=node)
 
 
 def _fail_stuck(endpoint: Endpoint) -> None:
@@ -124,10 +127,4 @@ def _stop(replica: Replica, reason: str) -> None:
     moved = do_transition_replica(replica_id=replica.id, from_states=ON_NODE,
                                   to_state=State.STOPPING, message=reason)
     if moved and replica.node_id is not None:
-        _send("engine.stop_replica", replica.id, f"node.{replica.node.name}")
-
-
-def _send(task: str, replica_id: UUID, queue: str) -> None:
-    transaction.on_commit(
-        lambda: current_app.send_task(task, args=[str(replica_id)], queue=queue)
-    )
+        send_stop_after_commit(replica=replica, node=replica.node)

@@ -6,7 +6,7 @@ from django.db import transaction
 
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import ACTIVE_STATES, Node, NodeState, Replica, State
-from endpoints.planning import CPU
+from engine.sizing import CPU
 
 
 def free_devices(node: Node) -> list[int]:

@@ -2,7 +2,7 @@ from collections.abc import Iterable
 
 from django.db.models import Prefetch, QuerySet
 
-from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
+from endpoints.models import Endpoint, GPUType, ModelSpec, Replica, State
 
 
 def model_catalog() -> QuerySet[ModelSpec]:
@@ -22,10 +22,6 @@ def gpu_type_for_device(*, device_name: str, memory_bytes: int) -> GPUType | Non
     if not candidates:
         return None
     return min(candidates, key=lambda gpu: abs(gpu.memory_bytes - memory_bytes))
-
-
-def nodes() -> QuerySet[Node]:
-    return Node.objects.select_related("gpu_type")
 
 
 def endpoints_of(*, organization: object) -> QuerySet[Endpoint]:

@@ -2,7 +2,13 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from endpoints.models import (
-    Endpoint, EndpointEvent, GPUType, KVCacheDtype, ModelSpec, Replica, State,
+    Endpoint,
+    EndpointEvent,
+    GPUType,
+    KVCacheDtype,
+    ModelSpec,
+    Replica,
+    State,
 )
 from endpoints.selectors import progress_of
 from kvrun.api import StrictSerializer

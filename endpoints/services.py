@@ -1,4 +1,5 @@
-"""Writes for catalogs, nodes and endpoints."""
+"""Writes for catalogs, node liveness and endpoints. Nodes register and heartbeat through
+their agent (nodes.services)."""
 
 import json
 from datetime import timedelta
@@ -12,12 +13,18 @@ from django.utils import timezone
 from accounts.models import Organization, User
 from accounts.services import require_manager
 from endpoints.models import (
-    Endpoint, EndpointEvent, GPUType, ModelSpec, Node, NodeState, Replica, State,
+    DesiredState,
+    Endpoint,
+    EndpointEvent,
+    GPUType,
+    ModelSpec,
+    Node,
+    NodeState,
+    Replica,
+    State,
 )
 from endpoints.planning import plan
-from endpoints.selectors import gpu_type_for_device
 from engine import hf_checkpoint
-from engine.devices import HostResources
 
 CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
 
@@ -42,39 +49,6 @@ def _upsert(model: type, rows: list[dict]) -> None:
         [model(**row) for row in rows], update_conflicts=True, unique_fields=["slug"],
         update_fields=fields,
     )
-
-
-def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1") -> Node:
-    """Insert or refresh the node `name` with what its agent detected; it is online again.
-    `address` is where its engines listen for the gateway."""
-    if resources.devices:
-        first = resources.devices[0]
-        gpu_type = gpu_type_for_device(device_name=first.name, memory_bytes=first.memory_bytes)
-    else:
-        gpu_type = GPUType.objects.filter(slug="cpu").first()
-    now = timezone.now()
-    Node.objects.bulk_create(
-        [
-            Node(
-                name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
-                devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
-                memory_bytes=resources.memory_bytes, registered_at=now, last_heartbeat_at=now,
-            )
-        ],
-        update_conflicts=True,
-        unique_fields=["name"],
-        update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
-                       "last_heartbeat_at"],
-    )
-    return Node.objects.get(name=name)
-
-
-def do_record_node_heartbeat(*, name: str) -> bool:
-    """Note that the node's agent is alive. Returns False when the node is not registered or
-    has no catalog GPU type yet (the catalog came later): the agent then registers again."""
-    return Node.objects.filter(name=name, gpu_type__isnull=False).update(
-        last_heartbeat_at=timezone.now(), state=NodeState.ONLINE
-    ) == 1
 
 
 def do_mark_lost_nodes() -> int:
@@ -155,9 +129,9 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
 
 def do_stop_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint:
     require_manager(actor_role, "stop endpoints")
-    Endpoint.objects.filter(id=endpoint.id).update(desired_state="stopped")
+    Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.STOPPED)
     _reconcile_after_commit(endpoint)
-    endpoint.desired_state = "stopped"
+    endpoint.desired_state = DesiredState.STOPPED
     return endpoint
 
 
@@ -165,7 +139,7 @@ def do_start_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint
     """Run a stopped or failed endpoint again, with a fresh failure count."""
     require_manager(actor_role, "start endpoints")
     with transaction.atomic():
-        Endpoint.objects.filter(id=endpoint.id).update(desired_state="running",
+        Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.RUNNING,
                                                        state=State.PENDING, failure_reason="")
         Replica.objects.filter(endpoint=endpoint, state=State.FAILED).update(
             state=State.STOPPED, stopped_at=timezone.now())
@@ -179,7 +153,7 @@ def do_delete_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> None:
     """Stop the endpoint and hide it; its rows stay for usage and billing. The name is free again."""
     require_manager(actor_role, "delete endpoints")
     Endpoint.objects.filter(id=endpoint.id, deleted_at=None).update(
-        deleted_at=timezone.now(), desired_state="stopped")
+        deleted_at=timezone.now(), desired_state=DesiredState.STOPPED)
     _reconcile_after_commit(endpoint)
 
 

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+# The device kind of a CPU node; also the GPU-type slug of CPU nodes in the catalog.
+CPU = "cpu"
 GIB = 1024**3
 GB = 1000**3
 TP_SIZES = (1, 2, 4, 8)

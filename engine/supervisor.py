@@ -1,17 +1,15 @@
-"""Build, start, watch and stop one vLLM engine process. Pure Python, no Django.
+"""Build, start and watch one vLLM engine process. Pure Python, no Django.
 
-An engine runs in a process group of its own, bound to its node's private address (127.0.0.1
-by default; its /health and /metrics are unauthenticated), with a per-replica log file from which kvrun reads the KV capacity and
+An engine runs in a process group of its own (engine.processes, which also stops it), bound
+to its node's private address (127.0.0.1 by default; its /health and /metrics are
+unauthenticated), with a per-replica log file from which kvrun reads the KV capacity and
 shows the last lines when it fails.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,7 +19,9 @@ from pathlib import Path
 
 import httpx
 
-PR_SET_PDEATHSIG = 1
+from engine.processes import own_group_dying_with_parent
+from engine.sizing import CPU
+
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 
 
@@ -35,7 +35,7 @@ class EngineSpec:
     max_model_len: int
     max_num_seqs: int
     host: str = "127.0.0.1"
-    device: str = "gpu"  # "gpu" or "cpu"
+    device: str = "gpu"  # "gpu" or CPU
     tensor_parallel: int = 1
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True
@@ -64,34 +64,13 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
     ]
     # The key goes in the environment: an argv is readable by every user through `ps`.
     env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key, **spec.extra_env}
-    if spec.device == "cpu":
+    if spec.device == CPU:
         argv.append("--enforce-eager")  # no CUDA graphs on the CPU backend
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kv_space_gib)
     else:
         argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.2f}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.device_indices)
     return argv, env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def own_group_dying_with_parent() -> None:
-    """In a child, before exec: a process group of its own, SIGTERM when the parent dies."""
-    os.setsid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
@@ -172,44 +151,3 @@ def tail(log_path: Path, lines: int = 30, max_bytes: int = 64 * 1024) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def process_alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in {"Z", "X"}
-
-
-def stop_group(pgid: int, *, grace: float) -> bool:
-    """SIGTERM a process group, then SIGKILL whatever is left after `grace` s.
-    Returns True when SIGKILL was needed."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline:
-        if not _group_alive(pgid):
-            return False
-        time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    # Members that are zombies still count for killpg; check that one is really running.
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[2]) == pgid and fields[0] not in {"Z", "X"}:
-            return True
-    return False

@@ -1,7 +1,7 @@
 """The web process: kvrun's OpenAI-compatible gateway on /v1/*, Django for everything else.
 
-The gateway is a lean ASGI app of its own (endpoints.gateway.app), because Django's request
-stack costs more per request than the gateway's whole budget.
+The gateway is a lean ASGI app of its own (gateway.app), because Django's request stack costs
+more per request than the gateway's whole budget.
 """
 
 import os
@@ -12,7 +12,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
 
 django_application = get_asgi_application()
 
-from endpoints.gateway.app import Gateway  # noqa: E402  (needs the apps loaded above)
+from gateway.app import Gateway  # noqa: E402  (needs the apps loaded above)
 
 gateway = Gateway()
 

@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.supervisor import free_port, own_group_dying_with_parent, port_is_free, stop_group
+from engine.processes import free_port, own_group_dying_with_parent, port_is_free, stop_group
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("KVRUN_STATE_DIR", BASE_DIR / ".kvrun"))

@@ -24,12 +24,13 @@ class BodySizeLimitMiddleware:
         return self.get_response(request)
 
 
+def body_too_large_message(limit: int) -> str:
+    """What every part of kvrun (REST API, dashboard, gateway) says of a body over the limit."""
+    return f"The request body is larger than the limit of {limit} bytes; send a smaller body."
+
+
 def body_too_large_error(limit: int) -> dict[str, object]:
-    return {
-        "type": "request_too_large",
-        "message": f"The request body is larger than the limit of {limit} bytes; send a smaller body.",
-        "fields": {},
-    }
+    return {"type": "request_too_large", "message": body_too_large_message(limit), "fields": {}}
 
 
 def body_too_large_response(limit: int) -> JsonResponse:

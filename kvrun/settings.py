@@ -38,8 +38,9 @@ INSTALLED_APPS = [
     "axes",
     "accounts",
     "endpoints",
+    "nodes",
     "billing",
-    "engine",
+    "front",
 ]
 
 MIDDLEWARE = [
@@ -199,7 +200,9 @@ REST_FRAMEWORK = {
 
 SPECTACULAR_SETTINGS = {
     "TITLE": "kvrun API",
-    "DESCRIPTION": "Manage organisations, members, API keys and the model and GPU catalogs.",
+    "DESCRIPTION": ("Manage organisations, members, invites and API keys; read the model and GPU "
+                    "catalogs; size, create, scale, stop and start endpoints and follow their "
+                    "events. Inference is the OpenAI-compatible API under /v1/."),
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SWAGGER_UI_DIST": "SIDECAR",

@@ -12,5 +12,6 @@ urlpatterns = [
     path("api/v1/", include("endpoints.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
-    path("", include("accounts.dashboard_urls")),
+    path("", include("accounts.page_urls")),
+    path("", include("front.urls")),
 ]

@@ -4,8 +4,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -16,14 +14,17 @@ from django.db.backends.postgresql.operations import DatabaseOperations
 from rest_framework.test import APIClient
 
 from accounts.models import Organization, User
+from engine.processes import free_port
 from tests.factories import UserFactory, api_key, organization_with_owner
-
-ROOT = Path(__file__).resolve().parent.parent
-# The worker started for the suite marks a node lost after this many silent seconds.
-NODE_LOST_AFTER_SECONDS = 3
-# Fast restarts and an early verdict, so that failure paths finish in seconds.
-ENGINE_TIMINGS = {"KVRUN_ENGINE_BACKOFF_SECONDS": "1", "KVRUN_ENGINE_MAX_FAILURES": "2",
-                  "KVRUN_ENGINE_START_TIMEOUT_SECONDS": "180"}
+from tests.helpers import (
+    ENGINE_TIMINGS,
+    NODE_LOST_AFTER_SECONDS,
+    ROOT,
+    process_env,
+    start_web,
+    stop,
+    wait_until,
+)
 
 
 @pytest.fixture(scope="session")
@@ -108,27 +109,6 @@ def manage_secret(org: Organization) -> str:
     return api_key(org)[1]
 
 
-def database_url_for_tests() -> str:
-    """DATABASE_URL with the database pytest-django created, for processes started by tests."""
-    assert settings.DATABASES["default"]["NAME"].startswith("test_"), "no test database yet"
-    parts = urlsplit(os.environ["DATABASE_URL"])
-    return urlunsplit(parts._replace(path="/" + settings.DATABASES["default"]["NAME"]))
-
-
-def process_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "DATABASE_URL": database_url_for_tests(), **extra}
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 @pytest.fixture(scope="session")
 def celery_worker(django_db_setup: None, django_db_blocker: object) -> Iterator[subprocess.Popen]:
     """A real Celery worker on the control queue, against the test database and Redis."""
@@ -149,33 +129,10 @@ def celery_worker(django_db_setup: None, django_db_blocker: object) -> Iterator[
     stop(process)
 
 
-def wait_until(predicate: object, timeout: float, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
-
-
-def start_web(port: int, **env: str) -> subprocess.Popen:
-    """The web process (gateway and Django) as `make run` starts it, against the test
-    database."""
-    from kvrun.launcher import uvicorn_args, wait_until_listening
-
-    process = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application",
-                                                              port=port)],
-                               cwd=ROOT, env=process_env(**env))
-    wait_until_listening(process, port)
-    return process
-
-
 @pytest.fixture(scope="session")
 def web(celery_worker: subprocess.Popen) -> Iterator[str]:
     """The base URL of a web process shared by the gateway tests, with the control worker
     that ingests its usage records."""
-    from engine.supervisor import free_port
-
     port = free_port()
     process = start_web(port)
     yield f"http://127.0.0.1:{port}"
@@ -185,7 +142,6 @@ def web(celery_worker: subprocess.Popen) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def stub_ports() -> Iterator[list[int]]:
     """Two scripted stand-ins for engines (tests.stub_upstream), by port."""
-    from engine.supervisor import free_port
     from kvrun.launcher import uvicorn_args, wait_until_listening
 
     ports = [free_port(), free_port()]
@@ -199,11 +155,8 @@ def stub_ports() -> Iterator[list[int]]:
         stop(process)
 
 
-Ingested = Callable[..., bool]
-
-
 @pytest.fixture
-def ingested(celery_worker: subprocess.Popen) -> Ingested:
+def ingested(celery_worker: subprocess.Popen) -> Callable[..., bool]:
     """ingested(n): run the real ingestion task on the worker until n usage records are
     stored; False if they are not there in time."""
     from billing.models import UsageRecord

@@ -6,8 +6,8 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from accounts.models import APIKey, Organization, Scope, User
-from tests.conftest import wait_until
 from tests.factories import api_key
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db
 

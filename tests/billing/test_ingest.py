@@ -1,6 +1,8 @@
 """Usage records move from the gateways' Redis stream into PostgreSQL exactly once."""
 
+import dataclasses
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from uuid import uuid4
 
 import pytest
@@ -10,6 +12,7 @@ from accounts.models import APIKey, Organization
 from billing import usage_stream
 from billing.models import UsageRecord
 from billing.services import do_ingest_usage, do_record_usage
+from billing.usage_stream import UsageReport
 from endpoints.models import Endpoint
 from kvrun.redis import redis_client
 from tests.factories import inference_key, ready_endpoint
@@ -27,34 +30,51 @@ def key(org: Organization) -> APIKey:
     return inference_key(org)[0]
 
 
-def record(endpoint: Endpoint, key: APIKey, **fields: object) -> dict:
-    return {"request_id": f"req_{uuid4().hex}", "idempotency_key": "",
-            "organization_id": str(endpoint.organization_id), "endpoint_id": str(endpoint.id),
-            "replica_id": str(endpoint.replicas.get().id), "api_key_id": str(key.id),
-            "operation": "completions", "stream": False, "prompt_tokens": 7,
-            "completion_tokens": 4, "cached_tokens": 0, "status_code": 200, "error_code": "",
-            "client_disconnected": False,
-            "started_at_ms": int(STARTED.timestamp() * 1000), "ttft_ms": None,
-            "duration_ms": 12, "overhead_ms": 0.412, **fields}
+def record(endpoint: Endpoint, key: APIKey, **fields: object) -> UsageReport:
+    return UsageReport(**{
+        "request_id": f"req_{uuid4().hex}", "idempotency_key": "",
+        "organization_id": str(endpoint.organization_id), "endpoint_id": str(endpoint.id),
+        "replica_id": str(endpoint.replicas.get().id), "api_key_id": str(key.id),
+        "operation": "completions", "stream": False, "prompt_tokens": 7, "completion_tokens": 4,
+        "cached_tokens": 0, "status_code": 200, "error_code": "", "client_disconnected": False,
+        "started_at": STARTED, "time_to_first_token_ms": None, "duration_ms": 12,
+        "gateway_overhead_ms": Decimal("0.412"), **fields})
 
 
-def append(*records: dict) -> None:
-    for one in records:
-        redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: usage_stream.encode(one)})
+def append(*reports: UsageReport) -> None:
+    for one in reports:
+        redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: one.encode()})
+
+
+def test_a_report_carries_every_field_of_a_usage_record_by_its_name() -> None:
+    stored = {field.attname for field in UsageRecord._meta.concrete_fields} - {"id", "ingested_at"}
+
+    assert {field.name for field in dataclasses.fields(UsageReport)} == stored
+
+
+def test_a_report_comes_back_from_the_stream_exactly_as_it_was_sent() -> None:
+    sent = UsageReport(
+        request_id="req_1", idempotency_key="order-1", organization_id=str(uuid4()),
+        endpoint_id=str(uuid4()), replica_id=None, api_key_id=str(uuid4()), operation="completions",
+        stream=True, prompt_tokens=7, completion_tokens=4, cached_tokens=3, status_code=499,
+        error_code="client_disconnected", client_disconnected=True, started_at=STARTED,
+        time_to_first_token_ms=5, duration_ms=12, gateway_overhead_ms=Decimal("0.412"))
+
+    assert UsageReport.decode(sent.encode()) == sent
 
 
 @pytest.mark.django_db(transaction=True)
 def test_it_stores_each_record_and_empties_the_stream(endpoint: Endpoint, key: APIKey) -> None:
-    first, second = record(endpoint, key), record(endpoint, key, stream=True, ttft_ms=5)
+    first, second = record(endpoint, key), record(endpoint, key, stream=True, time_to_first_token_ms=5)
     append(first, second)
 
     assert do_ingest_usage() == 2
 
-    stored = UsageRecord.objects.get(request_id=first["request_id"])
+    stored = UsageRecord.objects.get(request_id=first.request_id)
     assert stored.started_at == STARTED
     assert (stored.prompt_tokens, stored.completion_tokens, stored.duration_ms) == (7, 4, 12)
     assert str(stored.gateway_overhead_ms) == "0.412"
-    assert UsageRecord.objects.get(request_id=second["request_id"]).time_to_first_token_ms == 5
+    assert UsageRecord.objects.get(request_id=second.request_id).time_to_first_token_ms == 5
     assert redis_client().xlen(usage_stream.STREAM) == 0
     assert APIKey.objects.get(id=key.id).last_used_at == STARTED
     assert do_ingest_usage() == 0
@@ -62,7 +82,7 @@ def test_it_stores_each_record_and_empties_the_stream(endpoint: Endpoint, key: A
 
 @pytest.mark.django_db(transaction=True)
 def test_a_batch_delivered_twice_is_stored_once(endpoint: Endpoint, key: APIKey) -> None:
-    one = usage_stream.encode(record(endpoint, key))
+    one = record(endpoint, key).encode()
 
     assert do_record_usage(payloads=[one]) == []
     assert do_record_usage(payloads=[one, one]) == []
@@ -100,12 +120,13 @@ def test_a_record_that_cannot_be_stored_goes_to_dead_letters_and_holds_back_noth
     orphan = record(endpoint, key, endpoint_id=str(uuid4()))  # no such endpoint
     append(good, orphan)
     redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: b"not json"})
+    redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: b'{"request_id": "req_x"}'})
 
-    assert do_ingest_usage() == 3
+    assert do_ingest_usage() == 4
 
-    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == [good["request_id"]]
+    assert list(UsageRecord.objects.values_list("request_id", flat=True)) == [good.request_id]
     dead = redis_client().xrange(usage_stream.DEAD_LETTERS)
-    assert len(dead) == 2
+    assert len(dead) == 3
     assert redis_client().xlen(usage_stream.STREAM) == 0
 
 

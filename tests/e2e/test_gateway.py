@@ -23,9 +23,8 @@ from billing.tasks import ingest_usage
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
 from engine.metrics import engine_token_totals, totals
-from tests.conftest import wait_until
-from tests.e2e.conftest import api_servers, drive
 from tests.factories import UserFactory, inference_key
+from tests.helpers import api_servers, drive, wait_until
 
 pytestmark = [pytest.mark.e2e]
 

@@ -10,13 +10,13 @@ from celery import current_app
 from rest_framework.test import APIClient
 
 from accounts.models import Organization
+from endpoints.dispatch import START_REPLICA
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.planning import shape_of
-from engine.agent import engine_api_key
+from engine.processes import port_is_free
 from engine.sizing import GIB, kv_cache_tokens
-from engine.supervisor import port_is_free, process_alive
-from tests.conftest import stop, wait_until
-from tests.e2e.conftest import api_servers, drive, start_agent
+from kvrun.digests import engine_api_key
+from tests.helpers import api_servers, drive, process_alive, start_agent, stop, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -99,8 +99,8 @@ def test_a_killed_engine_is_restarted_and_a_second_start_is_ignored(
     first = ready_replica("sturdy")
 
     # The same start delivered again: still one engine, same process.
-    current_app.send_task("engine.start_replica", args=[str(first.id)], queue="node.e2e-a")
-    current_app.send_task("engine.start_replica", args=[str(first.id)], queue="node.e2e-a")
+    current_app.send_task(START_REPLICA, args=[str(first.id)], queue=ready_node.queue)
+    current_app.send_task(START_REPLICA, args=[str(first.id)], queue=ready_node.queue)
     assert not wait_until(lambda: len(api_servers("sturdy")) > 1, timeout=5)
     assert api_servers("sturdy") == [first.pid]
 

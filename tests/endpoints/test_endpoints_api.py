@@ -3,8 +3,9 @@ from rest_framework.test import APIClient
 
 from accounts.models import Organization
 from endpoints.models import Endpoint, EndpointEvent, Node, Replica, State
-from endpoints.services import do_load_catalogs, do_register_node
+from endpoints.services import do_load_catalogs
 from engine.devices import HostResources
+from nodes.services import do_register_node
 
 pytestmark = pytest.mark.django_db
 

@@ -6,8 +6,9 @@ from django.utils import timezone
 from accounts.models import Organization, Role
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint
-from endpoints.services import do_create_endpoint, do_load_catalogs, do_register_node
+from endpoints.services import do_create_endpoint, do_load_catalogs
 from engine.devices import Device, HostResources
+from nodes.services import do_register_node
 
 pytestmark = pytest.mark.django_db
 

@@ -5,8 +5,18 @@ from decimal import Decimal
 import pytest
 
 from engine.sizing import (
-    GIB, Accelerator, ModelShape, Request, choose, evaluate, kv_bytes_for_request,
-    kv_bytes_per_token, kv_cache_tokens, largest_concurrency, largest_context, weight_bytes,
+    GIB,
+    Accelerator,
+    ModelShape,
+    Request,
+    choose,
+    evaluate,
+    kv_bytes_for_request,
+    kv_bytes_per_token,
+    kv_cache_tokens,
+    largest_concurrency,
+    largest_context,
+    weight_bytes,
 )
 
 LLAMA_70B = ModelShape(name="Llama 3.1 70B", parameters=70_553_706_496, layers=80,

@@ -1,11 +1,6 @@
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from engine.supervisor import (
-    EngineSpec, build_command, port_is_free, process_alive, read_kv_capacity, stop_group, tail,
-)
+from engine.supervisor import EngineSpec, build_command, read_kv_capacity, tail
 
 
 def spec(**overrides: object) -> EngineSpec:
@@ -55,30 +50,6 @@ def test_tail_returns_the_last_lines(tmp_path: Path) -> None:
 
     assert tail(log, lines=3) == "line 97\nline 98\nline 99"
     assert tail(tmp_path / "missing.log") == ""
-
-
-def test_stop_group_ends_a_process_that_ignores_sigterm() -> None:
-    stubborn = subprocess.Popen(
-        [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
-         "signal.SIG_IGN); print('up', flush=True); time.sleep(60)"],
-        start_new_session=True, stdout=subprocess.PIPE, text=True)
-    assert stubborn.stdout.readline().strip() == "up"
-
-    started = time.monotonic()
-    stop_group(stubborn.pid, grace=1.0)
-    stubborn.wait(5)
-
-    assert not process_alive(stubborn.pid)
-    assert time.monotonic() - started < 5
-
-
-def test_port_is_free() -> None:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen()
-        assert not port_is_free(sock.getsockname()[1])
 
 
 def test_an_engine_listens_on_its_node_s_address_and_reports_cached_tokens() -> None:

@@ -13,8 +13,11 @@ def test_the_openapi_schema_validates(client: Client) -> None:
     validate(schema)
     paths = schema["paths"]
     for path in ["/api/v1/organizations/{org_slug}/api-keys/", "/api/v1/signup/",
-                 "/api/v1/models/", "/api/v1/gpu-types/", "/api/v1/me/"]:
+                 "/api/v1/models/", "/api/v1/gpu-types/", "/api/v1/me/", "/api/v1/sizing/",
+                 "/api/v1/organizations/{org_slug}/endpoints/",
+                 "/api/v1/organizations/{org_slug}/endpoints/{name}/events/"]:
         assert path in paths
+    assert "endpoints" in schema["info"]["description"]
 
 
 @pytest.mark.django_db

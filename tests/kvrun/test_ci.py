@@ -7,7 +7,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def run_ci(pytest_args: str) -> subprocess.CompletedProcess:

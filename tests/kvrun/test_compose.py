@@ -7,7 +7,7 @@ import pytest
 import yaml
 from django.core.management import get_commands
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 KVRUN_SERVICES = {"web", "worker", "beat", "node"}
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine.supervisor import free_port, process_alive
-from tests.conftest import ROOT
+from engine.processes import free_port
+from tests.helpers import ROOT, process_alive
 
 
 def descendants(pid: int) -> set[int]:

@@ -1,6 +1,6 @@
 import re
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_the_readme_documents_every_environment_variable() -> None:

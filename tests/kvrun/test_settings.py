@@ -2,7 +2,7 @@ import os
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 PRODUCTION = {
     "DEBUG": "0",

@@ -7,7 +7,7 @@ from endpoints.models import Node, NodeState
 from endpoints.services import do_load_catalogs
 from endpoints.tasks import mark_lost_nodes
 from kvrun.celery import app
-from tests.conftest import NODE_LOST_AFTER_SECONDS, ROOT, process_env, wait_until
+from tests.helpers import NODE_LOST_AFTER_SECONDS, ROOT, process_env, wait_until
 
 
 @pytest.mark.e2e

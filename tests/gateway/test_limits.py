@@ -10,9 +10,16 @@ from django.conf import settings
 from redis.asyncio import Redis
 
 from accounts.principals import KeyIdentity
-from endpoints.gateway.errors import GatewayError, from_engine
-from endpoints.gateway.limits import STALE_AFTER_MS, WINDOW_MS, Limiter, in_flight_name, \
-    seconds_until_room
+from gateway.errors import GatewayError, from_engine
+from gateway.limits import (
+    COUNTER_TTL_MS,
+    STALE_AFTER_MS,
+    WINDOW_MS,
+    Limiter,
+    counter_names,
+    in_flight_name,
+    seconds_until_room,
+)
 
 
 def identity(**limits: int) -> KeyIdentity:
@@ -76,6 +83,29 @@ def test_no_limit_means_no_counting() -> None:
         await redis.aclose()
         return count
     assert asyncio.run(held()) == 0
+
+
+def test_a_release_gives_the_slot_back_and_counts_the_tokens_in_the_admitted_window() -> None:
+    key = identity(tokens_per_minute=100, max_concurrent_requests=1)
+    now = int(time.time() * 1000)
+
+    async def admit_and_release() -> tuple[int, int, int]:
+        redis = Redis.from_url(settings.REDIS_URL)
+        admission = await Limiter(redis).admit(identity=key, request_id="r1", now_ms=now)
+        pipe = redis.pipeline(transaction=False)
+        admission.release(pipe, tokens=11)
+        await pipe.execute()
+        tokens_counter = counter_names(key, now // WINDOW_MS)[2]
+        held = await redis.zcard(in_flight_name(key.organization_id))
+        tokens = int(await redis.get(tokens_counter))
+        ttl = await redis.pttl(tokens_counter)
+        await redis.aclose()
+        return held, tokens, ttl
+
+    held, tokens, ttl = asyncio.run(admit_and_release())
+
+    assert (held, tokens) == (0, 11)
+    assert 0 < ttl <= COUNTER_TTL_MS
 
 
 @pytest.mark.parametrize(("status", "message", "expected"), [

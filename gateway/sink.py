@@ -1,4 +1,4 @@
-"""Where finished requests go: their usage record onto the Redis stream, their limit slot back.
+"""Where finished requests go: their usage report onto the Redis stream, their limits released.
 
 `add` never waits. One background task writes whatever has gathered within a few
 milliseconds as a single pipeline, so a write carries many requests under load and several
@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
-from typing import Any
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
@@ -21,6 +19,7 @@ from redis.exceptions import RedisError
 
 from billing import usage_stream
 from billing.services import do_record_usage
+from gateway.limits import Admission
 
 logger = logging.getLogger(__name__)
 
@@ -28,16 +27,6 @@ RETRY_SECONDS = 1.0
 # A write waits this long for more records to join it: one pipeline then carries several
 # requests even at low concurrency, and its cost stays off the next request's path.
 GATHER_SECONDS = 0.005
-
-
-@dataclass(frozen=True)
-class Release:
-    """What a finished request gives back to the limits."""
-
-    request_id: str
-    tokens: int
-    tokens_counter: str | None
-    in_flight_set: str | None
 
 
 def _store_directly(payloads: list[bytes]) -> list[bytes]:
@@ -49,7 +38,7 @@ class UsageSink:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
         self._records: list[bytes] = []
-        self._releases: list[Release] = []
+        self._releases: list[tuple[Admission, int]] = []
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -58,12 +47,12 @@ class UsageSink:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def add(self, *, record: dict[str, Any] | None, release: Release | None) -> None:
-        if record is not None:
-            self._records.append(usage_stream.encode(record))
-            self.counts["queued"] += 1
-        if release is not None:
-            self._releases.append(release)
+    def add(self, *, report: usage_stream.UsageReport, admission: Admission, tokens: int) -> None:
+        """Queue the request's usage report, and the release of its limits with the `tokens`
+        it consumed."""
+        self._records.append(report.encode())
+        self.counts["queued"] += 1
+        self._releases.append((admission, tokens))
         self._wake.set()
 
     async def close(self, timeout: float = 15.0) -> None:
@@ -101,12 +90,8 @@ class UsageSink:
         if not records and not releases:
             return True
         pipe = self._redis.pipeline(transaction=False)
-        for release in releases:
-            if release.in_flight_set:
-                pipe.zrem(release.in_flight_set, release.request_id)
-            if release.tokens_counter and release.tokens:
-                pipe.incrby(release.tokens_counter, release.tokens)
-                pipe.pexpire(release.tokens_counter, 120_000)
+        for admission, tokens in releases:
+            admission.release(pipe, tokens=tokens)
         for payload in records:
             pipe.xadd(usage_stream.STREAM, {usage_stream.FIELD: payload})
         try:

@@ -22,7 +22,7 @@ from accounts import tokens
 from accounts.principals import KeyIdentity
 from accounts.selectors import key_identity_from_database
 from endpoints.selectors import endpoints_for_gateway, progress_of
-from engine.agent import engine_api_key
+from kvrun.digests import engine_api_key, secret_digest
 
 # Bound on remembered keys, so that a flood of made-up keys cannot grow memory without end.
 MAX_REMEMBERED_KEYS = 100_000
@@ -102,7 +102,7 @@ class Directory:
         """The usable key for `secret`, or None (unknown, revoked or expired)."""
         if not secret.startswith(tokens.API_KEY_PREFIX):
             return None
-        digest = tokens.digest(secret)
+        digest = secret_digest(secret)
         entry = self._keys.get(digest)
         if entry is None or entry[0] <= time.monotonic():
             identity = await self._once(("key", digest),

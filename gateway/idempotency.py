@@ -13,7 +13,7 @@ import hashlib
 import orjson
 from redis.asyncio import Redis
 
-from endpoints.gateway.errors import GatewayError
+from gateway.errors import GatewayError
 
 MAX_KEY_LENGTH = 255
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from accounts.principals import KeyIdentity
-from endpoints.gateway.directory import Route, Upstream
-from endpoints.gateway.limits import Admission
+from billing.usage_stream import UsageReport
+from gateway.directory import Route, Upstream
+from gateway.limits import Admission
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 @dataclass(slots=True)
@@ -55,26 +60,26 @@ class Exchange:
         if self.ttft_ms is None:
             self.ttft_ms = round(self.elapsed_ms())
 
-    def record(self) -> dict[str, Any]:
-        """The usage record, as billing.usage_stream decodes it."""
+    def report(self) -> UsageReport:
+        """The request's usage record, as the billing ledger stores it."""
         assert self.identity is not None and self.route is not None
-        return {
-            "request_id": self.request_id,
-            "idempotency_key": self.idempotency_key,
-            "organization_id": str(self.identity.organization_id),
-            "endpoint_id": self.route.endpoint_id,
-            "replica_id": self.upstream.replica_id if self.upstream else None,
-            "api_key_id": str(self.identity.id),
-            "operation": self.operation,
-            "stream": self.stream,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "cached_tokens": self.cached_tokens,
-            "status_code": self.status,
-            "error_code": self.error_code,
-            "client_disconnected": self.disconnected,
-            "started_at_ms": self.started_ms,
-            "ttft_ms": self.ttft_ms,
-            "duration_ms": round(self.elapsed_ms()),
-            "overhead_ms": round(self.overhead_ms(), 3),
-        }
+        return UsageReport(
+            request_id=self.request_id,
+            idempotency_key=self.idempotency_key,
+            organization_id=str(self.identity.organization_id),
+            endpoint_id=self.route.endpoint_id,
+            replica_id=self.upstream.replica_id if self.upstream else None,
+            api_key_id=str(self.identity.id),
+            operation=self.operation,
+            stream=self.stream,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=self.completion_tokens,
+            cached_tokens=self.cached_tokens,
+            status_code=self.status,
+            error_code=self.error_code,
+            client_disconnected=self.disconnected,
+            started_at=EPOCH + timedelta(milliseconds=self.started_ms),
+            time_to_first_token_ms=self.ttft_ms,
+            duration_ms=round(self.elapsed_ms()),
+            gateway_overhead_ms=Decimal(f"{self.overhead_ms():.3f}"),
+        )

@@ -3,9 +3,10 @@
 One Lua script checks all three and takes a request slot atomically, so gateways on many
 hosts share the limits exactly. Minutes are sliding windows (this minute's count plus the
 last minute's, weighted by how much of it still overlaps). Tokens are known only when a
-request ends: they are added then (by the usage sink), and a key may start new requests while
-its window has room. In-flight slots carry their start time, so a slot held by a gateway that
-died is dropped after `STALE_AFTER_MS` instead of blocking the organisation for ever.
+request ends: its Admission's release adds them then (the usage sink sends that release in
+its next pipeline), and a key may start new requests while its window has room. In-flight
+slots carry their start time, so a slot held by a gateway that died is dropped after
+`STALE_AFTER_MS` instead of blocking the organisation for ever.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ import math
 from dataclasses import dataclass
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
 from accounts.principals import KeyIdentity
-from endpoints.gateway.errors import GatewayError
+from gateway.errors import GatewayError
 
 WINDOW_MS = 60_000
 COUNTER_TTL_MS = 2 * WINDOW_MS
@@ -63,11 +65,21 @@ def in_flight_name(organization_id: object) -> str:
 
 @dataclass(frozen=True)
 class Admission:
-    """A request let in: its rate-limit headers and what the release must undo."""
+    """A request let in: its rate-limit headers and what its release must undo."""
 
+    request_id: str
     headers: list[tuple[bytes, bytes]]
     tokens_counter: str | None  # where the request's tokens are added when it ends
     in_flight_set: str | None
+
+    def release(self, pipe: Pipeline, *, tokens: int) -> None:
+        """Queue on `pipe` the end of the request's hold on the limits: its in-flight slot
+        given back, and its tokens counted in the window it was admitted in."""
+        if self.in_flight_set:
+            pipe.zrem(self.in_flight_set, self.request_id)
+        if self.tokens_counter and tokens:
+            pipe.incrby(self.tokens_counter, tokens)
+            pipe.pexpire(self.tokens_counter, COUNTER_TTL_MS)
 
 
 def seconds_until_room(*, current: int, previous: int, limit: int, elapsed_ms: int) -> int:
@@ -113,7 +125,8 @@ class Limiter:
                         (b"x-ratelimit-remaining-tokens", str(max(0, tpm - used)).encode()),
                         (b"x-ratelimit-reset-tokens", reset)]
         if verdict == ALLOWED:
-            return Admission(headers=headers, tokens_counter=tok_now if tpm else None,
+            return Admission(request_id=request_id, headers=headers,
+                             tokens_counter=tok_now if tpm else None,
                              in_flight_set=in_flight if concurrent else None)
         if verdict == REQUESTS:
             wait = seconds_until_room(current=rc, previous=rp, limit=rpm, elapsed_ms=elapsed)

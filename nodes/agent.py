@@ -5,8 +5,6 @@ process's children, each in its own process group and told to die with the agent
 killed agent leaves no engine behind; the replicas it held are failed when it comes back.
 """
 
-import hashlib
-import hmac
 import logging
 import threading
 import time
@@ -19,20 +17,15 @@ from django.utils import timezone
 
 from endpoints.lifecycle import do_fail_replica, do_set_replica_progress, do_transition_replica
 from endpoints.models import Node, Replica, State
-from endpoints.planning import CPU
-from engine import demo_model, supervisor
+from engine import demo_model, processes, supervisor
+from engine.sizing import CPU
+from kvrun.digests import engine_api_key
 
 logger = logging.getLogger(__name__)
 
 DEMO_SLUG = "kvrun-demo-tiny"
 _engines: dict[str, Popen] = {}
 _engines_lock = threading.Lock()
-
-
-def engine_api_key(replica_id: UUID | str) -> str:
-    """The key an engine demands; derived, so the gateway can compute it and nothing stores it."""
-    return hmac.new(settings.KVRUN_KEY_PEPPER.encode(), f"engine:{replica_id}".encode(),
-                    hashlib.sha256).hexdigest()
 
 
 def log_path(replica_id: UUID | str) -> Path:
@@ -74,7 +67,7 @@ def start_replica(replica_id: str) -> None:
                .filter(id=replica_id).first())
     if replica is None:
         return
-    port = supervisor.free_port(replica.node.address)
+    port = processes.free_port(replica.node.address)
     if not do_transition_replica(replica_id=replica.id, from_states=[State.STARTING],
                                  to_state=State.LOADING, message="starting the engine",
                                  port=port):
@@ -122,12 +115,12 @@ def stop_replica(replica_id: str) -> None:
         process = _engines.pop(str(replica.id), None)
     pid = process.pid if process is not None else replica.pid
     if pid:
-        supervisor.stop_group(pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+        processes.stop_group(pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
     if process is not None:
         process.wait(timeout=10)
     deadline = time.monotonic() + 10
     host = replica.node.address if replica.node else "127.0.0.1"
-    while (replica.port and not supervisor.port_is_free(replica.port, host)
+    while (replica.port and not processes.port_is_free(replica.port, host)
            and time.monotonic() < deadline):
         time.sleep(0.2)
     do_transition_replica(replica_id=replica.id, from_states=[State.STOPPING],
@@ -150,7 +143,7 @@ def check_engines() -> None:
             log_tail=supervisor.tail(log_path(rid)))
     for rid, process in exited.items():
         # The API server is gone; its engine-core children may not be. End the whole group.
-        supervisor.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+        processes.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
         _record_failure(UUID(rid), f"the engine exited with status {process.returncode}",
                         log_path(rid), from_states=[State.READY])
 
@@ -176,5 +169,5 @@ def _record_failure(replica_id: UUID, reason: str, log: Path, *, from_states: li
 def _forget_and_stop(replica_id: str, process: Popen) -> None:
     with _engines_lock:
         _engines.pop(replica_id, None)
-    supervisor.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+    processes.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
     process.wait(timeout=10)

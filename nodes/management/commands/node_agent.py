@@ -5,10 +5,10 @@ from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import close_old_connections
 
-from endpoints.services import do_record_node_heartbeat, do_register_node
 from engine import devices
-from engine.agent import check_engines, do_fail_replicas_of_previous_agent
 from kvrun.celery import app
+from nodes.agent import check_engines, do_fail_replicas_of_previous_agent
+from nodes.services import do_record_node_heartbeat, do_register_node
 
 
 class Command(BaseCommand):

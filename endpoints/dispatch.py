@@ -1,0 +1,27 @@
+"""The one place the control plane sends work to node agents.
+
+A node agent serves the Celery queue `Node.queue` with the tasks named here (nodes.tasks);
+they are sent by name because endpoints/ does not import the agent. Each is sent once the
+transition that asked for it has committed, and takes only the replica's id.
+"""
+
+from celery import current_app
+from django.db import transaction
+
+from endpoints.models import Node, Replica
+
+START_REPLICA = "engine.start_replica"
+STOP_REPLICA = "engine.stop_replica"
+
+
+def send_start_after_commit(*, replica: Replica, node: Node) -> None:
+    _send_after_commit(START_REPLICA, replica=replica, node=node)
+
+
+def send_stop_after_commit(*, replica: Replica, node: Node) -> None:
+    _send_after_commit(STOP_REPLICA, replica=replica, node=node)
+
+
+def _send_after_commit(task: str, *, replica: Replica, node: Node) -> None:
+    replica_id, queue = str(replica.id), node.queue
+    transaction.on_commit(lambda: current_app.send_task(task, args=[replica_id], queue=queue))

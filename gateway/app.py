@@ -1,0 +1,268 @@
+"""kvrun's OpenAI-compatible gateway: a lean ASGI app that serves /v1/* beside Django.
+
+This module is the app's lifespan (start, background tasks, stop) and its routing: who is
+calling, which endpoint they may reach, and what happens to every admitted request at its
+end. The hot path never waits on the ORM: keys and routes come from memory
+(gateway.directory), limits are one Redis script (gateway.limits), the engine is reached by
+gateway.proxy, and the usage record leaves through a batched sink (gateway.sink) after the
+client has its answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+import uuid
+from typing import Any
+
+import orjson
+from django.conf import settings
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from accounts.models import Scope
+from accounts.principals import KeyIdentity
+from accounts.revocations import KEY_REVOKED_CHANNEL
+from endpoints.models import State
+from gateway import idempotency
+from gateway.asgi import (
+    JSON,
+    ASGIScope,
+    ClientGone,
+    Receive,
+    Send,
+    header,
+    read_body,
+    require_method,
+    respond,
+    send_error,
+)
+from gateway.directory import Directory, Route
+from gateway.errors import GatewayError
+from gateway.exchange import Exchange
+from gateway.limits import Limiter
+from gateway.protocol import OPERATIONS, model_entry, parse_request
+from gateway.proxy import Proxy
+from gateway.sink import UsageSink
+
+STARTING_STATES = {State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING}
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._background: list[asyncio.Task[None]] = []
+
+    # --- lifespan ---------------------------------------------------------------------------
+
+    async def lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def start(self) -> None:
+        async with self._start_lock:
+            if self._started:
+                return
+            self.redis = Redis.from_url(settings.REDIS_URL)
+            self.directory = Directory(key_seconds=settings.KVRUN_API_KEY_CACHE_SECONDS,
+                                       route_seconds=settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS)
+            self.limiter = Limiter(self.redis)
+            self.idempotency = idempotency.Idempotency(
+                self.redis, ttl_seconds=settings.KVRUN_IDEMPOTENCY_HOURS * 3600)
+            self.sink = UsageSink(self.redis)
+            self.sink.start()
+            self.proxy = Proxy()
+            self._background.append(asyncio.get_running_loop().create_task(
+                self._follow_revocations()))
+            # Django's start-up leaves a large heap that never changes; moving it out of the
+            # collector's reach keeps full collections, and so the latency tail, short.
+            gc.freeze()
+            self._started = True
+
+    async def stop(self) -> None:
+        """After the server has finished its requests: write every usage record left."""
+        if not self._started:
+            return
+        for task in self._background:
+            task.cancel()
+        self._background.clear()
+        await self.sink.close()
+        await self.proxy.close()
+        await self.redis.aclose()
+        self._started = False
+
+    async def _follow_revocations(self) -> None:
+        """Forget a revoked key the moment it is revoked anywhere, not a cache TTL later."""
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(KEY_REVOKED_CHANNEL)
+                    async for message in pubsub.listen():
+                        if message["type"] == "message":
+                            self.directory.forget_key(message["data"].decode())
+            except (RedisError, OSError):
+                await asyncio.sleep(1.0)
+
+    # --- routing ----------------------------------------------------------------------------
+
+    async def __call__(self, scope: ASGIScope, receive: Receive, send: Send) -> None:
+        if not self._started:
+            await self.start()
+        path, method = scope["path"], scope["method"]
+        exchange = Exchange(request_id=f"req_{uuid.uuid4().hex}",
+                            operation=OPERATIONS.get(path, ""),
+                            started_ms=time.time_ns() // 1_000_000)
+        try:
+            if path == "/v1/models" or path.startswith("/v1/models/"):
+                require_method(method, "GET")
+                await self._models(exchange, scope, send, path[len("/v1/models/"):])
+            elif exchange.operation:
+                require_method(method, "POST")
+                await self._complete(exchange, scope, receive, send)
+            else:
+                raise GatewayError(404, f"Unknown path {path}; kvrun serves /v1/chat/completions,"
+                                   " /v1/completions and /v1/models.", code="unknown_url")
+        except GatewayError as error:
+            await send_error(send, exchange, error)
+        except ClientGone:
+            pass
+
+    async def _authenticate(self, scope: ASGIScope) -> KeyIdentity:
+        scheme, _, secret = header(scope, b"authorization").partition(" ")
+        if scheme.lower() != "bearer" or not secret.strip():
+            raise GatewayError(401, "You didn't provide an API key. Send 'Authorization: Bearer "
+                               "kvr_…' with an inference key from the dashboard.",
+                               code="invalid_api_key")
+        secret = secret.strip()
+        identity = await self.directory.identity(secret)
+        if identity is None:
+            shown = f"{secret[:8]}…{secret[-4:]}" if len(secret) > 12 else "…"
+            raise GatewayError(401, f"Incorrect API key provided: {shown}. It is unknown, "
+                               "revoked or expired; create a key in the dashboard.",
+                               code="invalid_api_key")
+        if identity.scope != Scope.INFERENCE:
+            raise GatewayError(403, "This API key has the manage scope; the OpenAI-compatible "
+                               "API takes keys with the inference scope.",
+                               code="insufficient_scope")
+        return identity
+
+    async def _models(self, exchange: Exchange, scope: ASGIScope, send: Send, one: str) -> None:
+        identity = await self._authenticate(scope)
+        routes = await self.directory.routes(identity.organization_id)
+        listed = [model_entry(route) for name, route in sorted(routes.items())
+                  if route.upstreams and _allowed(identity, name)]
+        if one:
+            found = [entry for entry in listed if entry["id"] == one]
+            if not found:
+                raise _model_not_found(one)
+            body = orjson.dumps(found[0])
+        else:
+            body = orjson.dumps({"object": "list", "data": listed})
+        await respond(send, exchange, 200, body, [JSON])
+
+    async def _complete(self, exchange: Exchange, scope: ASGIScope, receive: Receive,
+                        send: Send) -> None:
+        identity = await self._authenticate(scope)
+        payload = parse_request(await read_body(scope, receive))
+        route = await self._route(identity, payload["model"])
+        exchange.identity, exchange.route = identity, route
+        exchange.stream = bool(payload.get("stream"))
+        key = header(scope, b"idempotency-key")
+        if key:
+            exchange.idempotency_key = idempotency.validate(key)
+            replay = await self.idempotency.reserve(
+                organization_id=identity.organization_id, key=key,
+                request_id=exchange.request_id)
+            if replay is not None:
+                await respond(send, exchange, 200, replay,
+                              [JSON, (b"x-kvrun-idempotent-replay", b"true")])
+                return
+        try:
+            exchange.admission = await self.limiter.admit(
+                identity=identity, request_id=exchange.request_id, now_ms=exchange.started_ms)
+        except GatewayError:
+            await self._settle_idempotency(exchange, succeeded=False, body=None)
+            raise
+        body = None
+        try:
+            body = await self.proxy.forward(exchange, payload, receive, send)
+        except GatewayError as error:
+            exchange.status, exchange.error_code = error.status, error.code or ""
+            await send_error(send, exchange, error)
+        except asyncio.CancelledError:
+            # The server is shutting down and its grace period is over: the usage so far
+            # is still recorded.
+            exchange.status, exchange.error_code = 503, "gateway_shutdown"
+            raise
+        except Exception:
+            exchange.status, exchange.error_code = 500, "gateway_error"
+            raise
+        finally:
+            await self._finish(exchange, payload, body)
+
+    async def _route(self, identity: KeyIdentity, name: str) -> Route:
+        route = (await self.directory.routes(identity.organization_id)).get(name)
+        if route is None:
+            raise _model_not_found(name)
+        if not _allowed(identity, name):
+            allowed = ", ".join(identity.endpoint_names)
+            raise GatewayError(403, f"This API key may call only these endpoints: {allowed}. "
+                               "Use a key without that restriction.", code="permission_denied")
+        if not route.upstreams:
+            raise _not_ready(route)
+        return route
+
+    async def _finish(self, exchange: Exchange, payload: dict[str, Any],
+                      body: bytes | None) -> None:
+        """Give the limits back and queue the usage record; runs for every admitted request,
+        however it ended."""
+        if exchange.disconnected:
+            exchange.status, exchange.error_code = 499, "client_disconnected"
+            if not exchange.usage_seen and exchange.upstream is not None:
+                exchange.prompt_tokens = await self.proxy.count_prompt_tokens(exchange, payload)
+        assert exchange.admission is not None
+        self.sink.add(report=exchange.report(), admission=exchange.admission,
+                      tokens=exchange.prompt_tokens + exchange.completion_tokens)
+        await self._settle_idempotency(exchange, succeeded=exchange.status == 200, body=body)
+
+    async def _settle_idempotency(self, exchange: Exchange, *, succeeded: bool,
+                                  body: bytes | None) -> None:
+        if exchange.idempotency_key and exchange.identity is not None:
+            await self.idempotency.settle(
+                organization_id=exchange.identity.organization_id, key=exchange.idempotency_key,
+                request_id=exchange.request_id, succeeded=succeeded, body=body)
+
+
+def _allowed(identity: KeyIdentity, name: str) -> bool:
+    return not identity.endpoint_names or name in identity.endpoint_names
+
+
+def _model_not_found(name: str) -> GatewayError:
+    return GatewayError(404, f"The model {name!r} does not exist or you do not have access to "
+                        "it. The model is the name of one of your endpoints; GET /v1/models "
+                        "lists the ready ones.", code="model_not_found", param="model")
+
+
+def _not_ready(route: Route) -> GatewayError:
+    name = route.name
+    if route.state in STARTING_STATES or route.state == State.READY:
+        stage, percent = route.progress.get("stage"), route.progress.get("percent")
+        message = (f"Endpoint {name!r} is {route.state} ({stage}, {percent}%); "
+                   "retry in a few seconds.")
+    elif route.state == State.FAILED:
+        message = (f"Endpoint {name!r} has failed; its events in the dashboard say why. "
+                   "Start it again once the cause is fixed.")
+    else:
+        message = (f"Endpoint {name!r} is {route.state}; start it (POST /api/v1/organizations/"
+                   f"{route.organization_slug}/endpoints/{name}/start/) and retry.")
+    return GatewayError(503, message, code="endpoint_not_ready",
+                        headers=[(b"retry-after", b"5")])

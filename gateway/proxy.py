@@ -1,0 +1,230 @@
+"""Requests to engines and their answers back: the least busy ready replica, the server-sent
+event relay, and the client that leaves early, whose engine request is then aborted.
+
+Engines are reached over pooled keep-alive connections (aiohttp). Time spent waiting on the
+engine is counted apart, so that the gateway's overhead is its own work only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+from django.conf import settings
+
+from gateway.asgi import JSON, Receive, Send, respond, response_headers
+from gateway.directory import Upstream, choose_upstream, mark_down
+from gateway.errors import GatewayError, engine_message, from_engine
+from gateway.exchange import Exchange
+from gateway.protocol import ENGINE_PATHS
+from kvrun.digests import cache_salt
+
+logger = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_SECONDS = 3.0
+EVENT_STREAM = (b"content-type", b"text/event-stream")
+DONE = b"data: [DONE]\n\n"
+
+
+class Proxy:
+    def __init__(self) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            timeout=aiohttp.ClientTimeout(
+                total=None, sock_connect=CONNECT_TIMEOUT_SECONDS,
+                sock_read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def forward(self, exchange: Exchange, payload: dict[str, Any], receive: Receive,
+                      send: Send) -> bytes | None:
+        """Send the request to a replica and the answer to the client; returns the answer
+        body when it was not streamed. The organisation's cache salt replaces any the client
+        sent, and streams always carry running usage upstream, for metering."""
+        assert exchange.identity is not None and exchange.route is not None
+        client_options = payload.get("stream_options") or {}
+        payload["cache_salt"] = cache_salt(exchange.identity.organization_id)
+        if exchange.stream:
+            payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        upstream_body = orjson.dumps(payload)
+        watcher = asyncio.get_running_loop().create_task(
+            _watch_disconnect(receive, exchange, asyncio.current_task()))
+        try:
+            response = await self._connect(exchange, upstream_body)
+            async with response:
+                if exchange.stream and response.status == 200:
+                    await _relay_stream(
+                        exchange, response, send,
+                        wants_usage=bool(client_options.get("include_usage")),
+                        wants_running=bool(client_options.get("continuous_usage_stats")))
+                    return None
+                waited = time.perf_counter()
+                try:
+                    body = await response.read()
+                except aiohttp.ClientError:
+                    if exchange.disconnected:
+                        return None
+                    raise GatewayError(502, "The engine dropped the connection before it "
+                                       "answered; retry.", code="engine_error") from None
+                finally:
+                    exchange.upstream_seconds += time.perf_counter() - waited
+                if response.status != 200:
+                    raise from_engine(response.status, body)
+                exchange.take_usage(orjson.loads(body).get("usage"))
+                await respond(send, exchange, 200, body, [JSON])
+                return body
+        except asyncio.CancelledError:
+            if not exchange.disconnected:
+                raise
+            # The client left while the engine had not answered yet (a non-streamed answer
+            # comes whole): the cancelled request closed the engine connection.
+            asyncio.current_task().uncancel()
+            if exchange.response is not None:
+                exchange.response.close()
+            return None
+        finally:
+            watcher.cancel()
+            exchange.response = None
+            if exchange.upstream is not None:
+                exchange.upstream.in_flight -= 1
+
+    async def _connect(self, exchange: Exchange, body: bytes) -> aiohttp.ClientResponse:
+        """The engine's response headers from the least busy ready replica; a replica that
+        refuses the connection (nothing was sent) is skipped for the next one."""
+        route = exchange.route
+        assert route is not None
+        path = ENGINE_PATHS[exchange.operation]
+        tried: set[Upstream] = set()
+        while (upstream := choose_upstream(route, tried=tried)) is not None:
+            tried.add(upstream)
+            upstream.in_flight += 1
+            upstream.served += 1
+            exchange.upstream = upstream
+            waited = time.perf_counter()
+            try:
+                exchange.response = await self.session.post(
+                    upstream.base_url + path, data=body,
+                    headers={"Authorization": upstream.authorization,
+                             "Content-Type": "application/json"})
+            except aiohttp.ClientConnectorError:
+                upstream.in_flight -= 1
+                exchange.upstream = None
+                mark_down(upstream)
+                continue
+            except (aiohttp.ClientError, TimeoutError):
+                raise GatewayError(502, "The engine did not answer; retry.",
+                                   code="engine_error") from None
+            finally:
+                exchange.upstream_seconds += time.perf_counter() - waited
+            return exchange.response
+        raise GatewayError(503, f"No replica of endpoint {route.name!r} accepted the request; "
+                           "kvrun is restarting it. Retry in a few seconds.",
+                           code="engine_unavailable", headers=[(b"retry-after", b"5")])
+
+    async def count_prompt_tokens(self, exchange: Exchange, payload: dict[str, Any]) -> int:
+        """The last resort when a client left before any usage arrived: the engine's own
+        tokenizer counts the prompt it was sent."""
+        assert exchange.upstream is not None and exchange.route is not None
+        asked = {"model": exchange.route.name}
+        for field in ("messages", "prompt"):
+            if field in payload:
+                asked[field] = payload[field]
+        try:
+            async with self.session.post(
+                    exchange.upstream.base_url + "/tokenize", json=asked,
+                    headers={"Authorization": exchange.upstream.authorization}) as response:
+                return int((await response.json()).get("count") or 0)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            logger.warning("could not count the prompt tokens of %s", exchange.request_id)
+            return 0
+
+
+async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, send: Send, *,
+                        wants_usage: bool, wants_running: bool) -> None:
+    """Pass server-sent events through as they arrive. Usage figures are taken from every
+    chunk (the engine sends running usage) and shown only as the client asked."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": response_headers(exchange, [EVENT_STREAM,
+                                                       (b"cache-control", b"no-cache")])})
+    failure: GatewayError | None = None
+    lines = response.content.__aiter__()
+    while True:
+        waited = time.perf_counter()
+        try:
+            line = await lines.__anext__()
+        except StopAsyncIteration:
+            if not exchange.disconnected:
+                failure = GatewayError(502, "The engine ended the stream early.",
+                                       code="engine_error")
+            break
+        except (aiohttp.ClientError, TimeoutError):
+            if not exchange.disconnected:
+                failure = GatewayError(502, "The engine stopped answering in mid-stream; "
+                                       "the text so far is all there is.", code="engine_error")
+            break
+        finally:
+            exchange.upstream_seconds += time.perf_counter() - waited
+        if not line.startswith(b"data: "):
+            continue
+        data = line[6:].rstrip()
+        if data == b"[DONE]":
+            break
+        chunk = orjson.loads(data)
+        if "error" in chunk:
+            detail = chunk["error"] or {}
+            error = engine_message(int(detail.get("code") or 500), str(detail.get("message")))
+            exchange.status, exchange.error_code = error.status, error.code or ""
+            data = orjson.dumps({"error": error.as_dict()})
+        else:
+            data = _client_chunk(exchange, chunk, data, wants_usage=wants_usage,
+                                 wants_running=wants_running)
+        if data is not None:
+            await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n",
+                        "more_body": True})
+    if failure is not None:
+        exchange.status, exchange.error_code = failure.status, failure.code or ""
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": b"data: " + orjson.dumps({"error": failure.as_dict()}) + b"\n\n"})
+    await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+
+def _client_chunk(exchange: Exchange, chunk: dict[str, Any], data: bytes, *, wants_usage: bool,
+                  wants_running: bool) -> bytes | None:
+    """The chunk as the client asked for it (None: not sent), noting usage and first token."""
+    usage = chunk.get("usage")
+    exchange.take_usage(usage)
+    choices = chunk.get("choices")
+    if not choices:  # the closing usage chunk
+        return data if wants_usage else None
+    if exchange.ttft_ms is None and any(
+            choice.get("text") or (choice.get("delta") or {}).get("content")
+            for choice in choices):
+        exchange.mark_first_token()
+    if "usage" not in chunk or wants_running:
+        return data
+    if wants_usage:
+        chunk["usage"] = None
+    else:
+        del chunk["usage"]
+    return orjson.dumps(chunk)
+
+
+async def _watch_disconnect(receive: Receive, exchange: Exchange,
+                            proxy: asyncio.Task[Any] | None) -> None:
+    """Wait for the client to leave; then drop the engine connection, which makes vLLM abort
+    the request instead of generating for no one: close the response being read, or cancel
+    the request still waiting for one."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    exchange.disconnected = True
+    if exchange.response is not None:
+        exchange.response.close()
+    elif proxy is not None:
+        proxy.cancel()

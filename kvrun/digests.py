@@ -1,0 +1,34 @@
+"""Every HMAC kvrun keys with its pepper (KVRUN_KEY_PEPPER), in one place.
+
+Each use hashes a message of its own shape (a `kvr_` secret, `engine:<replica>`,
+`cache-salt:<organisation>`), so no value of one kind can stand for another.
+"""
+
+import functools
+import hashlib
+import hmac
+from uuid import UUID
+
+from django.conf import settings
+
+
+def _keyed(message: str) -> str:
+    return hmac.new(settings.KVRUN_KEY_PEPPER.encode(), message.encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def secret_digest(secret: str) -> str:
+    """What is stored for an API key or invite token: a stolen table alone reveals no secret."""
+    return _keyed(secret)
+
+
+def engine_api_key(replica_id: UUID | str) -> str:
+    """The key a replica's engine demands; derived, so that the node agent that starts the
+    engine and every gateway that calls it agree on it and nothing stores it."""
+    return _keyed(f"engine:{replica_id}")
+
+
+@functools.lru_cache(maxsize=100_000)
+def cache_salt(organization_id: object) -> str:
+    """The organisation's vLLM cache salt: its cached prefixes are reused for it alone."""
+    return _keyed(f"cache-salt:{organization_id}")[:32]

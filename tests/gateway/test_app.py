@@ -1,0 +1,473 @@
+"""The gateway's own logic, its ASGI app driven in this process, in front of scripted
+stand-in engines (tests.stub_upstream). What needs a web process of its own (SIGTERM) is in
+test_web_process.py; the same behaviour against a real vLLM engine is in tests/e2e."""
+
+import asyncio
+import time
+
+import httpx
+import orjson
+import pytest
+from django.conf import settings
+from django.utils import timezone
+
+from accounts.models import APIKey, Organization
+from billing.models import UsageRecord
+from endpoints.models import Endpoint, State
+from engine.processes import free_port
+from kvrun.digests import cache_salt, engine_api_key
+from tests.factories import api_key, inference_key, organization_with_owner, ready_endpoint
+from tests.gateway.helpers import InProcessGateway, received, stored
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+def events(response: httpx.Response) -> list[str]:
+    return [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def test_it_proxies_a_completion_and_records_its_usage(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
+    stubs: list[httpx.Client]
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "hello", "max_tokens": 4})
+
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+    request_id = response.headers["x-request-id"]
+    assert request_id.startswith("req_")
+    assert float(response.headers["x-kvrun-overhead-ms"]) >= 0
+    assert response.headers["x-ratelimit-limit-requests"] == str(
+        settings.KVRUN_KEY_REQUESTS_PER_MINUTE)
+    [sent] = received(stubs[0])
+    replica = endpoint.replicas.get()
+    assert sent["body"]["cache_salt"] == cache_salt(org.id)
+    assert sent["authorization"] == f"Bearer {engine_api_key(replica.id)}"
+
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.request_id, record.organization_id, record.endpoint_id, record.replica_id) == (
+        request_id, org.id, endpoint.id, replica.id)
+    assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (7, 4, 3)
+    assert (record.status_code, record.operation, record.stream) == (200, "completions", False)
+    assert not record.client_disconnected
+    assert APIKey.objects.get(id=record.api_key_id).last_used_at == record.started_at
+
+
+def test_a_chat_completion_goes_to_the_engine_s_chat_path(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "messages": [
+        {"role": "user", "content": "hello"}]}, path="/v1/chat/completions")
+
+    assert response.status_code == 200
+    assert [sent["path"] for sent in received(stubs[0])] == ["/v1/chat/completions"]
+    assert stored(1)
+    assert UsageRecord.objects.get().operation == "chat.completions"
+
+
+def test_a_stream_shows_usage_only_as_the_client_asked(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+) -> None:
+    body = {"model": "chat", "prompt": "hello", "stream": True}
+    plain = gateway.post(secret, body)
+    asked = gateway.post(secret, {**body, "stream_options": {"include_usage": True}})
+    running = gateway.post(secret, {**body, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+
+    assert plain.headers["content-type"].startswith("text/event-stream")
+    plain_events = events(plain)
+    assert plain_events[-1] == "[DONE]"
+    assert all("usage" not in orjson.loads(event) for event in plain_events[:-1])
+    assert len(plain_events) == 5  # four chunks, no usage chunk
+    asked_chunks = [orjson.loads(event) for event in events(asked)[:-1]]
+    assert [chunk["usage"] for chunk in asked_chunks[:-1]] == [None] * 4
+    assert asked_chunks[-1]["choices"] == [] and asked_chunks[-1]["usage"]["completion_tokens"] == 4
+    running_chunks = [orjson.loads(event) for event in events(running)[:-1]]
+    assert [chunk["usage"]["completion_tokens"] for chunk in running_chunks[:4]] == [1, 2, 3, 4]
+    # Upstream always runs with usage on, so the gateway can meter every stream.
+    for sent in received(stubs[0]):
+        assert sent["body"]["stream_options"] == {"include_usage": True,
+                                                  "continuous_usage_stats": True}
+
+    assert stored(3)
+    assert list(UsageRecord.objects.values_list("completion_tokens", "stream").distinct()) == [
+        (4, True)]
+    assert all(record.time_to_first_token_ms is not None for record in UsageRecord.objects.all())
+
+
+def test_a_client_cannot_choose_its_cache_salt(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
+    stubs: list[httpx.Client]
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "hello", "cache_salt": "theirs"})
+
+    assert response.status_code == 200
+    assert received(stubs[0])[0]["body"]["cache_salt"] == cache_salt(org.id)
+    assert cache_salt(org.id) != cache_salt(organization_with_owner("Globex").id)
+
+
+def test_it_refuses_missing_wrong_and_misused_keys(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, other_org: Organization,
+    secret: str, stubs: list[httpx.Client]
+) -> None:
+    body = {"model": "chat", "prompt": "hello"}
+    restricted = inference_key(org, endpoint_names=["other"])[1]
+    ready_endpoint(other_org, "theirs", [free_port()])
+    outsider = inference_key(other_org)[1]
+
+    missing = gateway.post(None, body)
+    wrong = gateway.post("kvr_" + "x" * 43, body)
+    manage = gateway.post(api_key(org)[1], body)
+    not_allowed = gateway.post(restricted, body)
+    foreign = gateway.post(outsider, body)
+    other_way = gateway.post(secret, {"model": "theirs", "prompt": "hello"})
+
+    assert (missing.status_code, missing.json()["error"]["code"]) == (401, "invalid_api_key")
+    assert (wrong.status_code, wrong.json()["error"]["code"]) == (401, "invalid_api_key")
+    assert "kvr_xxxx…xxxx" in wrong.json()["error"]["message"]
+    assert (manage.status_code, manage.json()["error"]["code"]) == (403, "insufficient_scope")
+    assert not_allowed.status_code == 403 and "other" in not_allowed.json()["error"]["message"]
+    # Another organisation's endpoint does not exist for the caller.
+    assert (foreign.status_code, foreign.json()["error"]["code"]) == (404, "model_not_found")
+    assert other_way.status_code == 404
+    assert foreign.json()["error"]["type"] == "invalid_request_error"
+    assert received(stubs[0]) == []
+    gateway.stop()  # every report the gateway had is written
+    assert not stored(1, timeout=0)
+
+
+def test_it_refuses_bad_input_without_reaching_an_engine(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+) -> None:
+    auth = {"Authorization": f"Bearer {secret}"}
+    cases = {
+        "invalid_json": gateway.post(secret, b"{not json"),
+        "no model": gateway.post(secret, {"prompt": "hello"}),
+        "bad stream": gateway.post(secret, {"model": "chat", "prompt": "x", "stream": "yes"}),
+        "bad stream_options": gateway.post(secret, {"model": "chat", "prompt": "x",
+                                                    "stream_options": [1]}),
+        "too large": gateway.post(secret, {"model": "chat",
+                                           "prompt": "x" * settings.DATA_UPLOAD_MAX_MEMORY_SIZE}),
+        "wrong method": gateway.run(gateway.client.get("/v1/completions", headers=auth)),
+        "engine metrics": gateway.run(gateway.client.get("/v1/metrics", headers=auth)),
+    }
+
+    statuses = {name: response.status_code for name, response in cases.items()}
+    assert statuses == {"invalid_json": 400, "no model": 400, "bad stream": 400,
+                        "bad stream_options": 400, "too large": 413, "wrong method": 405,
+                        "engine metrics": 404}
+    assert cases["invalid_json"].json()["error"]["code"] == "invalid_json"
+    assert cases["no model"].json()["error"]["param"] == "model"
+    assert cases["too large"].json()["error"]["message"] == (
+        f"The request body is larger than the limit of {settings.DATA_UPLOAD_MAX_MEMORY_SIZE} "
+        "bytes; send a smaller body.")
+    assert cases["wrong method"].headers["allow"] == "POST"
+    assert "vllm" not in cases["engine metrics"].text.lower()
+    assert received(stubs[0]) == []
+
+
+def test_an_endpoint_that_is_not_ready_says_what_it_is_doing(
+    gateway: InProcessGateway, org: Organization, secret: str
+) -> None:
+    loading = ready_endpoint(org, "warming", [free_port()], state=State.LOADING)
+    loading.replicas.update(stage="loading weights", progress_percent=50)
+    ready_endpoint(org, "resting", [], state=State.STOPPED)
+
+    starting = gateway.post(secret, {"model": "warming", "prompt": "hello"})
+    stopped = gateway.post(secret, {"model": "resting", "prompt": "hello"})
+
+    assert starting.status_code == 503 and starting.headers["retry-after"] == "5"
+    assert starting.json()["error"]["message"] == (
+        "Endpoint 'warming' is loading (loading weights, 50%); retry in a few seconds.")
+    assert stopped.status_code == 503
+    assert f"/api/v1/organizations/{org.slug}/endpoints/resting/start/" in (
+        stopped.json()["error"]["message"])
+    assert gateway.get(secret, "/v1/models").json() == {"object": "list", "data": []}
+
+
+def test_a_refused_connection_is_retried_on_another_replica(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    endpoint = ready_endpoint(org, "sturdy", [free_port(), stub_ports[0]])
+    live = endpoint.replicas.get(port=stub_ports[0])
+
+    statuses = [gateway.post(secret, {"model": "sturdy", "prompt": "hello"}).status_code
+                for _ in range(4)]
+
+    assert statuses == [200] * 4
+    assert len(received(stubs[0])) == 4
+    assert stored(4)
+    assert set(UsageRecord.objects.values_list("replica_id", flat=True)) == {live.id}
+
+
+def test_no_replica_accepting_is_a_503_that_says_to_retry(
+    gateway: InProcessGateway, org: Organization, secret: str
+) -> None:
+    ready_endpoint(org, "gone", [free_port(), free_port()])
+
+    response = gateway.post(secret, {"model": "gone", "prompt": "hello"})
+
+    assert response.status_code == 503 and response.headers["retry-after"] == "5"
+    assert response.json()["error"]["code"] == "engine_unavailable"
+    assert stored(1)
+    assert (UsageRecord.objects.get().status_code, UsageRecord.objects.get().replica_id) == (
+        503, None)
+
+
+def test_requests_go_to_the_replica_with_the_fewest_in_flight(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    ready_endpoint(org, "pair", stub_ports)
+
+    async def four_slow() -> list[int]:
+        calls = []
+        for _ in range(4):
+            calls.append(asyncio.ensure_future(gateway.send(secret, {"model": "pair",
+                                                                     "prompt": "slow"})))
+            await asyncio.sleep(0.1)
+        return [response.status_code for response in await asyncio.gather(*calls)]
+
+    assert gateway.run(four_slow()) == [200] * 4
+    assert [len(received(stub)) for stub in stubs] == [2, 2]
+
+
+def test_a_stream_that_breaks_ends_with_an_error_frame_and_done(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "drop", "stream": True})
+
+    frames = events(response)
+    assert response.status_code == 200
+    assert [orjson.loads(frame)["choices"][0]["text"] for frame in frames[:2]] == [" t0", " t1"]
+    assert orjson.loads(frames[2])["error"]["code"] == "engine_error"
+    assert frames[3:] == ["[DONE]"]
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.error_code, record.completion_tokens) == (
+        502, "engine_error", 2)
+
+
+def test_engine_errors_reach_the_client_in_openai_shape(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "context"})
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error", "context_length_exceeded", "input_tokens")
+    assert stored(1)
+    assert UsageRecord.objects.get().error_code == "context_length_exceeded"
+
+
+def test_a_key_has_a_request_limit_per_minute(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+) -> None:
+    _, secret = inference_key(org, requests_per_minute=2)
+
+    responses = [gateway.post(secret, {"model": "chat", "prompt": "hello"}) for _ in range(3)]
+
+    assert [r.status_code for r in responses] == [200, 200, 429]
+    refused = responses[2]
+    assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "2 requests per minute" in refused.json()["error"]["message"]
+    assert 1 <= int(refused.headers["retry-after"]) <= 120
+    assert refused.headers["x-ratelimit-remaining-requests"] == "0"
+    assert responses[0].headers["x-ratelimit-remaining-requests"] == "1"
+    gateway.stop()
+    assert stored(2)
+    assert UsageRecord.objects.count() == 2  # the refused one ran nowhere and is not billed
+
+
+def test_a_key_has_a_token_limit_per_minute(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+) -> None:
+    _, secret = inference_key(org, tokens_per_minute=10)
+
+    first = gateway.post(secret, {"model": "chat", "prompt": "hello"})  # 7 + 4 tokens
+    assert first.status_code == 200
+    # The tokens are counted once the sink has sent the request's release.
+    assert wait_until(lambda: gateway.post(secret, {"model": "chat", "prompt": "x"}).status_code
+                      == 429, 5)
+    refused = gateway.post(secret, {"model": "chat", "prompt": "hello"})
+
+    assert refused.json()["error"]["type"] == "tokens"
+    assert "10 tokens per minute" in refused.json()["error"]["message"]
+    assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
+
+
+def test_an_organisation_has_a_limit_on_requests_in_flight(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+) -> None:
+    Organization.objects.filter(id=org.id).update(max_concurrent_requests=1)
+    _, secret = inference_key(org)
+    slow = gateway.submit(gateway.send(secret, {"model": "chat", "prompt": "slow"}))
+    time.sleep(0.4)
+
+    refused = gateway.post(secret, {"model": "chat", "prompt": "hello"})
+    assert slow.result(10).status_code == 200
+    # The slot comes back once the sink has sent the slow request's release.
+    assert wait_until(lambda: gateway.post(secret, {"model": "chat", "prompt": "hello"})
+                      .status_code == 200, 5)
+
+    assert refused.status_code == 429
+    assert "1 requests in flight" in refused.json()["error"]["message"]
+
+
+def test_a_repeated_idempotency_key_does_not_run_again(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+) -> None:
+    body = {"model": "chat", "prompt": "hello"}
+    first = gateway.post(secret, body, **{"Idempotency-Key": "order-1"})
+    again = gateway.post(secret, body, **{"Idempotency-Key": "order-1"})
+    failed = gateway.post(secret, {"model": "chat", "prompt": "context"},
+                          **{"Idempotency-Key": "order-2"})
+    retried = gateway.post(secret, {"model": "chat", "prompt": "context"},
+                           **{"Idempotency-Key": "order-2"})
+
+    assert (first.status_code, again.status_code) == (200, 200)
+    assert again.content == first.content
+    assert again.headers["x-kvrun-idempotent-replay"] == "true"
+    assert (failed.status_code, retried.status_code) == (400, 400)  # a failure frees the key
+    assert len(received(stubs[0])) == 3
+    gateway.stop()
+    assert stored(3)
+    assert UsageRecord.objects.count() == 3
+    assert UsageRecord.objects.filter(idempotency_key="order-1").count() == 1
+
+
+def test_an_idempotency_key_in_use_or_streamed_is_a_conflict(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    key = {"Idempotency-Key": "job-7"}
+    slow = gateway.submit(gateway.send(secret, {"model": "chat", "prompt": "slow"}, **key))
+    time.sleep(0.4)
+    clash = gateway.post(secret, {"model": "chat", "prompt": "slow"}, **key)
+    assert slow.result(10).status_code == 200
+    streamed = gateway.post(secret, {"model": "chat", "prompt": "hello", "stream": True},
+                            **{"Idempotency-Key": "job-8"})
+    again = gateway.post(secret, {"model": "chat", "prompt": "hello", "stream": True},
+                         **{"Idempotency-Key": "job-8"})
+    too_long = gateway.post(secret, {"model": "chat", "prompt": "hello"},
+                            **{"Idempotency-Key": "k" * 256})
+
+    assert clash.status_code == 409
+    assert clash.json()["error"]["code"] == "idempotency_key_reused"
+    assert "still running" in clash.json()["error"]["message"]
+    assert streamed.status_code == 200
+    assert again.status_code == 409 and "was streamed" in again.json()["error"]["message"]
+    assert too_long.status_code == 400
+    assert too_long.json()["error"]["param"] == "Idempotency-Key"
+
+
+def test_a_key_revoked_through_kvrun_is_refused_at_once(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, owner_api: object
+) -> None:
+    key, secret = inference_key(org)
+    assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200
+
+    assert owner_api.delete(f"/api/v1/organizations/{org.slug}/api-keys/{key.id}/"
+                            ).status_code == 204
+
+    # Every gateway hears of the revocation; give the message a moment to arrive.
+    assert wait_until(lambda: gateway.post(secret, {"model": "chat", "prompt": "hello"}
+                                           ).status_code == 401, 1.0, interval=0.05)
+
+
+def test_a_key_revoked_behind_kvrun_s_back_is_refused_within_the_cache_ttl(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+) -> None:
+    key, secret = inference_key(org)
+    assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200
+
+    APIKey.objects.filter(id=key.id).update(revoked_at=timezone.now())  # no message sent
+    revoked_at = time.monotonic()
+
+    assert wait_until(lambda: gateway.post(secret, {"model": "chat", "prompt": "hello"}
+                                           ).status_code == 401,
+                      settings.KVRUN_API_KEY_CACHE_SECONDS + 1, interval=0.2)
+    assert time.monotonic() - revoked_at <= settings.KVRUN_API_KEY_CACHE_SECONDS + 0.5
+
+
+async def leave_early(gateway: InProcessGateway, secret: str, body: dict, *,
+                      after_frames: int | None = None,
+                      after_seconds: float | None = None) -> list[bytes]:
+    """Call the app as a client that disconnects after `after_frames` body frames or
+    `after_seconds`; returns the frames it got. httpx's transport cannot leave early."""
+    gone = asyncio.Event()
+    frames: list[bytes] = []
+    request = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
+
+    async def receive() -> dict:
+        if request:
+            return request.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if gone.is_set():
+            return  # as a server does: nothing reaches a client that has left
+        if message["type"] == "http.response.body" and message.get("body"):
+            frames.append(message["body"])
+            if after_frames is not None and len(frames) >= after_frames:
+                gone.set()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"authorization", f"Bearer {secret}".encode())]}
+    call = asyncio.ensure_future(gateway.app(scope, receive, send))
+    if after_seconds is not None:
+        await asyncio.sleep(after_seconds)
+        gone.set()
+    await call
+    return frames
+
+
+def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    frames = gateway.run(leave_early(gateway, secret, {"model": "chat", "prompt": "slow",
+                                                       "stream": True}, after_frames=3))
+
+    assert len(frames) == 3
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.client_disconnected) == (499, True)
+    assert 3 <= record.completion_tokens < 20 and record.prompt_tokens == 7
+
+
+def test_a_client_that_leaves_before_any_usage_is_billed_for_its_prompt(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    frames = gateway.run(leave_early(gateway, secret, {"model": "chat", "prompt": "slow"},
+                                     after_seconds=0.3))
+
+    assert frames == []  # gone before the slow answer was ready
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.client_disconnected) == (499, True)
+    # No usage came back, so the engine's tokenizer counted the prompt.
+    assert (record.prompt_tokens, record.completion_tokens) == (1, 0)
+
+
+def test_models_lists_the_ready_endpoints_a_key_may_call(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+) -> None:
+    ready_endpoint(org, "second", [free_port()])
+    restricted = inference_key(org, endpoint_names=["chat"])[1]
+
+    listed = gateway.get(secret, "/v1/models")
+    only = gateway.get(restricted, "/v1/models")
+    one = gateway.get(secret, "/v1/models/chat")
+    missing = gateway.get(secret, "/v1/models/nope")
+    posted = gateway.post(secret, {}, path="/v1/models")
+
+    assert [model["id"] for model in listed.json()["data"]] == ["chat", "second"]
+    assert [model["id"] for model in only.json()["data"]] == ["chat"]
+    assert one.json() == {"id": "chat", "object": "model", "owned_by": org.slug,
+                          "created": int(endpoint.created_at.timestamp())}
+    assert missing.status_code == 404
+    assert posted.status_code == 405 and posted.headers["allow"] == "GET"

@@ -1,0 +1,104 @@
+"""Helpers for tests that start real processes (worker, node agents, web, engines) and wait
+on them. Fixtures live in the conftest files; this module is imported like any other."""
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+from django.conf import settings
+
+ROOT = Path(__file__).resolve().parent.parent
+# The worker started for the suite marks a node lost after this many silent seconds.
+NODE_LOST_AFTER_SECONDS = 3
+# Fast restarts and an early verdict, so that failure paths finish in seconds.
+ENGINE_TIMINGS = {"KVRUN_ENGINE_BACKOFF_SECONDS": "1", "KVRUN_ENGINE_MAX_FAILURES": "2",
+                  "KVRUN_ENGINE_START_TIMEOUT_SECONDS": "180"}
+
+
+def database_url_for_tests() -> str:
+    """DATABASE_URL with the database pytest-django created, for processes started by tests."""
+    assert settings.DATABASES["default"]["NAME"].startswith("test_"), "no test database yet"
+    parts = urlsplit(os.environ["DATABASE_URL"])
+    return urlunsplit(parts._replace(path="/" + settings.DATABASES["default"]["NAME"]))
+
+
+def process_env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "DATABASE_URL": database_url_for_tests(), **extra}
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def process_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in {"Z", "X"}
+
+
+def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return bool(predicate())
+
+
+def start_web(port: int, **env: str) -> subprocess.Popen:
+    """The web process (gateway and Django) as `make run` starts it, against the test
+    database."""
+    from kvrun.launcher import uvicorn_args, wait_until_listening
+
+    process = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application",
+                                                              port=port)],
+                               cwd=ROOT, env=process_env(**env))
+    wait_until_listening(process, port)
+    return process
+
+
+def start_agent(name: str, logs: Path) -> subprocess.Popen:
+    """A node agent on this machine's CPU, with its engines' logs under `logs`."""
+    return subprocess.Popen(
+        [sys.executable, "manage.py", "node_agent", "--name", name],
+        cwd=ROOT, env=process_env(KVRUN_NODE_GPUS="none", KVRUN_NODE_HEARTBEAT_SECONDS="1",
+                                  KVRUN_ENGINE_LOG_DIR=str(logs), **ENGINE_TIMINGS),
+    )
+
+
+def drive(predicate: Callable[[], bool], timeout: float) -> bool:
+    """Wait for `predicate`, running the reconciler and the liveness check on the worker as
+    beat would."""
+    from endpoints.tasks import mark_lost_nodes, reconcile
+
+    def step() -> bool:
+        reconcile.delay()
+        mark_lost_nodes.delay()
+        return predicate()
+    return wait_until(step, timeout, interval=1.0)
+
+
+def api_servers(name: str) -> list[int]:
+    """PIDs of vLLM API servers serving `name` on this machine."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"vllm.entrypoints.openai.api_server" in argv and name.encode() in argv:
+            found.append(int(cmdline.parent.name))
+    return [pid for pid in found if process_alive(pid)]
