@@ -53,7 +53,8 @@ class UsageReport:
 
     @classmethod
     def decode(cls, payload: bytes) -> UsageReport:
-        """The report in `payload`; ValueError, KeyError or TypeError when it is not one."""
+        """The report in `payload`; ValueError, KeyError, TypeError or ArithmeticError (a bad
+        decimal) when it is not one."""
         data = orjson.loads(payload)
         data["started_at"] = datetime.fromisoformat(data["started_at"])
         data["gateway_overhead_ms"] = Decimal(data["gateway_overhead_ms"])

@@ -16,7 +16,8 @@ import math
 from dataclasses import dataclass, field
 from decimal import Decimal
 
-# The device kind of a CPU node; also the GPU-type slug of CPU nodes in the catalog.
+# Device kinds: a GPU node's, and a CPU node's (also the catalog's GPU-type slug for CPU nodes).
+GPU = "gpu"
 CPU = "cpu"
 GIB = 1024**3
 GB = 1000**3

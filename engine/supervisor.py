@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from engine.processes import own_group_dying_with_parent
-from engine.sizing import CPU
+from engine.sizing import CPU, GPU
 
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -35,7 +35,7 @@ class EngineSpec:
     max_model_len: int
     max_num_seqs: int
     host: str = "127.0.0.1"
-    device: str = "gpu"  # "gpu" or CPU
+    device: str = GPU  # or CPU
     tensor_parallel: int = 1
     kv_cache_dtype: str = "auto"
     prefix_caching: bool = True

@@ -94,6 +94,7 @@ class Gateway:
             return
         for task in self._background:
             task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
         self._background.clear()
         await self.sink.close()
         await self.proxy.close()

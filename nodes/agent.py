@@ -18,7 +18,7 @@ from django.utils import timezone
 from endpoints.lifecycle import do_fail_replica, do_set_replica_progress, do_transition_replica
 from endpoints.models import Node, Replica, State
 from engine import demo_model, processes, supervisor
-from engine.sizing import CPU
+from engine.sizing import CPU, GPU
 from kvrun.digests import engine_api_key
 
 logger = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
         port=port,
         max_model_len=endpoint.context_length,
         max_num_seqs=endpoint.concurrency,
-        device=CPU if cpu else "gpu",
+        device=CPU if cpu else GPU,
         tensor_parallel=endpoint.gpu_count,
         kv_cache_dtype=endpoint.kv_cache_dtype,
         prefix_caching=endpoint.prefix_caching,

@@ -19,6 +19,7 @@ def gateway_loop() -> Iterator[asyncio.AbstractEventLoop]:
     yield loop
     loop.call_soon_threadsafe(loop.stop)
     thread.join(5)
+    loop.close()
 
 
 @pytest.fixture

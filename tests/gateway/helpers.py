@@ -3,6 +3,7 @@ thread, its lifespan started and stopped around each test, called through httpx'
 transport."""
 
 import asyncio
+import gc
 from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any
@@ -10,9 +11,11 @@ from typing import Any
 import httpx
 import orjson
 
+from accounts.revocations import KEY_REVOKED_CHANNEL
 from billing.models import UsageRecord
 from billing.services import do_ingest_usage
 from gateway.app import Gateway
+from kvrun.redis import redis_client
 from tests.helpers import wait_until
 
 
@@ -20,8 +23,11 @@ class InProcessGateway:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._stopped = False
+        subscribers = _revocation_subscribers()
         self.app = Gateway()
         self.run(self.app.start())
+        # Started, as after uvicorn's lifespan, and listening for revocations.
+        assert wait_until(lambda: _revocation_subscribers() > subscribers, 5, interval=0.01)
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app),
                                         base_url="http://gateway", timeout=30)
 
@@ -52,6 +58,17 @@ class InProcessGateway:
             self._stopped = True
             self.run(self.client.aclose())
             self.run(self.app.stop())
+            gc.unfreeze()  # the app froze the test process's heap, as it does a web process's
+
+    def upstreams_in_flight(self, organization_id: object) -> dict[str, int]:
+        """Each ready replica's requests in flight, as this gateway counts them."""
+        routes = self.run(self.app.directory.routes(organization_id))
+        return {upstream.replica_id: upstream.in_flight
+                for route in routes.values() for upstream in route.upstreams}
+
+
+def _revocation_subscribers() -> int:
+    return dict(redis_client().pubsub_numsub(KEY_REVOKED_CHANNEL))[KEY_REVOKED_CHANNEL.encode()]
 
 
 def stored(count: int, timeout: float = 5) -> bool:

@@ -15,12 +15,15 @@ from accounts.models import APIKey, Organization
 from billing.models import UsageRecord
 from endpoints.models import Endpoint, State
 from engine.processes import free_port
+from gateway.limits import in_flight_name
 from kvrun.digests import cache_salt, engine_api_key
+from kvrun.redis import redis_client
 from tests.factories import api_key, inference_key, organization_with_owner, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, received, stored
 from tests.helpers import wait_until
 
-pytestmark = pytest.mark.django_db(transaction=True)
+# e2e: the stand-in engines are processes of their own.
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def events(response: httpx.Response) -> list[str]:
@@ -215,6 +218,8 @@ def test_no_replica_accepting_is_a_503_that_says_to_retry(
     assert stored(1)
     assert (UsageRecord.objects.get().status_code, UsageRecord.objects.get().replica_id) == (
         503, None)
+    gateway.stop()
+    assert nothing_held(gateway, org)
 
 
 def test_requests_go_to_the_replica_with_the_fewest_in_flight(
@@ -301,12 +306,12 @@ def test_a_key_has_a_token_limit_per_minute(
 
 
 def test_an_organisation_has_a_limit_on_requests_in_flight(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
 ) -> None:
     Organization.objects.filter(id=org.id).update(max_concurrent_requests=1)
     _, secret = inference_key(org)
     slow = gateway.submit(gateway.send(secret, {"model": "chat", "prompt": "slow"}))
-    time.sleep(0.4)
+    assert wait_until(lambda: received(stubs[0]), 5, interval=0.02)  # admitted, at the engine
 
     refused = gateway.post(secret, {"model": "chat", "prompt": "hello"})
     assert slow.result(10).status_code == 200
@@ -341,11 +346,11 @@ def test_a_repeated_idempotency_key_does_not_run_again(
 
 
 def test_an_idempotency_key_in_use_or_streamed_is_a_conflict(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     key = {"Idempotency-Key": "job-7"}
     slow = gateway.submit(gateway.send(secret, {"model": "chat", "prompt": "slow"}, **key))
-    time.sleep(0.4)
+    assert wait_until(lambda: received(stubs[0]), 5, interval=0.02)  # running at the engine
     clash = gateway.post(secret, {"model": "chat", "prompt": "slow"}, **key)
     assert slow.result(10).status_code == 200
     streamed = gateway.post(secret, {"model": "chat", "prompt": "hello", "stream": True},
@@ -426,8 +431,15 @@ async def leave_early(gateway: InProcessGateway, secret: str, body: dict, *,
     return frames
 
 
+def nothing_held(gateway: InProcessGateway, organization: Organization) -> bool:
+    """No request of the organisation still counts as in flight, in Redis or in the
+    gateway's own count per replica (call once the gateway has stopped)."""
+    held = redis_client().zcard(in_flight_name(organization.id))
+    return held == 0 and not any(gateway.upstreams_in_flight(organization.id).values())
+
+
 def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     frames = gateway.run(leave_early(gateway, secret, {"model": "chat", "prompt": "slow",
                                                        "stream": True}, after_frames=3))
@@ -437,10 +449,12 @@ def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
     record = UsageRecord.objects.get()
     assert (record.status_code, record.client_disconnected) == (499, True)
     assert 3 <= record.completion_tokens < 20 and record.prompt_tokens == 7
+    gateway.stop()
+    assert nothing_held(gateway, org)
 
 
 def test_a_client_that_leaves_before_any_usage_is_billed_for_its_prompt(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     frames = gateway.run(leave_early(gateway, secret, {"model": "chat", "prompt": "slow"},
                                      after_seconds=0.3))
@@ -451,6 +465,8 @@ def test_a_client_that_leaves_before_any_usage_is_billed_for_its_prompt(
     assert (record.status_code, record.client_disconnected) == (499, True)
     # No usage came back, so the engine's tokenizer counted the prompt.
     assert (record.prompt_tokens, record.completion_tokens) == (1, 0)
+    gateway.stop()
+    assert nothing_held(gateway, org)
 
 
 def test_models_lists_the_ready_endpoints_a_key_may_call(
