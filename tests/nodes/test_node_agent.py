@@ -1,5 +1,4 @@
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
@@ -7,17 +6,16 @@ from endpoints.models import Node, NodeState
 from endpoints.services import do_load_catalogs
 from endpoints.tasks import mark_lost_nodes
 from kvrun.celery import app
-from tests.helpers import NODE_LOST_AFTER_SECONDS, ROOT, process_env, wait_until
+from tests.helpers import NODE_LOST_AFTER_SECONDS, start_agent, wait_until
 
 
 @pytest.mark.e2e
 @pytest.mark.django_db(transaction=True)
-def test_a_node_agent_registers_heartbeats_and_is_lost_when_killed(celery_worker: object) -> None:
+def test_a_node_agent_registers_heartbeats_and_is_lost_when_killed(
+    celery_worker: object, tmp_path: Path
+) -> None:
     do_load_catalogs()
-    agent = subprocess.Popen(
-        [sys.executable, "manage.py", "node_agent", "--name", "test-node-a", "--concurrency", "1"],
-        cwd=ROOT, env=process_env(KVRUN_NODE_HEARTBEAT_SECONDS="1", KVRUN_NODE_GPUS="none"),
-    )
+    agent = start_agent("test-node-a", tmp_path)
     try:
         assert wait_until(lambda: Node.objects.filter(name="test-node-a").exists(), timeout=60)
         first_beat = Node.objects.get(name="test-node-a").last_heartbeat_at
