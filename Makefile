@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: run test lint bench install browser clean
+.PHONY: run test lint bench install browser clean vendor
 
 run: install
 	$(BIN)/python -m kvrun.launcher run
@@ -44,3 +44,13 @@ browser:
 
 clean:
 	rm -rf $(VENV)
+
+# The dashboard's JavaScript and CSS, from the npm registry at the versions in
+# static/vendor/package.json; the copies are committed, so nothing loads from a CDN.
+vendor:
+	rm -rf .vendor && mkdir .vendor
+	cd .vendor && npm pack --silent htmx.org@$$(node -p "require('../static/vendor/package.json').dependencies['htmx.org']") uplot@$$(node -p "require('../static/vendor/package.json').dependencies.uplot") >/dev/null
+	cd .vendor && for f in *.tgz; do mkdir -p "$${f%.tgz}" && tar xzf "$$f" -C "$${f%.tgz}"; done
+	cp .vendor/htmx.org-*/package/dist/htmx.min.js .vendor/htmx.org-*/package/LICENSE static/vendor/htmx/
+	cp .vendor/uplot-*/package/dist/uPlot.iife.min.js .vendor/uplot-*/package/dist/uPlot.min.css .vendor/uplot-*/package/LICENSE static/vendor/uplot/
+	rm -rf .vendor
