@@ -1,7 +1,15 @@
-"""Sizing for endpoints: the catalog's rows turned into engine.sizing's inputs and back."""
+"""Sizing for endpoints: the catalog's rows turned into engine.sizing's inputs and back.
+
+`plan` picks (or checks) the hardware for an endpoint; when nothing online holds the request
+it raises `Unfit`, whose advice fits the cause: weights that fit nothing online name the GPU
+that would hold them and the models that do fit, while a KV cache that does not fit names the
+largest concurrency and context that do. `options` lists the real alternatives: each GPU
+type at the fewest GPUs that hold a request, with the concurrency it reaches and its price.
+"""
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -10,6 +18,10 @@ from django.core.exceptions import ValidationError
 from endpoints.models import GPUType, ModelSpec, NodeState
 from engine import sizing
 from engine.sizing import CPU
+
+# How to bring a node of a missing kind online, in words a newcomer can follow.
+ADD_NODE_ADVICE = ("start a node agent on a host with one (`python manage.py node_agent "
+                   "--name <host>`; see the README's \"Add a GPU node\")")
 
 
 def shape_of(model: ModelSpec) -> sizing.ModelShape:
@@ -33,6 +45,37 @@ def weight_dtype_of(model: ModelSpec) -> str:
     return model.default_dtype if model.default_dtype in sizing.WEIGHT_BYTES_PER_PARAM else "bfloat16"
 
 
+def request_for(model: ModelSpec, *, context_length: int, concurrency: int, kv_cache_dtype: str,
+                gpu: GPUType) -> sizing.Request:
+    """What sizing evaluates on `gpu`: CPU engines use all of their memory and 128-token blocks."""
+    is_cpu = gpu.slug == CPU
+    return sizing.Request(
+        context_length=context_length, concurrency=concurrency,
+        weight_dtype=weight_dtype_of(model), kv_dtype=kv_cache_dtype,
+        gpu_memory_utilization=1.0 if is_cpu else sizing.DEFAULT_GPU_MEMORY_UTILIZATION,
+        block_tokens=sizing.CPU_BLOCK_TOKENS if is_cpu else sizing.GPU_BLOCK_TOKENS,
+    )
+
+
+def counts_for(gpu: GPUType) -> tuple[int, ...]:
+    return (1,) if gpu.slug == CPU else sizing.TP_SIZES
+
+
+@dataclass(frozen=True)
+class Option:
+    """One real hardware choice at the asked context: the fewest GPUs of a type that hold
+    the weights and at least one request, and how many requests they hold at once."""
+
+    gpu_type: GPUType
+    gpu_count: int
+    max_concurrency: int
+    online: bool
+
+    @property
+    def hourly_price(self) -> Decimal:
+        return self.gpu_type.hourly_price_usd * self.gpu_count
+
+
 @dataclass(frozen=True)
 class Plan:
     gpu_type: GPUType
@@ -40,33 +83,78 @@ class Plan:
     summary: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Advice:
+    """Why a request fits nothing online, and what would: the message for the field to
+    change, plus the choices a page can offer as links."""
+
+    field: str
+    message: str
+    cause: str  # "weights": the model fits nothing online; "kv_cache": its KV cache does not
+    weight_bytes: int
+    holder: Option | None = None  # the cheapest catalog hardware that holds the whole request
+    fitting_models: list[ModelSpec] = field(default_factory=list)
+    largest_concurrency: int = 0
+    largest_context: int = 0
+
+
+class Unfit(ValidationError):
+    """A request that fits no hardware on offer; `advice` says what would."""
+
+    def __init__(self, advice: Advice) -> None:
+        super().__init__({advice.field: [advice.message]})
+        self.advice = advice
+
+
+def online_gpu_type_ids() -> set[int]:
+    return set(GPUType.objects.filter(node__state=NodeState.ONLINE).values_list("id", flat=True))
+
+
 def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dtype: str,
          gpu_type: GPUType | None = None, gpu_count: int | None = None) -> Plan:
-    """The hardware for an endpoint, chosen or checked. Raises ValidationError saying what
+    """The hardware for an endpoint, chosen or checked. Raises ValidationError naming the
+    field to change: a GPU count vLLM cannot split the model over, or `Unfit` saying what
     would fit when the request fits nothing offered."""
     candidates = _candidate_types(gpu_type)
-    is_cpu = [gpu.slug for gpu in candidates] == [CPU]
-    request = sizing.Request(
-        context_length=context_length, concurrency=concurrency,
-        weight_dtype=weight_dtype_of(model), kv_dtype=kv_cache_dtype,
-        gpu_memory_utilization=1.0 if is_cpu else sizing.DEFAULT_GPU_MEMORY_UTILIZATION,
-        block_tokens=sizing.CPU_BLOCK_TOKENS if is_cpu else sizing.GPU_BLOCK_TOKENS,
-    )
-    counts = (1,) if is_cpu else ((gpu_count,) if gpu_count else sizing.TP_SIZES)
     if gpu_count and not sizing.valid_tp(shape_of(model), gpu_count):
         raise ValidationError({"gpu_count": [
             f"{model.name} has {model.attention_heads} attention heads, which vLLM cannot split "
             f"over {gpu_count} GPUs; choose a count that divides {model.attention_heads}."]})
+    is_cpu = [gpu.slug for gpu in candidates] == [CPU]
+    request = request_for(model, context_length=context_length, concurrency=concurrency,
+                          kv_cache_dtype=kv_cache_dtype, gpu=candidates[0])
+    counts = (1,) if is_cpu else ((gpu_count,) if gpu_count else sizing.TP_SIZES)
     by_slug = {gpu.slug: gpu for gpu in candidates}
     decision = sizing.choose(shape_of(model), request,
                              [accelerator_of(gpu) for gpu in candidates], counts)
     if decision.choice is None:
-        field = "gpu_type" if gpu_type else "concurrency"
-        raise ValidationError({field: [decision.explanation + " Lower the context length or "
-                                       "the concurrency, use fp8 KV cache, or pick more GPUs."]})
+        raise Unfit(_advice(model, request, candidates, gpu_type=gpu_type))
     choice = decision.choice
     return Plan(gpu_type=by_slug[choice.accelerator.slug], gpu_count=choice.count,
                 summary=_summary(model, request, decision, is_cpu))
+
+
+def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str) -> list[Option]:
+    """Every catalog GPU type (the CPU only where a CPU node is online) at the fewest GPUs
+    that hold one request of `context_length`, cheapest first."""
+    online = online_gpu_type_ids()
+    shape = shape_of(model)
+    found = []
+    for gpu in GPUType.objects.all():
+        if gpu.slug == CPU and gpu.id not in online:
+            continue
+        request = request_for(model, context_length=context_length, concurrency=1,
+                              kv_cache_dtype=kv_cache_dtype, gpu=gpu)
+        for count in counts_for(gpu):
+            if not sizing.valid_tp(shape, count):
+                continue
+            fit = sizing.evaluate(shape, request, accelerator_of(gpu), count)
+            if fit.fits:
+                found.append(Option(gpu_type=gpu, gpu_count=count, online=gpu.id in online,
+                                    max_concurrency=sizing.largest_concurrency(shape, request,
+                                                                               fit)))
+                break
+    return sorted(found, key=lambda option: (option.hourly_price, -option.max_concurrency))
 
 
 def _candidate_types(gpu_type: GPUType | None) -> list[GPUType]:
@@ -80,6 +168,116 @@ def _candidate_types(gpu_type: GPUType | None) -> list[GPUType]:
     if present:
         return present
     return list(GPUType.objects.exclude(slug=CPU))
+
+
+def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType], *,
+            gpu_type: GPUType | None) -> Advice:
+    shape = shape_of(model)
+    weights = sizing.weight_bytes(shape, request.weight_dtype)
+    holder = _cheapest_holder(model, request)
+    holder_text = _holder_text(holder)
+    fits = [sizing.evaluate(shape, request, accelerator_of(gpu), count)
+            for gpu in candidates for count in counts_for(gpu) if sizing.valid_tp(shape, count)]
+    best = max(fits, key=lambda fit: sizing.largest_concurrency(shape, request, fit)
+               if fit.kv_available_per_gpu > 0 else -1, default=None)
+    where = (gpu_type.name if gpu_type else "the hardware online"
+             if online_gpu_type_ids() else "any GPU in the catalog")
+    if best is None or sizing.largest_context(shape, request, best,
+                                              concurrency=1) < request.block_tokens:
+        # The weights (with one block of KV) fit nothing: no knob but the hardware helps.
+        fitting = models_that_fit_online(context_length=request.context_length,
+                                         concurrency=request.concurrency,
+                                         kv_cache_dtype=request.kv_dtype)
+        message = (f"{model.name}'s weights need {_gb(weights)} ({request.weight_dtype}), more "
+                   f"than {where} can hold. {holder_text}")
+        if fitting:
+            message += " Models that fit what is online: " + ", ".join(
+                m.name for m in fitting[:6]) + "."
+        return Advice(field="gpu_type" if gpu_type else "model", message=message,
+                      cause="weights", weight_bytes=weights, holder=holder,
+                      fitting_models=fitting)
+    most = sizing.largest_concurrency(shape, request, best)
+    longest = sizing.largest_context(shape, request, best, concurrency=request.concurrency)
+    ways = []
+    if most >= 1:
+        ways.append(f"lower the concurrency to {most}")
+    if longest >= request.block_tokens:
+        ways.append(f"lower the context length to {longest:,} tokens")
+    if request.kv_dtype == "auto":
+        fp8 = fp8_request(request)
+        fp8_most = sizing.largest_concurrency(
+            shape, fp8, sizing.evaluate(shape, fp8, best.accelerator, best.count))
+        if fp8_most > most:
+            ways.append(f"use fp8 KV cache ({fp8_most} requests at this context)")
+    message = (f"{request.concurrency} requests × {request.context_length:,} tokens need "
+               f"{_gib(best.kv_needed_per_gpu)} of KV cache per GPU; {best.count} × "
+               f"{best.accelerator.name} has {_gib(max(0, best.kv_available_per_gpu))} left "
+               f"after the weights and runtime, which holds {most} at this context.")
+    if ways:
+        message += " " + _sentence("To fit, " + _either(ways))
+    message += " " + holder_text
+    return Advice(field="gpu_type" if gpu_type else "concurrency", message=message,
+                  cause="kv_cache", weight_bytes=weights, holder=holder,
+                  largest_concurrency=most, largest_context=longest)
+
+
+def fp8_request(request: sizing.Request) -> sizing.Request:
+    return sizing.Request(**{**request.__dict__, "kv_dtype": "fp8"})
+
+
+def largest_concurrency_on(*, model: ModelSpec, context_length: int, kv_cache_dtype: str,
+                           gpu_type: GPUType, gpu_count: int) -> int:
+    """How many requests of `context_length` the given hardware holds at once."""
+    shape = shape_of(model)
+    request = request_for(model, context_length=context_length, concurrency=1,
+                          kv_cache_dtype=kv_cache_dtype, gpu=gpu_type)
+    return sizing.largest_concurrency(
+        shape, request, sizing.evaluate(shape, request, accelerator_of(gpu_type), gpu_count))
+
+
+def _cheapest_holder(model: ModelSpec, request: sizing.Request) -> Option | None:
+    """The cheapest GPUs in the whole catalog that hold the request, online or not."""
+    gpus = {gpu.slug: gpu for gpu in GPUType.objects.exclude(slug=CPU)}
+    if not gpus:
+        return None
+    shape = shape_of(model)
+    on_gpu = request_for(model, context_length=request.context_length,
+                         concurrency=request.concurrency, kv_cache_dtype=request.kv_dtype,
+                         gpu=next(iter(gpus.values())))
+    choice = sizing.choose(shape, on_gpu, [accelerator_of(gpu) for gpu in gpus.values()]).choice
+    if choice is None:
+        return None
+    gpu = gpus[choice.accelerator.slug]
+    return Option(gpu_type=gpu, gpu_count=choice.count, online=gpu.id in online_gpu_type_ids(),
+                  max_concurrency=sizing.largest_concurrency(shape, on_gpu, choice))
+
+
+def _holder_text(holder: Option | None) -> str:
+    if holder is None:
+        return "No GPU in the catalog holds this request; lower the context or the concurrency."
+    text = (f"{holder.gpu_count} × {holder.gpu_type.name} (${holder.hourly_price:.2f}/h) would "
+            f"hold it")
+    if holder.online:
+        return _sentence(text + "; pick it as the GPU type")
+    return _sentence(f"{text}, but no {holder.gpu_type.name} node is online: {ADD_NODE_ADVICE}")
+
+
+def models_that_fit_online(*, context_length: int, concurrency: int,
+                           kv_cache_dtype: str) -> list[ModelSpec]:
+    """Catalog models that online hardware holds at this concurrency (at their own maximum
+    context where the asked one is longer)."""
+    online = list(GPUType.objects.filter(node__state=NodeState.ONLINE).distinct())
+    fitting = []
+    for model in ModelSpec.objects.all():
+        shape = shape_of(model)
+        for gpu in online:
+            asked = request_for(model, context_length=min(context_length, model.max_context),
+                                concurrency=concurrency, kv_cache_dtype=kv_cache_dtype, gpu=gpu)
+            if any(sizing.evaluate(shape, asked, accelerator_of(gpu), count).fits
+                   for count in counts_for(gpu) if sizing.valid_tp(shape, count)):
+                fitting.append(model)
+                break
+    return fitting
 
 
 def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decision,
@@ -97,15 +295,46 @@ def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decisio
         "kv_needed_bytes_per_gpu": choice.kv_needed_per_gpu,
         "kv_available_bytes_per_gpu": choice.kv_available_per_gpu,
         "runtime_overhead_bytes_per_gpu": choice.overhead_bytes_per_gpu,
+        "usable_bytes_per_gpu": choice.usable_bytes_per_gpu,
         "block_tokens": request.block_tokens,
         "max_concurrency_at_context": sizing.largest_concurrency(shape, request, choice),
         "max_context_at_concurrency": sizing.largest_context(
             shape, request, choice, concurrency=request.concurrency),
         "cpu_kv_space_gib": max(1, math.ceil(choice.kv_needed_per_gpu / sizing.GIB))
         if is_cpu else None,
-        "alternatives": [
-            {"gpu_type": fit.accelerator.slug, "gpu_count": fit.count,
-             "hourly_price_usd": str(fit.hourly_price)} for fit in decision.alternatives
-        ],
+        "alternatives": _alternatives(model, request, choice),
     }
 
+
+def _alternatives(model: ModelSpec, request: sizing.Request,
+                  choice: sizing.Fit) -> list[dict[str, Any]]:
+    """Other GPU types worth a look: the nearest cheaper ones (at a lower concurrency) and
+    the nearest pricier ones that hold more; never the chosen type at a higher count."""
+    shape = shape_of(model)
+    chosen = sizing.largest_concurrency(shape, request, choice)
+    others = [option for option in options(model=model, context_length=request.context_length,
+                                           kv_cache_dtype=request.kv_dtype)
+              if option.gpu_type.slug != choice.accelerator.slug]
+    cheaper = [option for option in others if option.hourly_price < choice.hourly_price][-2:]
+    larger = [option for option in others if option.hourly_price > choice.hourly_price
+              and option.max_concurrency > chosen][:2]
+    return [{"gpu_type": option.gpu_type.slug, "gpu_count": option.gpu_count,
+             "hourly_price_usd": str(option.hourly_price),
+             "max_concurrency_at_context": option.max_concurrency, "online": option.online}
+            for option in cheaper + larger]
+
+
+def _either(ways: list[str]) -> str:
+    return ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + ", or " + ways[-1]
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:] + "."
+
+
+def _gb(value: int) -> str:
+    return f"{value / sizing.GB:,.1f} GB"
+
+
+def _gib(value: int) -> str:
+    return f"{value / sizing.GIB:,.1f} GiB"

@@ -1,3 +1,4 @@
+import statistics
 from collections.abc import Iterable
 
 from django.db.models import Prefetch, QuerySet
@@ -51,3 +52,13 @@ def endpoints_for_gateway(*, organization_id: object) -> QuerySet[Endpoint]:
             .select_related("organization")
             .prefetch_related("replicas",
                               Prefetch("replicas", queryset=ready, to_attr="ready_replicas")))
+
+
+def median_start_seconds(*, model_id: int, gpu_type_id: int, last: int = 20) -> float | None:
+    """How long the last `last` replicas of this model on this kind of node took from being
+    asked for to ready, as a median in seconds; None when there is no history."""
+    spans = (Replica.objects.filter(endpoint__model_id=model_id, node__gpu_type_id=gpu_type_id,
+                                    ready_at__isnull=False)
+             .order_by("-ready_at").values_list("created_at", "ready_at")[:last])
+    seconds = [(ready - created).total_seconds() for created, ready in spans]
+    return statistics.median(seconds) if seconds else None

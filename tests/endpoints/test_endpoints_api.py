@@ -91,8 +91,10 @@ def test_a_request_that_fits_no_gpu_says_what_would(owner_api: APIClient,
 
     assert response.status_code == 400
     message = response.json()["error"]["fields"]["gpu_type"][0]
-    assert "fits no offered GPU configuration; the largest, 8 × NVIDIA L4 24 GB, fits" in message
-    assert "Lower the context length" in message
+    assert "8 × NVIDIA L4 24 GB has" in message
+    assert "which holds 8 at this context" in message
+    assert "lower the concurrency to 8" in message
+    assert "would hold it, but no" in message
     assert not Endpoint.objects.exists()
 
 
