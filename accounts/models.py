@@ -118,6 +118,12 @@ class Scope(models.TextChoices):
     MANAGE = "manage"
 
 
+class KeyPurpose(models.TextChoices):
+    API = "api", "API"
+    # Made by the dashboard for one member's playground on one endpoint; never shown.
+    PLAYGROUND = "playground", "playground"
+
+
 class APIKey(models.Model):
     """An organisation's API key. The secret is shown once; only its HMAC is stored."""
 
@@ -129,6 +135,7 @@ class APIKey(models.Model):
     prefix = models.CharField(max_length=12, editable=False)
     last_four = models.CharField(max_length=4, editable=False)
     endpoint_names = ArrayField(models.CharField(max_length=63), default=list, blank=True)
+    purpose = models.CharField(max_length=10, choices=KeyPurpose.choices, default=KeyPurpose.API)
     requests_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="Empty means the deployment's default.")
     tokens_per_minute = models.PositiveIntegerField(

@@ -6,7 +6,7 @@ from django.db.models import QuerySet
 from django.http import Http404
 
 from accounts import tokens
-from accounts.models import APIKey, Invite, Membership, Organization, Role, User
+from accounts.models import APIKey, Invite, KeyPurpose, Membership, Organization, Role, User
 from accounts.principals import KeyIdentity, KeyPrincipal
 from kvrun.digests import secret_digest
 
@@ -97,4 +97,6 @@ def invites_of(*, organization: Organization) -> QuerySet[Invite]:
 
 
 def api_keys_of(*, organization: Organization) -> QuerySet[APIKey]:
-    return APIKey.objects.filter(organization=organization).select_related("created_by")
+    """The keys people made; the playground's own short-lived keys are left out."""
+    return APIKey.objects.filter(organization=organization, purpose=KeyPurpose.API
+                                 ).select_related("created_by")

@@ -25,6 +25,7 @@ from accounts.models import (
     MANAGER_ROLES,
     APIKey,
     Invite,
+    KeyPurpose,
     Membership,
     Organization,
     Role,
@@ -223,6 +224,22 @@ def do_create_api_key(
         tokens_per_minute=tokens_per_minute,
         created_by=created_by,
         expires_at=expires_at,
+    )
+    return key, secret
+
+
+def do_issue_playground_key(*, organization: Organization, user: User, endpoint_name: str,
+                            lifetime: timedelta) -> tuple[APIKey, str]:
+    """A short-lived inference key for one member's playground on one endpoint, so that what
+    the playground spends is recorded against a key of its own, never another's. Any member
+    may have one; the caller keeps the secret server-side and never shows it."""
+    secret = tokens.new_api_key_secret()
+    key = APIKey.objects.create(
+        organization=organization, name=f"playground: {user.email}"[:100],
+        scope=Scope.INFERENCE, purpose=KeyPurpose.PLAYGROUND, digest=secret_digest(secret),
+        prefix=tokens.visible_prefix(secret), last_four=secret[-4:],
+        endpoint_names=[endpoint_name], created_by=user,
+        expires_at=timezone.now() + lifetime,
     )
     return key, secret
 

@@ -53,7 +53,7 @@ def accept_invite(request: HttpRequest, token: str) -> HttpResponse:
             return render(request, "accounts/invite.html",
                           {"invite": invite, "errors": exc.messages}, status=400)
         messages.success(request, f"You joined {membership.organization.name}.")
-        return redirect("dashboard-org", org_slug=membership.organization.slug)
+        return redirect("endpoints", org_slug=membership.organization.slug)
     usable = invite is not None and invite.state == "pending"
     return render(request, "accounts/invite.html", {"invite": invite if usable else None},
                   status=200 if usable else 404)

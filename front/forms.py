@@ -1,15 +1,69 @@
 from django import forms
+from django.core.exceptions import ValidationError
 
 from accounts.models import Role, Scope
+from endpoints.models import GPUType, KVCacheDtype, ModelSpec
 
 
 class APIKeyForm(forms.Form):
     name = forms.CharField(max_length=100)
-    scope = forms.ChoiceField(choices=Scope.choices)
+    scope = forms.ChoiceField(choices=Scope.choices, help_text="inference: /v1 only; manage: "
+                              "also the REST API")
+    endpoint_names = forms.MultipleChoiceField(
+        required=False, label="Only these endpoints", widget=forms.CheckboxSelectMultiple,
+        help_text="None ticked: every endpoint of the organisation.")
+    requests_per_minute = forms.IntegerField(required=False, min_value=1,
+                                             help_text="Empty: the deployment's default.")
+    tokens_per_minute = forms.IntegerField(required=False, min_value=1,
+                                           help_text="Empty: the deployment's default.")
     expires_at = forms.DateTimeField(required=False, label="Expires at (UTC, optional)",
                                      widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+
+    def __init__(self, *args: object, endpoint_names: list[str], **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["endpoint_names"].choices = [(name, name) for name in endpoint_names]
 
 
 class InviteForm(forms.Form):
     email = forms.EmailField(required=False, label="Email (optional)")
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
+
+
+class SizingForm(forms.Form):
+    """What sizing needs; the wizard's live panel validates only these."""
+
+    model = forms.ModelChoiceField(
+        queryset=ModelSpec.objects.all(), to_field_name="slug", widget=forms.RadioSelect,
+        error_messages={"required": "Pick a model from the catalog above.",
+                        "invalid_choice": "That model is not in the catalog; pick one above."})
+    context_length = forms.IntegerField(
+        min_value=128, initial=4096, label="Context length (tokens)",
+        help_text="The longest prompt plus answer one request may use.")
+    concurrency = forms.IntegerField(min_value=1, max_value=4096, initial=8,
+                                     label="Concurrent requests",
+                                     help_text="Requests served at once at that context.")
+    kv_cache_dtype = forms.ChoiceField(choices=KVCacheDtype.choices, initial=KVCacheDtype.AUTO,
+                                       label="KV cache precision")
+    prefix_caching = forms.BooleanField(required=False, initial=True,
+                                        label="Prefix caching (reuse shared prompt prefixes)")
+    gpu_type = forms.ModelChoiceField(
+        queryset=GPUType.objects.all(), to_field_name="slug", required=False,
+        empty_label="Cheapest that fits", label="Hardware")
+
+
+class EndpointForm(SizingForm):
+    name = forms.SlugField(max_length=63, help_text="Clients send it as the `model` field.")
+    min_replicas = forms.IntegerField(min_value=1, max_value=16, initial=1, label="Replicas")
+    max_replicas = forms.IntegerField(min_value=1, max_value=16, required=False,
+                                      label="Most replicas (for scaling)")
+
+
+class ScaleForm(forms.Form):
+    replicas = forms.IntegerField(min_value=1, label="Replicas")
+
+
+def add_service_errors(form: forms.Form, error: ValidationError) -> None:
+    """A service's ValidationError shown next to the fields it names (else above the form)."""
+    for field, messages in error.message_dict.items():
+        for message in messages:
+            form.add_error(field if field in form.fields else None, message)

@@ -190,11 +190,13 @@ def run() -> int:
     signal.signal(signal.SIGTERM, request_stop)
     try:
         manage("migrate", "--noinput", "-v", "0", env=env)
+        host = env.get("KVRUN_HOST", "127.0.0.1")
+        port = env.get("KVRUN_PORT", "8000")
+        # Every URL printed below, and the dashboard's snippets, name where this run listens.
+        base = env.setdefault("KVRUN_BASE_URL", f"http://{host}:{port}")
         manage("collectstatic", "--noinput", "-v", "0", env=env)
         manage("load_catalogs", env=env)
         manage("bootstrap_demo", env=env)
-        host = env.get("KVRUN_HOST", "127.0.0.1")
-        port = env.get("KVRUN_PORT", "8000")
         node_name = env.get("KVRUN_NODE_NAME", socket.gethostname())
         commands = {
             "web": uvicorn_args("kvrun.asgi:application", host=host, port=int(port)),
@@ -209,7 +211,8 @@ def run() -> int:
                 (name, subprocess.Popen([sys.executable, *args], cwd=BASE_DIR, env=env,
                                         preexec_fn=own_group_dying_with_parent))
             )
-        log(f"dashboard: http://{host}:{port}/   API docs: http://{host}:{port}/api/docs/")
+        log(f"create your first endpoint: {base}/endpoints/new/")
+        log(f"dashboard: {base}/   API docs: {base}/api/docs/   console: {base}/admin/")
         log("Ctrl-C stops every process.")
         while not stopping:
             for name, process in children:

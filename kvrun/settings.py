@@ -22,6 +22,9 @@ KVRUN_KEY_PEPPER = env.str("KVRUN_KEY_PEPPER")
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 KVRUN_BASE_URL = env.str("KVRUN_BASE_URL", default="http://127.0.0.1:8000")
+# Where clients reach the OpenAI-compatible gateway: shown in the dashboard's snippets and
+# used by its playground. The web process serves it at /v1 beside the dashboard.
+KVRUN_GATEWAY_URL = env.str("KVRUN_GATEWAY_URL", default=KVRUN_BASE_URL).rstrip("/")
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -30,6 +33,7 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "django.contrib.humanize",
     "django.contrib.postgres",
     "rest_framework",
     "django_filters",
@@ -71,6 +75,7 @@ TEMPLATES = [
                 "django.template.context_processors.request",
                 "django.contrib.auth.context_processors.auth",
                 "django.contrib.messages.context_processors.messages",
+                "front.context_processors.organizations",
             ],
         },
     },
@@ -113,6 +118,15 @@ AUTH_PASSWORD_VALIDATORS = [
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
+# Password-reset mail: printed to the web process's console in development.
+EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend"
+                        if DEBUG else "django.core.mail.backends.smtp.EmailBackend")
+EMAIL_HOST = env.str("EMAIL_HOST", default="localhost")
+EMAIL_PORT = env.int("EMAIL_PORT", default=25)
+EMAIL_HOST_USER = env.str("EMAIL_HOST_USER", default="")
+EMAIL_HOST_PASSWORD = env.str("EMAIL_HOST_PASSWORD", default="")
+EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
+DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="kvrun <noreply@localhost>")
 
 # Failed logins: locked per account and, separately, per client address.
 AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)

@@ -2,6 +2,7 @@
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.core import mail
 from django.test import Client
 
 from accounts.models import Membership, Role
@@ -33,7 +34,7 @@ def test_sign_in_sign_out_and_change_password(client: Client) -> None:
 
     assert client.post("/login/", {"username": "lin@example.com", "password": PASSWORD}
                        ).status_code == 302
-    assert client.get("/").status_code == 200
+    assert client.get("/", follow=True).status_code == 200
     changed = client.post("/password/", {"old_password": PASSWORD,
                                          "new_password1": "a much better passphrase",
                                          "new_password2": "a much better passphrase"})
@@ -70,3 +71,27 @@ def test_failed_logins_lock_the_address_across_accounts(settings: object) -> Non
 
     assert locked.status_code == 429
     assert elsewhere.status_code == 302
+
+
+def test_a_forgotten_password_is_reset_through_the_mailed_link(client: Client) -> None:
+    user = UserFactory(email="ada@example.com")
+
+    sent = client.post("/password/reset/", {"email": "ADA@example.com"})
+    link = next(line for line in mail.outbox[0].body.splitlines() if "/password/reset/" in line)
+    form = client.get("/" + link.split("://", 1)[1].split("/", 1)[1], follow=True)
+    done = client.post(form.redirect_chain[-1][0], {"new_password1": "a fresh passphrase 9",
+                                                    "new_password2": "a fresh passphrase 9"})
+
+    assert sent.status_code == 302
+    assert mail.outbox[0].to == ["ada@example.com"]
+    assert done.status_code == 302
+    user.refresh_from_db()
+    assert user.check_password("a fresh passphrase 9")
+
+
+def test_a_reset_for_an_unknown_email_sends_nothing_and_says_the_same(client: Client) -> None:
+    response = client.post("/password/reset/", {"email": "nobody@example.com"}, follow=True)
+
+    assert response.status_code == 200
+    assert b"Check your email" in response.content
+    assert mail.outbox == []

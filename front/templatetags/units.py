@@ -1,0 +1,35 @@
+"""Numbers as people read them: parameters in billions, bytes in GiB, tokens in k."""
+
+from django import template
+
+register = template.Library()
+
+
+@register.filter
+def parameters(count: int) -> str:
+    if count >= 10**9:
+        return f"{count / 10**9:.1f}B".replace(".0B", "B")
+    return f"{count / 10**6:.1f}M"
+
+
+@register.filter
+def binary_bytes(value: int) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if value >= size:
+            return f"{value / size:,.1f} {unit}"
+    return f"{value} B"
+
+
+@register.filter
+def tokens(count: int) -> str:
+    if count >= 1024 and count % 1024 == 0:
+        return f"{count // 1024}k"
+    return f"{count:,}"
+
+
+@register.filter
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    seconds = round(seconds)
+    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"

@@ -1,0 +1,207 @@
+"""Endpoints: the list, one endpoint's page with its live status and charts, and the
+actions on it (scale, stop, start, delete)."""
+
+import json
+from collections.abc import Callable
+from datetime import timedelta
+
+from django.conf import settings
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.paginator import Paginator
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from billing.selectors import last_hour_totals, usage_by_minute
+from endpoints import selectors, services
+from endpoints.models import ACTIVE_STATES, Endpoint, State
+from front.forms import ScaleForm
+from front.scoping import Membership, current_organization, endpoint_of, membership
+
+# Fewer rows than this per page keeps the list one screen on a laptop.
+ENDPOINTS_PER_PAGE = 50
+LOG_LINES = 15
+EVENTS_SHOWN = 20
+
+
+@login_required
+def home(request: HttpRequest) -> HttpResponse:
+    organization = current_organization(request)
+    if organization is None:
+        return render(request, "front/no_organization.html")
+    return redirect("endpoints", org_slug=organization.slug)
+
+
+@login_required
+def new_endpoint_shortcut(request: HttpRequest) -> HttpResponse:
+    """`/endpoints/new/`: the wizard of the organisation opened last (what `make run` prints)."""
+    organization = current_organization(request)
+    if organization is None:
+        return render(request, "front/no_organization.html")
+    return redirect("endpoint-new", org_slug=organization.slug)
+
+
+@login_required
+def endpoint_list(request: HttpRequest, org_slug: str) -> HttpResponse:
+    member = membership(request, org_slug)
+    page = Paginator(selectors.endpoints_of(organization=member.organization).order_by("name"),
+                     ENDPOINTS_PER_PAGE).get_page(request.GET.get("page"))
+    totals = last_hour_totals(endpoint_ids=[endpoint.id for endpoint in page])
+    rows = [{"endpoint": endpoint, "usage": totals.get(endpoint.id),
+             "ready": sum(replica.state == State.READY for replica in endpoint.replicas.all())}
+            for endpoint in page]
+    return render(request, "front/endpoints.html", {
+        "member": member, "organization": member.organization, "page": page, "rows": rows,
+        "section": "endpoints"})
+
+
+@login_required
+def endpoint_detail(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    member = membership(request, org_slug)
+    endpoint = endpoint_of(member, name)
+    gateway = settings.KVRUN_GATEWAY_URL
+    return render(request, "front/endpoint.html", {
+        "member": member, "organization": member.organization, "endpoint": endpoint,
+        "section": "endpoints", "status": _status(endpoint),
+        "gateway": gateway, "snippets": _snippets(endpoint.name, gateway),
+    })
+
+
+@login_required
+def endpoint_status(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    """The live part of the endpoint page, polled every 2 s."""
+    member = membership(request, org_slug)
+    endpoint = endpoint_of(member, name)
+    return render(request, "front/_status.html", {
+        "member": member, "organization": member.organization, "endpoint": endpoint,
+        "status": _status(endpoint)})
+
+
+@login_required
+def endpoint_usage(request: HttpRequest, org_slug: str, name: str) -> JsonResponse:
+    """The last hour from the usage records, a point per minute, for the charts."""
+    member = membership(request, org_slug)
+    endpoint = endpoint_of(member, name)
+    now = timezone.now()
+    minutes = usage_by_minute(endpoint_id=endpoint.id, now=now)
+    return JsonResponse({
+        "minutes": [int(row["minute"].timestamp()) for row in minutes],
+        "requests_per_second": [round(row["requests"] / 60, 4) for row in minutes],
+        "tokens_per_second": [round(row["completion_tokens"] / 60, 3) for row in minutes],
+        "errors": [row["errors"] for row in minutes],
+        "ttft_p50_ms": [row["ttft_p50_ms"] for row in minutes],
+        "ttft_p95_ms": [row["ttft_p95_ms"] for row in minutes],
+        "requests": sum(row["requests"] for row in minutes),
+        "prompt_tokens": sum(row["prompt_tokens"] for row in minutes),
+        "completion_tokens": sum(row["completion_tokens"] for row in minutes),
+        "from": int((now - timedelta(hours=1)).timestamp()), "to": int(now.timestamp()),
+    })
+
+
+def _status(endpoint: Endpoint) -> dict[str, object]:
+    """State, progress, ETA, replicas, events and the leading engine's last log lines."""
+    replicas = list(endpoint.replicas.all())
+    progress = selectors.progress_of(endpoint=endpoint, replicas=replicas)
+    starting = [replica for replica in replicas
+                if replica.state in ACTIVE_STATES | {State.PENDING}
+                and replica.state != State.READY]
+    leader = max(starting, key=lambda replica: replica.progress_percent, default=None)
+    status: dict[str, object] = {
+        "progress": progress, "replicas": [r for r in replicas if r.state != State.STOPPED][:20],
+        "ready": sum(replica.state == State.READY for replica in replicas),
+        "events": list(endpoint.events.order_by("-at", "-id")[:EVENTS_SHOWN]),
+        "settled": endpoint.state in (State.READY, State.STOPPED, State.FAILED),
+    }
+    logged = leader or next((replica for replica in replicas if replica.log_tail), None)
+    if logged is not None:
+        status["log_lines"] = "\n".join(logged.log_tail.splitlines()[-LOG_LINES:])
+    if leader is not None:
+        elapsed = (timezone.now() - leader.created_at).total_seconds()
+        median = (selectors.median_start_seconds(model_id=endpoint.model_id,
+                                                 gpu_type_id=endpoint.gpu_type_id))
+        status.update(elapsed_seconds=round(elapsed), median_seconds=median)
+        if median:
+            status["eta_seconds"] = max(0, round(median - elapsed))
+            # Between stage changes the bar moves with time, capped below the next stage.
+            by_time = min(95, round(100 * elapsed / median))
+            status["progress"] = {**progress, "percent": max(progress["percent"], by_time)}
+    return status
+
+
+def _snippets(name: str, gateway: str) -> dict[str, str]:
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
+    return {
+        "curl": (f"curl {gateway}/v1/chat/completions \\\n"
+                 f"  -H \"Authorization: Bearer $KVRUN_API_KEY\" \\\n"
+                 f"  -H 'Content-Type: application/json' \\\n"
+                 f"  -d '{body}'"),
+        "python": ("import os\n\nfrom openai import OpenAI\n\n"
+                   f"client = OpenAI(base_url=\"{gateway}/v1\", "
+                   "api_key=os.environ[\"KVRUN_API_KEY\"])\n"
+                   f"answer = client.chat.completions.create(\n    model=\"{name}\",\n"
+                   "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}],\n)\n"
+                   "print(answer.choices[0].message.content)\n"),
+    }
+
+
+def _change(request: HttpRequest, org_slug: str, name: str,
+            change: Callable[[Membership, Endpoint], str]) -> HttpResponse:
+    """Run `change` on the endpoint and say how it went on the endpoint's page; refusals
+    (a role that may not, a value out of range) are shown, not raised."""
+    member = membership(request, org_slug)
+    endpoint = endpoint_of(member, name)
+    try:
+        messages.success(request, change(member, endpoint))
+    except PermissionDenied as exc:
+        messages.error(request, str(exc))
+    except ValidationError as exc:
+        messages.error(request, " ".join(exc.messages))
+    return redirect("endpoint", org_slug=org_slug, name=name)
+
+
+@login_required
+@require_POST
+def scale_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    def scale(member: Membership, endpoint: Endpoint) -> str:
+        form = ScaleForm(request.POST)
+        if not form.is_valid():
+            raise ValidationError(form.errors["replicas"])
+        services.do_scale_endpoint(endpoint=endpoint, actor_role=member.role,
+                                   replicas=form.cleaned_data["replicas"])
+        return f"Scaling {name} to {form.cleaned_data['replicas']} replica(s)."
+    return _change(request, org_slug, name, scale)
+
+
+@login_required
+@require_POST
+def stop_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    def stop(member: Membership, endpoint: Endpoint) -> str:
+        services.do_stop_endpoint(endpoint=endpoint, actor_role=member.role)
+        return f"Stopping {name}; its GPU time ends when its engines exit."
+    return _change(request, org_slug, name, stop)
+
+
+@login_required
+@require_POST
+def start_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    def start(member: Membership, endpoint: Endpoint) -> str:
+        services.do_start_endpoint(endpoint=endpoint, actor_role=member.role)
+        return f"Starting {name}."
+    return _change(request, org_slug, name, start)
+
+
+@login_required
+@require_POST
+def delete_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    member = membership(request, org_slug)
+    endpoint = endpoint_of(member, name)
+    try:
+        services.do_delete_endpoint(endpoint=endpoint, actor_role=member.role)
+    except PermissionDenied as exc:
+        messages.error(request, str(exc))
+        return redirect("endpoint", org_slug=org_slug, name=name)
+    messages.success(request, f"Deleted {name}; its engines are stopping.")
+    return redirect("endpoints", org_slug=org_slug)

@@ -1,0 +1,62 @@
+"""The organisation page: members, roles and invites. An invite link is rendered into the
+response that creates it and kept nowhere else."""
+
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.http import require_POST
+
+from accounts import selectors, services
+from front.forms import InviteForm
+from front.scoping import membership
+
+
+@login_required
+def organization(request: HttpRequest, org_slug: str, invite_form: InviteForm | None = None,
+                 created: dict | None = None, status: int = 200) -> HttpResponse:
+    member = membership(request, org_slug)
+    return render(request, "front/organization.html", {
+        "member": member, "organization": member.organization, "created": created or {},
+        "section": "organization",
+        "memberships": selectors.memberships_of(organization=member.organization)
+        .order_by("created_at"),
+        "invites": selectors.invites_of(organization=member.organization)
+        .order_by("-created_at")[:20],
+        "invite_form": invite_form or InviteForm(),
+    }, status=status)
+
+
+@login_required
+@require_POST
+def create_invite(request: HttpRequest, org_slug: str) -> HttpResponse:
+    member = membership(request, org_slug)
+    form = InviteForm(request.POST)
+    if not form.is_valid():
+        return organization(request, org_slug, invite_form=form, status=400)
+    try:
+        invite, token = services.do_create_invite(
+            organization=member.organization, created_by=request.user, actor_role=member.role,
+            **form.cleaned_data)
+    except PermissionDenied as exc:
+        messages.error(request, str(exc))
+        return redirect("organization", org_slug=org_slug)
+    return organization(request, org_slug, created={"invite": invite,
+                                                    "invite_url": services.invite_url(token)})
+
+
+@login_required
+@require_POST
+def remove_member(request: HttpRequest, org_slug: str, user_id: int) -> HttpResponse:
+    member = membership(request, org_slug)
+    target = get_object_or_404(selectors.memberships_of(organization=member.organization),
+                               user_id=user_id)
+    try:
+        services.do_remove_member(membership=target, actor=request.user, actor_role=member.role)
+        messages.success(request, f"{target.user.email} is no longer a member.")
+    except (PermissionDenied, ValidationError) as exc:
+        messages.error(request, " ".join(getattr(exc, "messages", [str(exc)])))
+    if target.user_id == request.user.pk:
+        return redirect("dashboard")
+    return redirect("organization", org_slug=org_slug)

@@ -1,0 +1,138 @@
+"""The playground: chat with an endpoint through the gateway, answers streaming in.
+
+The browser never holds a key. The page posts to `chat`, which calls the gateway with a
+short-lived inference key of the signed-in person, restricted to this endpoint: the secret
+lives only in the server-side session, and what the playground spends is recorded against
+that key, never another's.
+"""
+
+from collections.abc import AsyncIterator
+from datetime import datetime, timedelta
+from typing import Any
+
+import httpx
+import orjson
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.contrib.auth.decorators import login_required
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
+from django.shortcuts import render
+from django.utils import timezone
+from django.views.decorators.http import require_POST
+
+from accounts.services import do_issue_playground_key
+from endpoints.models import Endpoint
+from front.scoping import Membership, endpoint_of, membership
+
+KEY_LIFETIME = timedelta(hours=1)
+# A key with less life than this left is replaced before a message, not during one.
+KEY_RENEW_BEFORE = timedelta(minutes=5)
+SESSION_KEYS = "playground_keys"
+ROLES = {"system", "user", "assistant"}
+MAX_MESSAGES = 100
+MAX_TOKENS = 4096
+
+
+@login_required
+def playground(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    member = membership(request, org_slug)
+    endpoint = endpoint_of(member, name)
+    return render(request, "front/playground.html", {
+        "member": member, "organization": member.organization, "endpoint": endpoint,
+        "section": "endpoints"})
+
+
+@login_required
+@require_POST
+async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    """Relay one chat completion as server-sent events, exactly as the gateway sends them."""
+    try:
+        member, endpoint = await sync_to_async(_visible)(request, org_slug, name)
+    except Http404:
+        return _error(404, "No such endpoint in this organisation.")
+    try:
+        payload = _payload(request.body)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    secret = await sync_to_async(_key_for)(request, member, endpoint, False)
+    payload["model"] = endpoint.name
+    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
+    upstream = await _open(client, payload, secret)
+    if upstream.status_code == 401:  # the key was revoked or expired: one fresh key, once
+        await upstream.aclose()
+        secret = await sync_to_async(_key_for)(request, member, endpoint, True)
+        upstream = await _open(client, payload, secret)
+    if upstream.status_code != 200:
+        body = await upstream.aread()
+        await upstream.aclose()
+        await client.aclose()
+        return HttpResponse(body, status=upstream.status_code, content_type="application/json")
+
+    async def relay() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in upstream.aiter_raw():
+                yield chunk
+        finally:
+            await upstream.aclose()
+            await client.aclose()
+
+    response = StreamingHttpResponse(relay(), content_type="text/event-stream")
+    response["Cache-Control"] = "no-cache"
+    response["X-Accel-Buffering"] = "no"
+    return response
+
+
+async def _open(client: httpx.AsyncClient, payload: dict[str, Any], secret: str
+                ) -> httpx.Response:
+    request = client.build_request(
+        "POST", f"{settings.KVRUN_GATEWAY_URL}/v1/chat/completions", json=payload,
+        headers={"Authorization": f"Bearer {secret}"})
+    return await client.send(request, stream=True)
+
+
+def _visible(request: HttpRequest, org_slug: str, name: str) -> tuple[Membership, Endpoint]:
+    member = membership(request, org_slug)
+    return member, endpoint_of(member, name)
+
+
+def _key_for(request: HttpRequest, member: Membership, endpoint: Endpoint, renew: bool) -> str:
+    """The person's playground key for the endpoint, minted when there is none with life
+    left (or `renew`)."""
+    keys = request.session.get(SESSION_KEYS, {})
+    held = keys.get(str(endpoint.id))
+    if (not renew and held
+            and datetime.fromisoformat(held["expires_at"]) - KEY_RENEW_BEFORE > timezone.now()):
+        return held["secret"]
+    key, secret = do_issue_playground_key(organization=member.organization, user=request.user,
+                                          endpoint_name=endpoint.name, lifetime=KEY_LIFETIME)
+    keys[str(endpoint.id)] = {"secret": secret, "expires_at": key.expires_at.isoformat()}
+    request.session[SESSION_KEYS] = keys
+    request.session.save()
+    return secret
+
+
+def _payload(body: bytes) -> dict[str, Any]:
+    """The chat request the page sends, checked; ValueError says what is wrong."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ValueError("Send a JSON object with 'messages'.") from None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if (not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES
+            or not all(isinstance(m, dict) and m.get("role") in ROLES
+                       and isinstance(m.get("content"), str) for m in messages)):
+        raise ValueError(f"'messages' must be 1 to {MAX_MESSAGES} objects with a role "
+                         "(system, user or assistant) and text content.")
+    max_tokens = data.get("max_tokens", 256)
+    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS:
+        raise ValueError(f"'max_tokens' must be a whole number from 1 to {MAX_TOKENS}.")
+    temperature = data.get("temperature", 0.7)
+    if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
+        raise ValueError("'temperature' must be between 0 and 2.")
+    return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages],
+            "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+
+def _error(status: int, message: str) -> JsonResponse:
+    return JsonResponse({"error": {"message": message}}, status=status)

@@ -1,0 +1,145 @@
+"""The create-endpoint wizard: pick a model from the catalog, size it live, launch it.
+
+The catalog list and the sizing panel are partials that htmx swaps in as the person types;
+the launch posts the whole form, and errors come back next to their fields.
+"""
+
+from decimal import Decimal
+
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied, ValidationError
+from django.http import HttpRequest, HttpResponse, QueryDict
+from django.shortcuts import redirect, render
+
+from endpoints import planning, services
+from endpoints.models import GPUType, ModelSpec
+from endpoints.selectors import model_catalog
+from front.forms import EndpointForm, SizingForm, add_service_errors
+from front.scoping import Membership, membership
+
+# Catalog filters: parameter-count bands and minimum contexts a person can pick.
+SIZES = {"small": (0, 4e9), "medium": (4e9, 16e9), "large": (16e9, 100e9), "huge": (100e9, 1e15)}
+SIZE_LABELS = {"small": "under 4B", "medium": "4–16B", "large": "16–100B", "huge": "over 100B"}
+CONTEXTS = [8192, 32768, 131072]
+
+
+@login_required
+def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
+    member = membership(request, org_slug)
+    if request.method != "POST":
+        return _page(request, member, EndpointForm(initial=_initial(request.GET)))
+    form = EndpointForm(request.POST)
+    if not form.is_valid():
+        return _page(request, member, form, status=400)
+    data = form.cleaned_data
+    try:
+        endpoint = services.do_create_endpoint(
+            organization=member.organization, actor_role=member.role, created_by=request.user,
+            name=data["name"], model=data["model"], context_length=data["context_length"],
+            concurrency=data["concurrency"], gpu_type=data["gpu_type"],
+            kv_cache_dtype=data["kv_cache_dtype"], prefix_caching=data["prefix_caching"],
+            min_replicas=data["min_replicas"], max_replicas=data["max_replicas"])
+    except planning.Unfit as exc:
+        add_service_errors(form, exc)
+        return _page(request, member, form, status=400, advice=exc.advice)
+    except (ValidationError, PermissionDenied) as exc:
+        if isinstance(exc, PermissionDenied):
+            form.add_error(None, str(exc))
+        else:
+            add_service_errors(form, exc)
+        return _page(request, member, form, status=400)
+    return redirect("endpoint", org_slug=org_slug, name=endpoint.name)
+
+
+@login_required
+def sizing(request: HttpRequest, org_slug: str) -> HttpResponse:
+    """The live sizing panel for what the form holds now (htmx partial)."""
+    membership(request, org_slug)
+    return render(request, "front/_sizing.html", _sizing_context(SizingForm(request.POST)))
+
+
+def _page(request: HttpRequest, member: Membership, form: EndpointForm, *, status: int = 200,
+          advice: planning.Advice | None = None) -> HttpResponse:
+    values = form.data if form.is_bound else QueryDict(mutable=True)
+    if not form.is_bound:
+        values.update({name: str(value) for name, value in form.initial.items()})
+    context = {"member": member, "organization": member.organization, "form": form,
+               "section": "endpoints", "selected": values.get("model", ""), **_catalog_context()}
+    if form.is_bound or form.initial.get("model"):
+        context.update(_sizing_context(SizingForm(values), advice=advice))
+    return render(request, "front/endpoint_new.html", context, status=status)
+
+
+def _initial(query: QueryDict) -> dict[str, object]:
+    initial: dict[str, object] = {"context_length": 4096, "concurrency": 8,
+                                  "kv_cache_dtype": "auto", "prefix_caching": True,
+                                  "min_replicas": 1}
+    model = model_catalog().filter(slug=query.get("model", "")).first()
+    if model is not None:
+        initial.update(model=model.slug, name=model.slug[:40].rstrip("-"),
+                       context_length=min(4096, model.max_context))
+    return initial
+
+
+def _catalog_context() -> dict[str, object]:
+    """Every catalog model with what the page filters on; the filtering happens in the
+    browser, so a choice never races a re-rendered list."""
+    models = list(model_catalog())
+    runs_online = {model.id for model in planning.models_that_fit_online(
+        context_length=1, concurrency=1, kv_cache_dtype="auto")}
+    return {
+        "models": [{"spec": model, "size": _size_of(model), "runs_online": model.id in runs_online}
+                   for model in models],
+        "sizes": SIZE_LABELS, "contexts": CONTEXTS,
+        "licences": sorted({model.licence for model in models}),
+    }
+
+
+def _size_of(model: ModelSpec) -> str:
+    return next(name for name, (low, high) in SIZES.items() if low <= model.parameters < high)
+
+
+def _sizing_context(form: SizingForm, advice: planning.Advice | None = None) -> dict[str, object]:
+    if not form.is_valid():
+        return {"sizing_form": form}
+    data = form.cleaned_data
+    model = data["model"]
+    asked = {"model": model, "context_length": data["context_length"],
+             "concurrency": data["concurrency"], "kv_cache_dtype": data["kv_cache_dtype"]}
+    if data["context_length"] > model.max_context:
+        return {"sizing_form": form, "too_long": model.max_context}
+    try:
+        decided = planning.plan(**asked, gpu_type=data["gpu_type"])
+    except planning.Unfit as exc:
+        return {"sizing_form": form, "advice": advice or exc.advice}
+    summary = decided.summary
+    device = planning.accelerator_of(decided.gpu_type).memory_bytes
+    other_dtype = "fp8" if data["kv_cache_dtype"] == "auto" else "auto"
+    return {
+        "sizing_form": form, "plan": decided, "summary": summary, "model": model,
+        "daily_price": Decimal(summary["hourly_price_usd"]) * 24,
+        "memory": _memory_bar(summary, device),
+        "device_bytes": device,
+        "other_dtype": other_dtype,
+        "other_dtype_concurrency": planning.largest_concurrency_on(
+            model=model, context_length=data["context_length"], kv_cache_dtype=other_dtype,
+            gpu_type=decided.gpu_type, gpu_count=decided.gpu_count),
+        "alternatives": _alternatives(summary["alternatives"]),
+    }
+
+
+def _memory_bar(summary: dict, device: int) -> list[dict[str, object]]:
+    """One GPU's memory as bar segments: weights, the KV cache asked for, runtime, headroom."""
+    weights = summary["weight_bytes_per_gpu"]
+    kv = summary["kv_needed_bytes_per_gpu"]
+    overhead = summary["runtime_overhead_bytes_per_gpu"]
+    headroom = max(0, device - weights - kv - overhead)
+    return [{"name": name, "bytes": value, "percent": round(100 * value / device, 1)}
+            for name, value in (("weights", weights), ("KV cache", kv),
+                                ("runtime", overhead), ("headroom", headroom))]
+
+
+def _alternatives(rows: list[dict]) -> list[dict[str, object]]:
+    types = {gpu.slug: gpu for gpu in GPUType.objects.filter(slug__in=[r["gpu_type"]
+                                                                        for r in rows])}
+    return [{**row, "gpu": types[row["gpu_type"]]} for row in rows if row["gpu_type"] in types]

@@ -1,0 +1,70 @@
+// Small behaviours shared by the dashboard's pages; everything works without them except
+// copying to the clipboard.
+document.addEventListener("click", async (event) => {
+  const copy = event.target.closest("[data-copy]");
+  if (copy) {
+    const text = document.querySelector(copy.dataset.copy).textContent;
+    await navigator.clipboard.writeText(text);
+    copy.textContent = "Copied";
+    setTimeout(() => { copy.textContent = "Copy"; }, 2000);
+    return;
+  }
+  // Wizard choices: set a field (or pick a model) and let the live sizing follow.
+  const setter = event.target.closest("[data-set]");
+  if (setter) {
+    const field = document.querySelector(`[name="${setter.dataset.set}"]`);
+    field.value = setter.dataset.value;
+    field.dispatchEvent(new Event("change", { bubbles: true }));
+    field.focus();
+    return;
+  }
+  const pick = event.target.closest("[data-pick-model]");
+  if (pick) {
+    const radio = document.querySelector(`input[name="model"][value="${pick.dataset.pickModel}"]`);
+    if (radio) {
+      radio.checked = true;
+      radio.dispatchEvent(new Event("change", { bubbles: true }));
+      radio.focus();
+    } else {
+      window.location.search = `?model=${encodeURIComponent(pick.dataset.pickModel)}`;
+    }
+  }
+});
+
+document.addEventListener("submit", (event) => {
+  const message = event.target.dataset.confirm;
+  if (message && !window.confirm(message)) event.preventDefault();
+});
+
+// Selecting a model highlights its card and, while the name is untouched, suggests one.
+document.addEventListener("change", (event) => {
+  if (event.target.name !== "model") return;
+  document.querySelectorAll(".model-card").forEach((card) => {
+    card.classList.toggle("selected", card.contains(event.target));
+  });
+  const name = document.querySelector('[name="name"]');
+  if (name && (!name.value || name.dataset.suggested === name.value)) {
+    name.value = event.target.value.slice(0, 40).replace(/-+$/, "");
+    name.dataset.suggested = name.value;
+  }
+});
+
+// The wizard's catalog filters: hide the cards that do not match; the chosen one stays.
+document.addEventListener("input", (event) => {
+  const filters = event.target.closest("#catalog-filters");
+  if (!filters) return;
+  const query = filters.querySelector('[name="q"]').value.trim().toLowerCase();
+  const size = filters.querySelector('[name="size"]').value;
+  const licence = filters.querySelector('[name="licence"]').value;
+  const context = Number(filters.querySelector('[name="min_context"]').value || 0);
+  let shown = 0;
+  document.querySelectorAll(".model-card").forEach((card) => {
+    const match = query.split(/\s+/).every((word) => card.dataset.search.includes(word))
+      && (!size || card.dataset.size === size) && (!licence || card.dataset.licence === licence)
+      && Number(card.dataset.context) >= context;
+    const keep = match || card.querySelector("input").checked;
+    card.hidden = !keep;
+    shown += keep;
+  });
+  document.getElementById("catalog-empty").hidden = shown > 0;
+});

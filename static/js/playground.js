@@ -1,0 +1,105 @@
+// The playground: send the conversation, show the answer token by token, and per answer its
+// time to first token, generation speed and token counts (from the stream's usage chunk).
+(() => {
+  const root = document.getElementById("playground");
+  const form = document.getElementById("chat-form");
+  const transcript = document.getElementById("transcript");
+  const error = document.getElementById("chat-error");
+  const send = document.getElementById("chat-send");
+  const history = [];
+
+  function bubble(role, text) {
+    const item = document.createElement("li");
+    item.className = `message ${role}`;
+    const body = document.createElement("div");
+    body.className = "content";
+    body.textContent = text;
+    item.append(body);
+    transcript.append(item);
+    return item;
+  }
+
+  function fail(message) {
+    error.textContent = message;
+    error.hidden = false;
+  }
+
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    error.hidden = true;
+    const text = form.message.value.trim();
+    if (!text) return fail("Write a message first.");
+    const system = form.system.value.trim();
+    history.push({ role: "user", content: text });
+    bubble("user", text);
+    form.message.value = "";
+    const answer = bubble("assistant", "");
+    answer.classList.add("streaming");
+    const content = answer.querySelector(".content");
+    send.disabled = true;
+    const started = performance.now();
+    let firstToken = null;
+    let usage = null;
+    try {
+      const response = await fetch(root.dataset.url, {
+        method: "POST",
+        headers: { "Content-Type": "application/json",
+                   "X-CSRFToken": form.csrfmiddlewaretoken.value },
+        body: JSON.stringify({
+          messages: (system ? [{ role: "system", content: system }] : []).concat(history),
+          max_tokens: Number(form.max_tokens.value), temperature: Number(form.temperature.value),
+        }),
+      });
+      if (!response.ok) {
+        const body = await response.json().catch(() => ({}));
+        throw new Error(body.error?.message || `The request failed (${response.status}).`);
+      }
+      const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += value;
+        const events = buffer.split("\n\n");
+        buffer = events.pop();
+        for (const event of events) {
+          const data = event.replace(/^data: /, "").trim();
+          if (!data || data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          const delta = chunk.choices?.[0]?.delta?.content;
+          if (delta) {
+            firstToken ??= performance.now();
+            content.textContent += delta;
+          }
+          if (chunk.usage) usage = chunk.usage;
+        }
+      }
+      history.push({ role: "assistant", content: content.textContent });
+      const stats = document.createElement("p");
+      stats.className = "stats muted";
+      const ttft = firstToken === null ? null : firstToken - started;
+      const seconds = (performance.now() - (firstToken ?? started)) / 1000;
+      const rate = usage && seconds > 0 ? usage.completion_tokens / seconds : null;
+      stats.textContent = [
+        ttft === null ? "no tokens" : `TTFT ${Math.round(ttft)} ms`,
+        rate === null ? null : `${rate.toFixed(1)} tokens/s`,
+        usage ? `${usage.prompt_tokens} prompt + ${usage.completion_tokens} completion tokens` : null,
+      ].filter(Boolean).join(" · ");
+      answer.append(stats);
+    } catch (err) {
+      history.pop();
+      answer.remove();
+      fail(err.message);
+    } finally {
+      answer.classList.remove("streaming");
+      send.disabled = false;
+      form.message.focus();
+    }
+  });
+
+  document.getElementById("chat-clear").addEventListener("click", () => {
+    history.length = 0;
+    transcript.replaceChildren();
+  });
+})();

@@ -1,0 +1,79 @@
+"""The API keys page: a secret shown once, restrictions and limits, revoking."""
+
+from datetime import timedelta
+
+import pytest
+from django.test import Client
+
+from accounts.models import APIKey, KeyPurpose, Organization, User
+from accounts.services import do_issue_playground_key
+from tests.factories import api_key, ready_endpoint
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_new_key_is_shown_once_with_its_restrictions(owner_client: Client,
+                                                       org: Organization) -> None:
+    ready_endpoint(org, "chat", ports=[])
+
+    created = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
+        "name": "laptop", "scope": "inference", "endpoint_names": ["chat"],
+        "requests_per_minute": "30", "tokens_per_minute": "5000"})
+    later = owner_client.get(f"/orgs/{org.slug}/keys/")
+
+    assert created.status_code == 200
+    key = APIKey.objects.get()
+    secret = created.context["created"]["secret"]
+    assert secret.encode() in created.content
+    assert secret.encode() not in later.content
+    assert key.masked.encode() in later.content
+    assert (key.endpoint_names, key.requests_per_minute, key.tokens_per_minute) == (
+        ["chat"], 30, 5000)
+
+
+def test_bad_key_input_shows_the_error_next_to_its_field(owner_client: Client,
+                                                         org: Organization) -> None:
+    response = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
+        "name": "x", "scope": "inference", "requests_per_minute": "0",
+        "endpoint_names": ["not-an-endpoint"]})
+
+    assert response.status_code == 400
+    assert b'id="id_requests_per_minute_errors"' in response.content
+    assert b'id="id_endpoint_names_errors"' in response.content
+    assert not APIKey.objects.exists()
+
+
+def test_a_member_cannot_create_or_revoke_keys(member_client: Client, org: Organization) -> None:
+    key, _ = api_key(org)
+
+    created = member_client.post(f"/orgs/{org.slug}/keys/new/", {"name": "x",
+                                                                 "scope": "manage"})
+    revoked = member_client.post(f"/orgs/{org.slug}/keys/{key.id}/revoke/", follow=True)
+
+    assert created.status_code == 302
+    assert b"Only owners and admins can revoke API keys" in revoked.content
+    key.refresh_from_db()
+    assert key.revoked_at is None
+    assert APIKey.objects.count() == 1
+
+
+def test_revoking_a_key_refuses_it_at_once(owner_client: Client, org: Organization) -> None:
+    key, _ = api_key(org)
+
+    response = owner_client.post(f"/orgs/{org.slug}/keys/{key.id}/revoke/", follow=True)
+
+    assert b"is revoked" in response.content
+    key.refresh_from_db()
+    assert key.state == "revoked"
+
+
+def test_playground_keys_stay_off_the_list(owner_client: Client, owner: User,
+                                           org: Organization) -> None:
+    do_issue_playground_key(organization=org, user=owner, endpoint_name="chat",
+                            lifetime=timedelta(hours=1))
+
+    page = owner_client.get(f"/orgs/{org.slug}/keys/")
+
+    assert list(page.context["api_keys"]) == []
+    assert APIKey.objects.get().purpose == KeyPurpose.PLAYGROUND
+    assert b"Create key" in page.content

@@ -1,0 +1,74 @@
+"""The playground's chat relay: who may use it, what it checks, and the key it holds.
+Its streaming through the gateway to a real engine is in tests/browser/test_journey.py."""
+
+import json
+
+import pytest
+from django.test import Client
+
+from accounts.models import APIKey, KeyPurpose, Organization, Scope, User
+from front.views.playground import SESSION_KEYS
+from tests.factories import ready_endpoint
+
+pytestmark = pytest.mark.django_db
+
+
+def chat(client: Client, org: Organization, body: object) -> object:
+    return client.post(f"/orgs/{org.slug}/endpoints/chat/playground/chat/", json.dumps(body),
+                       content_type="application/json")
+
+
+@pytest.mark.parametrize("body", [
+    {}, {"messages": []}, {"messages": [{"role": "robot", "content": "hi"}]},
+    {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0},
+    {"messages": [{"role": "user", "content": "hi"}], "temperature": 3},
+])
+def test_bad_chat_input_is_refused_before_any_key_is_made(owner_client: Client,
+                                                          org: Organization, body: dict) -> None:
+    ready_endpoint(org, "chat", ports=[])
+
+    response = chat(owner_client, org, body)
+
+    assert response.status_code == 400
+    assert response.json()["error"]["message"]
+    assert not APIKey.objects.exists()
+
+
+def test_the_playground_key_is_short_lived_restricted_and_reused(owner_client: Client,
+                                                                  owner: User,
+                                                                  org: Organization,
+                                                                  settings: object) -> None:
+    settings.KVRUN_GATEWAY_URL = "http://127.0.0.1:9"  # nothing listens: the relay fails
+    ready_endpoint(org, "chat", ports=[])
+    message = {"messages": [{"role": "user", "content": "hi"}]}
+
+    for _ in range(2):
+        with pytest.raises(Exception):  # noqa: B017 (the connection is refused)
+            chat(owner_client, org, message)
+
+    key = APIKey.objects.get()
+    assert (key.purpose, key.scope, key.endpoint_names) == (KeyPurpose.PLAYGROUND,
+                                                            Scope.INFERENCE, ["chat"])
+    assert key.created_by == owner
+    assert 3500 < (key.expires_at - key.created_at).total_seconds() <= 3600
+    held = owner_client.session[SESSION_KEYS]
+    assert len(held) == 1 and key.last_four == next(iter(held.values()))["secret"][-4:]
+
+
+def test_the_page_never_holds_a_key(owner_client: Client, org: Organization) -> None:
+    ready_endpoint(org, "chat", ports=[])
+
+    page = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/playground/")
+
+    assert page.status_code == 200
+    assert b"kvr_" not in page.content
+    assert not APIKey.objects.exists()
+
+
+def test_signed_out_people_are_sent_to_sign_in(client: Client, org: Organization) -> None:
+    ready_endpoint(org, "chat", ports=[])
+
+    response = chat(client, org, {"messages": [{"role": "user", "content": "hi"}]})
+
+    assert response.status_code == 302
+    assert response["Location"].startswith("/login/")

@@ -1,0 +1,122 @@
+"""The create-endpoint wizard: live sizing, advice that fits the cause, launching."""
+
+import pytest
+from django.test import Client
+
+from accounts.models import Organization
+from endpoints.models import Endpoint, EndpointEvent, Node
+
+pytestmark = pytest.mark.django_db
+
+DEMO = {"model": "kvrun-demo-tiny", "context_length": "2048", "concurrency": "8",
+        "kv_cache_dtype": "auto", "prefix_caching": "on", "gpu_type": ""}
+
+
+def sizing(client: Client, org: Organization, **change: str) -> bytes:
+    response = client.post(f"/orgs/{org.slug}/endpoints/new/sizing/", {**DEMO, **change})
+    assert response.status_code == 200
+    return response.content.decode()
+
+
+def test_the_wizard_lists_the_catalog_and_what_runs_online(owner_client: Client,
+                                                           org: Organization,
+                                                           cpu_node: Node) -> None:
+    response = owner_client.get(f"/orgs/{org.slug}/endpoints/new/?model=kvrun-demo-tiny")
+
+    assert response.status_code == 200
+    runs = {m["spec"].slug for m in response.context["models"] if m["runs_online"]}
+    assert "kvrun-demo-tiny" in runs
+    assert "llama-3.1-8b-instruct" not in runs  # 16 GB of weights, 8 GiB per CPU engine
+    assert b'value="kvrun-demo-tiny" checked' in response.content
+    assert b"1 \xc3\x97 CPU" in response.content  # sizing for the chosen model, on load
+
+
+def test_live_sizing_shows_hardware_memory_capacity_and_price(owner_client: Client,
+                                                              org: Organization,
+                                                              cpu_node: Node) -> None:
+    panel = sizing(owner_client, org)
+
+    assert "$0.10/hour · $2.40/day" in panel
+    # K and V × 2 layers × 1 KV head × 64 dims × 2 bytes
+    assert "KV cache per token</dt><dd>512 B" in panel
+    assert "Most concurrent requests at 2k" in panel
+    assert "With fp8 KV cache" in panel
+    assert 'class="part weights"' in panel and 'class="part kv-cache"' in panel
+
+
+def test_a_model_too_big_for_anything_online_says_what_would_hold_it(owner_client: Client,
+                                                                      org: Organization,
+                                                                      cpu_node: Node) -> None:
+    panel = sizing(owner_client, org, model="llama-3.1-8b-instruct", context_length="8192")
+
+    assert "weights need 16.1 GB" in panel
+    assert "2 × NVIDIA L4 24 GB ($1.60/h) would hold it" in panel
+    assert "no NVIDIA L4 24 GB node is online" in panel
+    assert "node_agent" in panel
+    assert "Models that fit what is online: kvrun demo" in panel
+    assert 'data-pick-model="kvrun-demo-tiny"' in panel
+    # The old advice, which no knob could follow, is gone.
+    assert "Lower the context length or the concurrency" not in panel
+
+
+def test_a_kv_cache_that_does_not_fit_names_the_largest_that_does(owner_client: Client,
+                                                                   org: Organization,
+                                                                   cpu_node: Node) -> None:
+    panel = sizing(owner_client, org, model="llama-3.1-8b-instruct", context_length="131072",
+                   concurrency="64", gpu_type="l4")
+
+    assert "The KV cache does not fit" in panel
+    assert "8 × NVIDIA L4 24 GB has" in panel
+    assert "lower the concurrency to 8" in panel
+    assert "lower the context length to" in panel
+    assert "use fp8 KV cache (16 requests at this context)" in panel
+
+
+def test_launching_creates_the_endpoint_and_opens_its_page(owner_client: Client,
+                                                           org: Organization,
+                                                           cpu_node: Node) -> None:
+    response = owner_client.post(f"/orgs/{org.slug}/endpoints/new/",
+                                 {**DEMO, "name": "chat", "min_replicas": "1"})
+
+    assert response.status_code == 302
+    assert response["Location"] == f"/orgs/{org.slug}/endpoints/chat/"
+    endpoint = Endpoint.objects.get()
+    assert (endpoint.name, endpoint.gpu_type.slug, endpoint.context_length) == ("chat", "cpu",
+                                                                                2048)
+    assert EndpointEvent.objects.filter(endpoint=endpoint, state="pending").exists()
+
+
+def test_errors_show_next_to_their_fields_and_nothing_is_created(owner_client: Client,
+                                                                 org: Organization,
+                                                                 cpu_node: Node) -> None:
+    missing = owner_client.post(f"/orgs/{org.slug}/endpoints/new/",
+                                {**DEMO, "name": "Not a slug!", "min_replicas": "1"})
+    too_big = owner_client.post(f"/orgs/{org.slug}/endpoints/new/", {
+        **DEMO, "model": "llama-3.1-8b-instruct", "name": "big", "min_replicas": "1"})
+
+    assert missing.status_code == 400
+    assert b'id="id_name_errors"' in missing.content
+    assert too_big.status_code == 400
+    assert b'id="id_model_errors"' in too_big.content
+    assert b"weights need 16.1 GB" in too_big.content
+    assert not Endpoint.objects.exists()
+
+
+def test_alternatives_are_other_hardware_never_the_same_gpu_at_a_higher_count(
+        owner_client: Client, org: Organization) -> None:
+    from endpoints.services import do_load_catalogs
+
+    do_load_catalogs()  # no node online: sized against the GPU catalog
+    response = owner_client.post(f"/orgs/{org.slug}/endpoints/new/sizing/", {
+        **DEMO, "model": "qwen2.5-7b-instruct", "context_length": "32768", "concurrency": "16"})
+
+    plan = response.context["plan"]
+    alternatives = response.context["alternatives"]
+    assert alternatives
+    assert all(alt["gpu_type"] != plan.gpu_type.slug for alt in alternatives)
+    chosen_price = plan.gpu_type.hourly_price_usd * plan.gpu_count
+    for alt in alternatives:
+        cheaper = float(alt["hourly_price_usd"]) < chosen_price
+        more = alt["max_concurrency_at_context"] > response.context["summary"][
+            "max_concurrency_at_context"]
+        assert cheaper or more
