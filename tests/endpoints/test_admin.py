@@ -222,6 +222,15 @@ def test_scheduling_skips_a_draining_node(org: Organization) -> None:
     assert (replica.state, replica.node) == (State.PENDING, None)
 
 
+def test_a_node_that_registers_again_keeps_draining() -> None:
+    node = h100_node("gpu-1")
+    Node.objects.filter(id=node.id).update(draining=True)
+
+    h100_node("gpu-1")  # its agent restarted
+
+    assert Node.objects.get(id=node.id).draining
+
+
 def test_it_undrains_a_node(operator: Client) -> None:
     node = h100_node("gpu-1")
     Node.objects.filter(id=node.id).update(draining=True)
