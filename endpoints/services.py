@@ -69,7 +69,8 @@ def do_drain_node(*, node_id: int) -> int:
     elsewhere. Draining a node that already drains stops whatever is still on it.
     Call it outside a transaction: the mark commits before the replicas are read, so a
     placement that held the node row when it was marked has finished and its replica is moved
-    too, and no replica lock waits behind the node row. Returns how many replicas it stopped.
+    too; and no endpoint row is locked while the node row is held (a reconciler pass locks
+    them the other way round). Returns how many replicas it stopped.
     """
     Node.objects.filter(id=node_id, draining=False).update(draining=True)
     name = Node.objects.values_list("name", flat=True).get(id=node_id)
