@@ -34,6 +34,7 @@ class MembershipInline(admin.TabularInline):
 @admin.register(Organization)
 class OrganizationAdmin(admin.ModelAdmin):
     list_display = ["name", "slug", "max_concurrent_requests", "created_at"]
+    list_filter = ["created_at"]
     search_fields = ["name", "slug"]
     inlines = [MembershipInline]
 
@@ -44,6 +45,7 @@ class APIKeyAdmin(admin.ModelAdmin):
                     "expires_at", "last_used_at"]
     list_filter = ["scope", "revoked_at"]
     search_fields = ["name", "prefix", "organization__name", "organization__slug"]
+    list_select_related = ["organization"]
     fields = ["organization", "name", "scope", "prefix", "last_four", "endpoint_names",
               "requests_per_minute", "tokens_per_minute", "created_by", "created_at",
               "expires_at", "revoked_at", "last_used_at"]
@@ -65,6 +67,9 @@ class APIKeyAdmin(admin.ModelAdmin):
 @admin.register(Invite)
 class InviteAdmin(admin.ModelAdmin):
     list_display = ["organization", "email", "role", "state", "created_at", "expires_at"]
+    list_filter = ["role", "created_at"]
+    search_fields = ["email", "organization__name", "organization__slug"]
+    list_select_related = ["organization"]
     fields = ["organization", "email", "role", "created_by", "created_at", "expires_at",
               "accepted_at", "accepted_by", "revoked_at"]
     readonly_fields = fields

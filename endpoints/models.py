@@ -87,6 +87,8 @@ class Node(models.Model):
     memory_bytes = models.BigIntegerField()
     registered_at = models.DateTimeField(default=timezone.now)
     last_heartbeat_at = models.DateTimeField(default=timezone.now)
+    draining = models.BooleanField(
+        default=False, help_text="Takes no new replicas; its replicas move to other nodes.")
 
     class Meta:
         ordering = ["name"]

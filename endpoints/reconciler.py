@@ -52,7 +52,7 @@ def reconcile_endpoint(*, endpoint_id: UUID) -> None:
                 _fail_stuck(endpoint)
         else:
             for replica in endpoint.replicas.exclude(state__in=[State.STOPPED, State.STOPPING]):
-                _stop(replica, "the endpoint was stopped")
+                do_stop_replica(replica=replica, reason="the endpoint was stopped")
         do_refresh_endpoint_state(endpoint_id=endpoint.id)
 
 
@@ -94,7 +94,7 @@ def _match_replica_count(endpoint: Endpoint) -> None:
     for _ in range(max(0, missing)):
         do_create_replica(endpoint=endpoint)
     for replica in slots[: max(0, -missing)]:
-        _stop(replica, "scaled down")
+        do_stop_replica(replica=replica, reason="scaled down")
 
 
 def _schedule_pending(endpoint: Endpoint) -> None:
@@ -119,12 +119,16 @@ def _fail_stuck(endpoint: Endpoint) -> None:
                             reason="no node agent started the engine in time")
 
 
-def _stop(replica: Replica, reason: str) -> None:
+def do_stop_replica(*, replica: Replica, reason: str) -> bool:
+    """Stop one replica, with `reason` as its event: one not on a node is stopped at once; one
+    on a node is stopping and its agent is told to stop the engine once this commits.
+    Returns False (and changes nothing) when the replica has already moved on."""
     if replica.state in (State.PENDING, State.FAILED):
-        do_transition_replica(replica_id=replica.id, from_states=[replica.state],
-                              to_state=State.STOPPED, message=reason, stopped_at=timezone.now())
-        return
+        return do_transition_replica(replica_id=replica.id, from_states=[replica.state],
+                                     to_state=State.STOPPED, message=reason,
+                                     stopped_at=timezone.now())
     moved = do_transition_replica(replica_id=replica.id, from_states=ON_NODE,
                                   to_state=State.STOPPING, message=reason)
     if moved and replica.node_id is not None:
         send_stop_after_commit(replica=replica, node=replica.node)
+    return moved

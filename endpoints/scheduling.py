@@ -22,8 +22,9 @@ def free_devices(node: Node) -> list[int]:
 def do_place_replica(*, replica_id: UUID) -> Node | None:
     """Assign a pending replica to a node and its devices (pending → scheduling).
 
-    Best fit: the node with the fewest free devices that still hold the replica, so that
-    large endpoints find whole nodes later. CPU endpoints go to the least busy CPU node.
+    Only online nodes that are not draining take it. Best fit: the node with the fewest free
+    devices that still hold the replica, so that large endpoints find whole nodes later. CPU
+    endpoints go to the least busy CPU node.
     Node rows are locked while counting, so two reconcilers never hand out one device twice.
     Returns None, leaving the replica pending, when no node fits now.
     """
@@ -32,8 +33,10 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
         if replica.state != State.PENDING:
             return None
         endpoint = replica.endpoint
+        # A draining node is re-read once its lock is free, so a drain that marked it while
+        # this waited keeps the replica off it.
         nodes = list(Node.objects.select_for_update().filter(
-            state=NodeState.ONLINE, gpu_type=endpoint.gpu_type).order_by("name"))
+            state=NodeState.ONLINE, draining=False, gpu_type=endpoint.gpu_type).order_by("name"))
         if endpoint.gpu_type.slug == CPU:
             ranked = sorted(nodes, key=lambda node: Replica.objects.filter(
                 node=node, state__in=ACTIVE_STATES).count())

@@ -24,6 +24,7 @@ from endpoints.models import (
     State,
 )
 from endpoints.planning import plan
+from endpoints.reconciler import LIVE, ON_NODE, do_stop_replica
 from engine import hf_checkpoint
 
 CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
@@ -57,6 +58,39 @@ def do_mark_lost_nodes() -> int:
     return Node.objects.filter(state=NodeState.ONLINE, last_heartbeat_at__lt=cutoff).update(
         state=NodeState.LOST
     )
+
+
+def do_drain_node(*, node_id: int) -> int:
+    """Take no new replicas on the node and move its replicas to other nodes.
+
+    Marks the node draining (scheduling skips it from then on), then stops each replica on it
+    the way the reconciler stops one: an event saying the node drains, and the stop sent to
+    its agent once that commits; each endpoint's next reconcile places a replacement
+    elsewhere. Draining a node that already drains stops whatever is still on it.
+    Call it outside a transaction: the mark commits before the replicas are read, so a
+    placement that held the node row when it was marked has finished and its replica is moved
+    too; and no endpoint row is locked while the node row is held (a reconciler pass locks
+    them the other way round). Returns how many replicas it stopped.
+    """
+    Node.objects.filter(id=node_id, draining=False).update(draining=True)
+    name = Node.objects.values_list("name", flat=True).get(id=node_id)
+    on_node = Replica.objects.filter(node_id=node_id, state__in=ON_NODE)
+    stopped = 0
+    for endpoint_id in set(on_node.values_list("endpoint_id", flat=True)):
+        with transaction.atomic():
+            # The endpoint first, then its replicas, the order a reconciler pass locks them in.
+            endpoint = Endpoint.objects.select_for_update().get(id=endpoint_id)
+            for replica in on_node.filter(endpoint=endpoint).select_related("node"):
+                stopped += do_stop_replica(
+                    replica=replica, reason=f"node {name} is draining; moving to another node")
+        _reconcile_after_commit(endpoint)
+    return stopped
+
+
+def do_undrain_node(*, node_id: int) -> bool:
+    """Let scheduling place replicas on the node again; replicas that moved off stay where they
+    are. Returns False when the node was not draining."""
+    return Node.objects.filter(id=node_id, draining=True).update(draining=False) == 1
 
 
 def _reconcile_after_commit(endpoint: Endpoint) -> None:
@@ -147,6 +181,31 @@ def do_start_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint
     _reconcile_after_commit(endpoint)
     endpoint.refresh_from_db()
     return endpoint
+
+
+def do_restart_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> int:
+    """Replace every replica of an endpoint with a fresh one, and start it if it was stopped or
+    failed (with a fresh failure count, as do_start_endpoint does).
+
+    Its live replicas are stopped as the reconciler stops them (engines get their stop once
+    this commits); the reconciler then starts new ones. Returns how many replicas it stopped.
+    Raises ValidationError for a deleted endpoint.
+    """
+    require_manager(actor_role, "restart endpoints")
+    with transaction.atomic():
+        # Held like a reconciler pass holds it, so no pass adds a replica this would miss.
+        locked = Endpoint.objects.select_for_update().filter(
+            id=endpoint.id, deleted_at=None).first()
+        if locked is None:
+            raise ValidationError(f"The endpoint {endpoint.name!r} is deleted; it cannot restart.")
+        replicas = list(locked.replicas.filter(state__in=LIVE).select_related("node"))
+        EndpointEvent.objects.create(endpoint=locked, state=locked.state,
+                                     message=f"restarting: replacing {len(replicas)} replica(s)")
+        stopped = sum(
+            do_stop_replica(replica=replica, reason="restarting: a fresh replica replaces it")
+            for replica in replicas)
+        do_start_endpoint(endpoint=endpoint, actor_role=actor_role)
+    return stopped
 
 
 def do_delete_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> None:

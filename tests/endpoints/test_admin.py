@@ -1,0 +1,286 @@
+from collections.abc import Callable
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.test import Client
+from django.utils import timezone
+
+from accounts.models import Organization, Role
+from endpoints.models import DesiredState, Endpoint, ModelSpec, Node, Replica, State
+from endpoints.reconciler import reconcile_endpoint
+from endpoints.scheduling import do_place_replica
+from endpoints.services import (
+    do_create_endpoint,
+    do_delete_endpoint,
+    do_load_catalogs,
+    do_restart_endpoint,
+)
+from engine.devices import Device, HostResources
+from nodes.services import do_register_node
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+@pytest.fixture(autouse=True)
+def catalogs(db: None) -> None:
+    do_load_catalogs()
+
+
+@pytest.fixture
+def operator(client: Client) -> Client:
+    client.force_login(UserFactory(is_staff=True, is_superuser=True))
+    return client
+
+
+@pytest.fixture
+def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list, str | None]]:
+    """The Celery tasks sent, as (name, args, queue), instead of enqueuing them in Redis."""
+    from kvrun.celery import app
+
+    calls: list[tuple[str, list, str | None]] = []
+
+    def send_task(name: str, args: list | None = None, kwargs: dict | None = None,
+                  **options: object) -> None:
+        calls.append((name, list(args or []), options.get("queue")))
+
+    monkeypatch.setattr(app, "send_task", send_task)
+    return calls
+
+
+def h100_node(name: str) -> Node:
+    devices = [Device(index=i, name=H100, memory_bytes=81559 * 2**20) for i in range(8)]
+    return do_register_node(name=name, resources=HostResources(
+        devices=devices, cpu_count=64, memory_bytes=2**40))
+
+
+def endpoint_on(node: Node, org: Organization, name: str = "chat") -> Endpoint:
+    """A running endpoint with one replica placed on `node`."""
+    endpoint = do_create_endpoint(
+        organization=org, actor_role=Role.OWNER, created_by=None, name=name,
+        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), context_length=8192,
+        concurrency=8, gpu_type=node.gpu_type, gpu_count=2)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    Replica.objects.filter(endpoint=endpoint).update(state=State.READY, port=8001, pid=4242,
+                                                     ready_at=timezone.now())
+    return endpoint
+
+
+def post_action(client: Client, url: str, action: str, *ids: object) -> int:
+    return client.post(url, {"action": action,
+                             "_selected_action": [str(i) for i in ids]}).status_code
+
+
+def test_it_sends_anonymous_visitors_to_the_admin_login(client: Client) -> None:
+    response = client.get("/admin/endpoints/node/")
+
+    assert response.status_code == 302
+    assert response["Location"].startswith("/admin/login/")
+
+
+def test_it_gives_signed_in_users_who_are_not_staff_no_access(client: Client) -> None:
+    node = h100_node("n1")
+    client.force_login(UserFactory())
+
+    for url in ["/admin/endpoints/node/", f"/admin/endpoints/node/{node.id}/change/",
+                "/admin/endpoints/endpoint/"]:
+        response = client.get(url)
+        assert response.status_code == 302
+        assert response["Location"].startswith("/admin/login/")
+    response = client.post("/admin/endpoints/node/", {
+        "action": "drain", "_selected_action": [str(node.id)]})
+    assert response.status_code == 302
+    assert not Node.objects.get(id=node.id).draining
+
+
+def test_it_shows_a_node_with_its_devices_heartbeat_and_engines(operator: Client,
+                                                                org: Organization) -> None:
+    node = h100_node("gpu-1")
+    endpoint_on(node, org, name="chat")
+
+    response = operator.get(f"/admin/endpoints/node/{node.id}/change/")
+
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert f"0: {H100} (80 GiB)" in page
+    assert f"7: {H100} (80 GiB)" in page
+    assert "s ago)" in page
+    assert "chat" in page and "4242" in page and "8001" in page
+    assert "Save" not in page  # the agent owns the row: view only
+
+
+def test_it_lists_nodes_with_their_engines(operator: Client, org: Organization) -> None:
+    endpoint_on(h100_node("gpu-1"), org)
+    h100_node("gpu-2")
+
+    response = operator.get("/admin/endpoints/node/", {"q": "gpu-1", "state__exact": "online"})
+
+    assert response.status_code == 200
+    assert b"gpu-1" in response.content and b"gpu-2" not in response.content
+
+
+@pytest.mark.parametrize(("url", "params"), [
+    ("/admin/endpoints/node/", {"q": "gpu", "draining__exact": "0"}),
+    ("/admin/endpoints/endpoint/", {"q": "acme", "state__exact": "ready"}),
+    ("/admin/endpoints/endpoint/", {"q": "llama-3.1-8b-instruct", "desired_state__exact": "running"}),
+    ("/admin/endpoints/replica/", {"q": "chat", "state__exact": "ready"}),
+    ("/admin/endpoints/endpointevent/", {"q": "chat", "state__exact": "pending"}),
+    ("/admin/endpoints/gputype/", {"q": "H100", "vendor__exact": "nvidia"}),
+    ("/admin/endpoints/modelspec/", {"q": "llama", "attention_kind__exact": "gqa"}),
+])
+def test_every_list_answers_a_search_and_a_filter(operator: Client, org: Organization,
+                                                  url: str, params: dict) -> None:
+    endpoint_on(h100_node("gpu-1"), org)
+
+    response = operator.get(url, params)
+
+    assert response.status_code == 200  # a filter it rejects redirects to ?e=1
+
+
+def test_it_searches_endpoints_by_organisation_and_shows_their_gpus(
+        operator: Client, org: Organization, other_org: Organization) -> None:
+    node = h100_node("gpu-1")
+    endpoint_on(node, org, name="acme-chat")
+    endpoint_on(node, other_org, name="globex-chat")
+
+    response = operator.get("/admin/endpoints/endpoint/", {"q": "globex"})
+
+    assert response.status_code == 200
+    assert b"globex-chat" in response.content and b"acme-chat" not in response.content
+    assert f"2 × {node.gpu_type.name}".encode() in response.content
+
+
+def test_an_endpoint_page_shows_its_replicas_and_cannot_be_changed(operator: Client,
+                                                                   org: Organization) -> None:
+    endpoint = endpoint_on(h100_node("gpu-1"), org)
+    url = f"/admin/endpoints/endpoint/{endpoint.id}/change/"
+
+    page = operator.get(url)
+    changed = operator.post(url, {"name": "renamed", "desired_replicas": 5})
+
+    assert page.status_code == 200
+    assert b"gpu-1" in page.content and b"4242" in page.content
+    assert changed.status_code == 403
+    assert Endpoint.objects.get(id=endpoint.id).name == "chat"
+    assert operator.get("/admin/endpoints/endpoint/add/").status_code == 403
+
+
+def test_it_drains_a_node(operator: Client, org: Organization,
+                          django_capture_on_commit_callbacks: Callable,
+                          sent: list) -> None:
+    node = h100_node("gpu-1")
+    endpoint = endpoint_on(node, org)
+    replica = endpoint.replicas.get()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        status = post_action(operator, "/admin/endpoints/node/", "drain", node.id)
+
+    assert status == 302
+    assert Node.objects.get(id=node.id).draining
+    replica.refresh_from_db()
+    assert replica.state == State.STOPPING
+    assert ("engine.stop_replica", [str(replica.id)], "node.gpu-1") in sent
+    assert ("endpoints.reconcile", [str(endpoint.id)], None) in sent
+    assert endpoint.events.filter(replica=replica,
+                                  message__contains="node gpu-1 is draining").exists()
+
+
+def test_a_drained_nodes_replica_is_replaced_on_another_node(org: Organization) -> None:
+    from endpoints.services import do_drain_node
+
+    first = h100_node("gpu-1")
+    endpoint = endpoint_on(first, org)
+    second = h100_node("gpu-2")
+
+    assert do_drain_node(node_id=first.id) == 1
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    fresh = endpoint.replicas.exclude(state=State.STOPPING).get()
+    assert (fresh.node, fresh.state) == (second, State.STARTING)
+
+
+def test_scheduling_skips_a_draining_node(org: Organization) -> None:
+    # The draining node is the tightest fit, the one scheduling would pick otherwise.
+    draining = h100_node("a-draining")
+    endpoint_on(draining, org, name="filler")
+    roomy = h100_node("b-roomy")
+    Node.objects.filter(id=draining.id).update(draining=True)
+    endpoint = endpoint_on(roomy, org, name="chat")
+    Replica.objects.filter(endpoint=endpoint).update(state=State.PENDING, node=None,
+                                                     device_indices=[])
+    replica = endpoint.replicas.get()
+
+    assert do_place_replica(replica_id=replica.id) == roomy
+
+    Node.objects.filter(id=roomy.id).update(draining=True)
+    Replica.objects.filter(id=replica.id).update(state=State.PENDING, node=None,
+                                                 device_indices=[])
+    assert do_place_replica(replica_id=replica.id) is None
+    replica.refresh_from_db()
+    assert (replica.state, replica.node) == (State.PENDING, None)
+
+
+def test_a_node_that_registers_again_keeps_draining() -> None:
+    node = h100_node("gpu-1")
+    Node.objects.filter(id=node.id).update(draining=True)
+
+    h100_node("gpu-1")  # its agent restarted
+
+    assert Node.objects.get(id=node.id).draining
+
+
+def test_it_undrains_a_node(operator: Client) -> None:
+    node = h100_node("gpu-1")
+    Node.objects.filter(id=node.id).update(draining=True)
+
+    status = post_action(operator, "/admin/endpoints/node/", "undrain", node.id)
+
+    assert status == 302
+    assert not Node.objects.get(id=node.id).draining
+
+
+def test_it_restarts_an_endpoint_with_fresh_replicas(
+        operator: Client, org: Organization, django_capture_on_commit_callbacks: Callable,
+        sent: list) -> None:
+    endpoint = endpoint_on(h100_node("gpu-1"), org)
+    old = endpoint.replicas.get()
+
+    with django_capture_on_commit_callbacks(execute=True):
+        status = post_action(operator, "/admin/endpoints/endpoint/", "restart", endpoint.id)
+
+    assert status == 302
+    old.refresh_from_db()
+    assert old.state == State.STOPPING
+    assert ("engine.stop_replica", [str(old.id)], "node.gpu-1") in sent
+    assert endpoint.events.filter(message="restarting: replacing 1 replica(s)").exists()
+
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    fresh = endpoint.replicas.exclude(id=old.id).get()
+    assert fresh.state == State.STARTING
+    assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.RUNNING
+
+
+def test_a_deleted_endpoint_does_not_restart(org: Organization) -> None:
+    endpoint = endpoint_on(h100_node("gpu-1"), org)
+    do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
+
+    with pytest.raises(ValidationError):
+        do_restart_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
+
+    assert endpoint.replicas.get().state == State.READY  # the reconciler stops it, not this
+    assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.STOPPED
+
+
+def test_it_stops_and_starts_endpoints(operator: Client, org: Organization) -> None:
+    endpoint = endpoint_on(h100_node("gpu-1"), org)
+
+    stopped = post_action(operator, "/admin/endpoints/endpoint/", "stop", endpoint.id)
+    assert stopped == 302
+    assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.STOPPED
+
+    started = post_action(operator, "/admin/endpoints/endpoint/", "start", endpoint.id)
+    assert started == 302
+    assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.RUNNING
