@@ -41,12 +41,12 @@ class OrganizationAdmin(admin.ModelAdmin):
 
 @admin.register(APIKey)
 class APIKeyAdmin(admin.ModelAdmin):
-    list_display = ["name", "masked", "organization", "scope", "state", "created_at",
+    list_display = ["name", "masked", "organization", "scope", "purpose", "state", "created_at",
                     "expires_at", "last_used_at"]
-    list_filter = ["scope", "revoked_at"]
+    list_filter = ["scope", "purpose", "revoked_at"]
     search_fields = ["name", "prefix", "organization__name", "organization__slug"]
     list_select_related = ["organization"]
-    fields = ["organization", "name", "scope", "prefix", "last_four", "endpoint_names",
+    fields = ["organization", "name", "scope", "purpose", "prefix", "last_four", "endpoint_names",
               "requests_per_minute", "tokens_per_minute", "created_by", "created_at",
               "expires_at", "revoked_at", "last_used_at"]
     # Operators may change a key's limits (gateways pick them up within the key-cache TTL).

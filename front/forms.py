@@ -52,7 +52,9 @@ class SizingForm(forms.Form):
 
 
 class EndpointForm(SizingForm):
-    name = forms.SlugField(max_length=63, help_text="Clients send it as the `model` field.")
+    name = forms.SlugField(max_length=63, help_text="Clients send it as the `model` field.",
+                           error_messages={"invalid": "Use letters, digits and hyphens only, "
+                                                      "such as support-chat."})
     min_replicas = forms.IntegerField(min_value=1, max_value=16, initial=1, label="Replicas")
     max_replicas = forms.IntegerField(min_value=1, max_value=16, required=False,
                                       label="Most replicas (for scaling)")

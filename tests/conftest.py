@@ -4,6 +4,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psycopg
 import pytest
@@ -14,6 +15,8 @@ from django.db.backends.postgresql.operations import DatabaseOperations
 from rest_framework.test import APIClient
 
 from accounts.models import Organization, User
+from endpoints.models import Node
+from endpoints.services import do_load_catalogs
 from engine.processes import free_port
 from tests.factories import UserFactory, api_key, organization_with_owner
 from tests.helpers import (
@@ -21,6 +24,7 @@ from tests.helpers import (
     NODE_LOST_AFTER_SECONDS,
     ROOT,
     process_env,
+    start_agent,
     start_web,
     stop,
     wait_until,
@@ -134,8 +138,10 @@ def web(celery_worker: subprocess.Popen) -> Iterator[str]:
     """The base URL of a web process shared by the gateway tests, with the control worker
     that ingests its usage records."""
     port = free_port()
-    process = start_web(port)
-    yield f"http://127.0.0.1:{port}"
+    base = f"http://127.0.0.1:{port}"
+    # The dashboard's snippets and its playground reach the gateway at this address.
+    process = start_web(port, KVRUN_BASE_URL=base)
+    yield base
     stop(process)
 
 
@@ -168,3 +174,23 @@ def ingested(celery_worker: subprocess.Popen) -> Callable[..., bool]:
             return UsageRecord.objects.count() >= count
         return wait_until(enough, timeout, interval=0.5)
     return until
+
+
+@pytest.fixture(scope="session")
+def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-logs")
+
+
+@pytest.fixture(scope="session")
+def agent(celery_worker: object, engine_logs: Path) -> Iterator[subprocess.Popen]:
+    process = start_agent("e2e-a", engine_logs)
+    yield process
+    stop(process)
+
+
+@pytest.fixture
+def ready_node(agent: subprocess.Popen) -> Node:
+    do_load_catalogs()
+    assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",
+                                                  gpu_type__slug="cpu").exists(), 60)
+    return Node.objects.get(name="e2e-a")

@@ -4,6 +4,7 @@ The catalog list and the sizing panel are partials that htmx swaps in as the per
 the launch posts the whole form, and errors come back next to their fields.
 """
 
+import re
 from decimal import Decimal
 
 from django.contrib.auth.decorators import login_required
@@ -39,14 +40,11 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
             concurrency=data["concurrency"], gpu_type=data["gpu_type"],
             kv_cache_dtype=data["kv_cache_dtype"], prefix_caching=data["prefix_caching"],
             min_replicas=data["min_replicas"], max_replicas=data["max_replicas"])
-    except planning.Unfit as exc:
+    except ValidationError as exc:  # Unfit included: the sizing panel shows its advice
         add_service_errors(form, exc)
-        return _page(request, member, form, status=400, advice=exc.advice)
-    except (ValidationError, PermissionDenied) as exc:
-        if isinstance(exc, PermissionDenied):
-            form.add_error(None, str(exc))
-        else:
-            add_service_errors(form, exc)
+        return _page(request, member, form, status=400)
+    except PermissionDenied as exc:
+        form.add_error(None, str(exc))
         return _page(request, member, form, status=400)
     return redirect("endpoint", org_slug=org_slug, name=endpoint.name)
 
@@ -58,15 +56,20 @@ def sizing(request: HttpRequest, org_slug: str) -> HttpResponse:
     return render(request, "front/_sizing.html", _sizing_context(SizingForm(request.POST)))
 
 
-def _page(request: HttpRequest, member: Membership, form: EndpointForm, *, status: int = 200,
-          advice: planning.Advice | None = None) -> HttpResponse:
+def _page(request: HttpRequest, member: Membership, form: EndpointForm, *,
+          status: int = 200) -> HttpResponse:
     values = form.data if form.is_bound else QueryDict(mutable=True)
     if not form.is_bound:
         values.update({name: str(value) for name, value in form.initial.items()})
     context = {"member": member, "organization": member.organization, "form": form,
                "section": "endpoints", "selected": values.get("model", ""), **_catalog_context()}
     if form.is_bound or form.initial.get("model"):
-        context.update(_sizing_context(SizingForm(values), advice=advice))
+        context.update(_sizing_context(SizingForm(values)))
+        advice = context.get("advice")
+        if form.is_bound and advice and advice.field in form.fields and not form.has_error(
+                advice.field):
+            # Refused for another field too: say at once that the sizing will not fit either.
+            form.add_error(advice.field, advice.message)
     return render(request, "front/endpoint_new.html", context, status=status)
 
 
@@ -76,9 +79,14 @@ def _initial(query: QueryDict) -> dict[str, object]:
                                   "min_replicas": 1}
     model = model_catalog().filter(slug=query.get("model", "")).first()
     if model is not None:
-        initial.update(model=model.slug, name=model.slug[:40].rstrip("-"),
+        initial.update(model=model.slug, name=suggested_name(model.slug),
                        context_length=min(4096, model.max_context))
     return initial
+
+
+def suggested_name(slug: str) -> str:
+    """An endpoint name from a model's slug: a slug itself (no dots), at most 40 characters."""
+    return re.sub(r"[^a-z0-9-]+", "-", slug.lower())[:40].strip("-")
 
 
 def _catalog_context() -> dict[str, object]:
@@ -99,7 +107,7 @@ def _size_of(model: ModelSpec) -> str:
     return next(name for name, (low, high) in SIZES.items() if low <= model.parameters < high)
 
 
-def _sizing_context(form: SizingForm, advice: planning.Advice | None = None) -> dict[str, object]:
+def _sizing_context(form: SizingForm) -> dict[str, object]:
     if not form.is_valid():
         return {"sizing_form": form}
     data = form.cleaned_data
@@ -111,7 +119,7 @@ def _sizing_context(form: SizingForm, advice: planning.Advice | None = None) -> 
     try:
         decided = planning.plan(**asked, gpu_type=data["gpu_type"])
     except planning.Unfit as exc:
-        return {"sizing_form": form, "advice": advice or exc.advice}
+        return {"sizing_form": form, "advice": exc.advice}
     summary = decided.summary
     device = planning.accelerator_of(decided.gpu_type).memory_bytes
     other_dtype = "fp8" if data["kv_cache_dtype"] == "auto" else "auto"

@@ -44,7 +44,8 @@ document.addEventListener("change", (event) => {
   });
   const name = document.querySelector('[name="name"]');
   if (name && (!name.value || name.dataset.suggested === name.value)) {
-    name.value = event.target.value.slice(0, 40).replace(/-+$/, "");
+    name.value = event.target.value.toLowerCase().replace(/[^a-z0-9-]+/g, "-").slice(0, 40)
+      .replace(/^-+|-+$/g, "");
     name.dataset.suggested = name.value;
   }
 });

@@ -1,68 +1,119 @@
-"""A person signs up, creates an API key, sees it once and revokes it, in a real Chromium."""
+"""Dashboard pages in a real Chromium against Django alone (no engine): form errors next to
+their fields, sizing that says what would fit, keys shown once, other organisations' 404s,
+and the pages at phone width."""
 
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey
+from endpoints.models import Endpoint
+from endpoints.services import do_load_catalogs
+from engine.devices import HostResources
+from nodes.services import do_register_node
+from tests.factories import organization_with_owner, ready_endpoint
 
-CHROMIUM = "/usr/bin/chromium"
-
-
-@pytest.fixture(autouse=True)
-def _allow_orm_beside_playwright(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Playwright's sync API runs an event loop in this thread; the ORM calls made by the
-    # assertions below are plain blocking calls, which Django must be told are fine here.
-    monkeypatch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(
-            executable_path=CHROMIUM, headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync"],
-        )
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
-    context = browser.new_context()
-    page = context.new_page()
-    yield page
-    context.close()
-
-
-@pytest.mark.browser
-@pytest.mark.django_db(transaction=True)
-def test_sign_up_create_a_key_and_revoke_it(live_server: object, page: Page) -> None:
-    page.goto(f"{live_server.url}/signup/")
+def sign_up(page: Page, base: str, organization: str = "Engines") -> None:
+    page.goto(f"{base}/signup/")
     page.get_by_label("Email").fill("ada@example.com")
+    page.get_by_label("Password").fill("analytical engine 1843")
+    page.get_by_label("Organisation name").fill(organization)
+    page.get_by_role("button", name="Sign up").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Endpoints")
+
+
+def test_sign_up_errors_show_next_to_their_fields(live_server: object, page: Page,
+                                                  shot: Callable[[str], None]) -> None:
+    page.goto(f"{live_server.url}/signup/")
+    page.get_by_label("Email").fill("not an email")
     page.get_by_label("Password").fill("too short")
     page.get_by_role("button", name="Sign up").click()
-    expect(page.locator(".errors")).to_contain_text("too short")
 
-    page.get_by_label("Password").fill("analytical engine 1843")
-    page.get_by_label("Organisation name").fill("Engines")
-    page.get_by_role("button", name="Sign up").click()
-    expect(page.get_by_role("heading", level=1)).to_contain_text("Engines")
+    expect(page.locator(".field.invalid", has=page.get_by_label("Email"))).to_contain_text(
+        "valid email")
+    expect(page.locator(".field.invalid", has=page.get_by_label("Password"))).to_contain_text(
+        "too short")
+    shot("signup-errors")
 
-    page.get_by_label("Name").fill("laptop")
-    page.get_by_label("Scope").select_option("inference")
+
+def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
+        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
+    do_load_catalogs()
+    do_register_node(name="laptop", resources=HostResources(devices=[], cpu_count=2,
+                                                            memory_bytes=24 * 2**30))
+    sign_up(page, live_server.url)
+    page.get_by_role("link", name="Create your first endpoint").click()
+
+    page.get_by_label("Search").fill("llama 3.1 8b")
+    expect(page.locator(".model-card:visible")).to_have_count(1)
+    page.get_by_text("Llama 3.1 8B Instruct").click()
+    advice = page.get_by_test_id("sizing-advice")
+    expect(advice).to_contain_text("weights need 16.1 GB")
+    expect(advice).to_contain_text("no NVIDIA L4 24 GB node is online")
+    expect(advice).to_contain_text("Models that fit what is online: kvrun demo")
+    shot("wizard-advice")
+
+    expect(page.get_by_label("Name", exact=True)).to_have_value("llama-3-1-8b-instruct")
+    page.get_by_label("Name", exact=True).fill("My Chat!")
+    page.get_by_role("button", name="Launch endpoint").click()  # launched anyway: refused
+    expect(page.locator("#id_model_errors")).to_contain_text("weights need 16.1 GB")
+    expect(page.locator("#id_name_errors")).to_contain_text("letters, digits and hyphens")
+    assert not Endpoint.objects.exists()
+    shot("wizard-errors")
+
+    advice.get_by_role("button", name="kvrun demo").click()  # the fitting model, one click
+    page.get_by_role("button", name="Use 2048 tokens").click()  # its longest context
+    expect(page.get_by_test_id("sizing")).to_contain_text("1 × CPU only")
+    expect(page.locator('input[value="kvrun-demo-tiny"]')).to_be_checked()
+    shot("wizard-sizing")
+
+
+def test_a_key_is_shown_once_copied_and_revoked(live_server: object, page: Page,
+                                                shot: Callable[[str], None]) -> None:
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    sign_up(page, live_server.url)
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="API keys").click()
+    page.get_by_label("Name", exact=True).fill("laptop")
     page.get_by_role("button", name="Create key").click()
-    secret = page.locator("#new-key-secret").inner_text()
-    assert secret.startswith("kvr_")
-    key = APIKey.objects.get(name="laptop")
-    assert key.last_four == secret[-4:]
+    page.get_by_test_id("new-key").get_by_role("button", name="Copy").click()
+    copied = page.evaluate("navigator.clipboard.readText()")
+    shot("keys-created")
 
-    page.goto(f"{live_server.url}/")
-    expect(page.locator("#new-key-secret")).to_have_count(0)
+    key = APIKey.objects.get(name="laptop")
+    assert copied.startswith("kvr_") and key.last_four == copied[-4:]
+    page.goto(f"{live_server.url}/orgs/engines/keys/")
+    expect(page.get_by_test_id("new-key")).to_have_count(0)
     page.get_by_role("button", name="Revoke").click()
     expect(page.get_by_role("status")).to_contain_text("is revoked")
     key.refresh_from_db()
     assert key.revoked_at is not None
+
+
+def test_another_organisations_endpoint_is_not_found(live_server: object, page: Page,
+                                                     shot: Callable[[str], None]) -> None:
+    other = organization_with_owner("Globex")
+    ready_endpoint(other, "secret-plans", ports=[])
+    sign_up(page, live_server.url)
+
+    response = page.goto(f"{live_server.url}/orgs/{other.slug}/endpoints/secret-plans/")
+
+    assert response.status == 404
+    expect(page.locator("body")).not_to_contain_text("secret-plans")
+
+
+def test_pages_fit_a_phone_and_show_keyboard_focus(live_server: object, page: Page,
+                                                   shot: Callable[[str], None]) -> None:
+    page.set_viewport_size({"width": 390, "height": 844})
+    sign_up(page, live_server.url)
+    for path in ("", "endpoints/new/", "keys/", "members/"):
+        page.goto(f"{live_server.url}/orgs/engines/{path}")
+        width = page.evaluate("document.documentElement.scrollWidth")
+        assert width <= 390, f"/{path} scrolls sideways at phone width ({width}px)"
+        shot(f"phone-{path.strip('/').replace('/', '-') or 'endpoints'}")
+    page.keyboard.press("Tab")
+    outline = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
+    assert outline != "none"

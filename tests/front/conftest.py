@@ -4,8 +4,8 @@ from django.test import Client
 from accounts.models import Organization, Role, User
 from endpoints.models import Node
 from endpoints.services import do_load_catalogs
-from nodes.services import do_register_node
 from engine.devices import HostResources
+from nodes.services import do_register_node
 from tests.factories import UserFactory
 
 

@@ -1,0 +1,53 @@
+"""A real Chromium (Debian's, which `make test` installs) driven by Playwright. Every page a
+test visits is also saved as a screenshot under artifacts/screenshots/, to be looked at."""
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from playwright.sync_api import Browser, Page, sync_playwright
+
+from tests.helpers import ROOT
+
+CHROMIUM = "/usr/bin/chromium"
+SCREENSHOTS = ROOT / "artifacts" / "screenshots"
+
+
+@pytest.fixture(scope="session")
+def _allow_orm_beside_playwright() -> Iterator[None]:
+    # Playwright's sync API runs an event loop in this thread while the browser lives; the
+    # ORM calls the tests make are plain blocking calls, which Django must be told are fine.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
+        yield
+
+
+@pytest.fixture(scope="session")
+def browser(_allow_orm_beside_playwright: None) -> Iterator[Browser]:
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=CHROMIUM, headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync"],
+        )
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())  # the pages' confirmations
+    yield page
+    context.close()
+
+
+@pytest.fixture
+def shot(page: Page) -> Callable[[str], None]:
+    """shot(name): a full-page screenshot of what the page shows now."""
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+
+    def take(name: str) -> None:
+        page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
+    return take

@@ -1,0 +1,124 @@
+"""The whole journey a newcomer makes, in a real Chromium on the real stack: the web process
+(dashboard and gateway), PostgreSQL, Redis, the control worker, a node agent and a real vLLM
+CPU engine.
+
+sign up → create an endpoint in the wizard → the progress bar reaches ready → the playground
+streams an answer → the charts show the request → create an API key → the copied Python
+snippet, run as a script, gets an answer → revoke the key → the snippet is refused.
+"""
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from accounts.models import APIKey, KeyPurpose
+from billing.models import UsageRecord
+from billing.tasks import ingest_usage
+from endpoints.models import Endpoint, Node, Replica, State
+from tests.helpers import api_servers, drive, wait_until
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+READY_WITHIN = 180
+
+
+def run_snippet(code: str, secret: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    script = tmp_path / "snippet.py"
+    script.write_text(code)
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env={"KVRUN_API_KEY": secret, "PATH": "/usr/bin:/bin"})
+
+
+def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
+        web: str, ready_node: Node, page: Page, shot: Callable[[str], None],
+        tmp_path: Path) -> None:
+    page.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    page.goto(f"{web}/signup/")
+    shot("journey-01-signup")
+    page.get_by_label("Email").fill("newcomer@example.com")
+    page.get_by_label("Password").fill("first endpoint today")
+    page.get_by_label("Organisation name").fill("Newcomers")
+    page.get_by_role("button", name="Sign up").click()
+    shot("journey-02-no-endpoints")
+
+    page.get_by_role("link", name="Create your first endpoint").click()
+    page.get_by_label("Search").fill("demo")
+    page.get_by_text("kvrun demo").click()
+    page.get_by_label("Context length (tokens)").fill("2048")
+    sizing = page.get_by_test_id("sizing")
+    expect(sizing).to_contain_text("1 × CPU only")
+    expect(sizing).to_contain_text("$0.10/hour")
+    page.get_by_label("Name", exact=True).fill("first")
+    shot("journey-03-wizard")
+    page.get_by_role("button", name="Launch endpoint").click()
+
+    # The endpoint page: a live stage and percent, no invented ETA on a first start.
+    expect(page.get_by_role("heading", level=1)).to_have_text("first")
+    expect(page.get_by_test_id("progress")).to_contain_text("%")
+    expect(page.get_by_test_id("progress")).to_contain_text("no estimate yet")
+    shot("journey-04-starting")
+    endpoint = Endpoint.objects.get(name="first")
+    assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY,
+                 READY_WITHIN), "the endpoint did not become ready"
+    expect(page.get_by_test_id("state")).to_have_text("ready", timeout=10_000)
+    expect(page.get_by_role("progressbar")).to_have_count(0)
+    shot("journey-05-ready")
+
+    page.get_by_role("link", name="Open the playground").click()
+    page.get_by_label("Message").fill("Hello, who are you?")
+    page.get_by_role("button", name="Send").click()
+    stats = page.locator(".message.assistant .stats")
+    expect(stats).to_contain_text("TTFT", timeout=60_000)
+    expect(stats).to_contain_text("tokens/s")
+    expect(stats).to_contain_text("completion tokens")
+    assert page.locator(".message.assistant .content").inner_text().strip()
+    shot("journey-06-playground")
+    playground_key = APIKey.objects.get(purpose=KeyPurpose.PLAYGROUND)
+    assert playground_key.endpoint_names == ["first"]
+
+    # The request is in the usage ledger, on the playground's own key, and on the charts.
+    def recorded() -> bool:
+        ingest_usage.delay()
+        return UsageRecord.objects.filter(endpoint=endpoint).exists()
+    assert wait_until(recorded, 30, interval=0.5)
+    assert UsageRecord.objects.get(endpoint=endpoint).api_key_id == playground_key.id
+    page.get_by_role("link", name="first").click()
+    expect(page.locator("#usage-totals")).to_contain_text("1 request(s)")
+    expect(page.locator("#charts canvas")).to_have_count(4)
+    shot("journey-07-charts")
+
+    nav = page.get_by_role("navigation", name="Main")
+    nav.get_by_role("link", name="API keys").click()
+    page.get_by_label("Name", exact=True).fill("script")
+    page.get_by_role("button", name="Create key").click()
+    page.get_by_test_id("new-key").get_by_role("button", name="Copy").click()
+    secret = page.evaluate("navigator.clipboard.readText()")
+    shot("journey-08-key")
+
+    nav.get_by_role("link", name="Endpoints").click()
+    shot("journey-09-endpoints")
+    page.get_by_role("link", name="first").click()
+    page.locator("#snippet-python + button").click()
+    snippet = page.evaluate("navigator.clipboard.readText()")
+    answered = run_snippet(snippet, secret, tmp_path)
+    assert answered.returncode == 0, answered.stderr
+    assert answered.stdout.strip()
+
+    nav.get_by_role("link", name="API keys").click()
+    page.get_by_role("button", name="Revoke").click()
+    expect(page.get_by_role("status")).to_contain_text("is revoked")
+    refused = run_snippet(snippet, secret, tmp_path)
+    assert refused.returncode != 0
+    assert "401" in refused.stderr or "invalid_api_key" in refused.stderr
+
+    # Delete it from its page; its engine goes and nothing is left running.
+    nav.get_by_role("link", name="Endpoints").click()
+    page.get_by_role("link", name="first").click()
+    page.get_by_role("button", name="Delete").click()
+    expect(page.get_by_role("status")).to_contain_text("Deleted first")
+    assert drive(lambda: not api_servers("first") and not Replica.objects.filter(
+        endpoint=endpoint).exclude(state=State.STOPPED).exists(), 60)
