@@ -1,17 +1,20 @@
+import re
+
 from django import forms
 from django.core.exceptions import ValidationError
+from django.db.models import QuerySet
 
 from accounts.models import Role, Scope
-from endpoints.models import GPUType, KVCacheDtype, ModelSpec
+from endpoints.models import Endpoint, GPUType, KVCacheDtype, ModelSpec
 
 
 class APIKeyForm(forms.Form):
     name = forms.CharField(max_length=100)
     scope = forms.ChoiceField(choices=Scope.choices, help_text="inference: /v1 only; manage: "
                               "also the REST API")
-    endpoint_names = forms.MultipleChoiceField(
-        required=False, label="Only these endpoints", widget=forms.CheckboxSelectMultiple,
-        help_text="None ticked: every endpoint of the organisation.")
+    endpoint_names = forms.CharField(
+        required=False, label="Only these endpoints",
+        help_text="Names separated by commas; empty: every endpoint of the organisation.")
     requests_per_minute = forms.IntegerField(required=False, min_value=1,
                                              help_text="Empty: the deployment's default.")
     tokens_per_minute = forms.IntegerField(required=False, min_value=1,
@@ -19,9 +22,19 @@ class APIKeyForm(forms.Form):
     expires_at = forms.DateTimeField(required=False, label="Expires at (UTC, optional)",
                                      widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
 
-    def __init__(self, *args: object, endpoint_names: list[str], **kwargs: object) -> None:
+    def __init__(self, *args: object, endpoints: QuerySet[Endpoint], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["endpoint_names"].choices = [(name, name) for name in endpoint_names]
+        self.endpoints = endpoints
+
+    def clean_endpoint_names(self) -> list[str]:
+        names = sorted({name for name in re.split(r"[\s,]+", self.cleaned_data["endpoint_names"])
+                        if name})
+        known = set(self.endpoints.filter(name__in=names).values_list("name", flat=True))
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise ValidationError(f"No endpoint named {', '.join(unknown)} in this "
+                                  "organisation; check the names on the Endpoints page.")
+        return names
 
 
 class InviteForm(forms.Form):

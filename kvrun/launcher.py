@@ -249,7 +249,7 @@ def manage_command(args: list[str]) -> int:
         services.stop()
 
 
-BENCHMARKS = ("provision", "gateway")
+BENCHMARKS = ("provision", "gateway", "dashboard")
 
 
 def bench(names: list[str]) -> int:

@@ -15,9 +15,7 @@ from front.scoping import Membership, membership
 
 
 def _key_form(member: Membership, data: object = None) -> APIKeyForm:
-    names = list(endpoints_of(organization=member.organization).order_by("name")
-                 .values_list("name", flat=True))
-    return APIKeyForm(data, endpoint_names=names)
+    return APIKeyForm(data, endpoints=endpoints_of(organization=member.organization))
 
 
 @login_required

@@ -17,7 +17,7 @@ def test_a_new_key_is_shown_once_with_its_restrictions(owner_client: Client,
     ready_endpoint(org, "chat", ports=[])
 
     created = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
-        "name": "laptop", "scope": "inference", "endpoint_names": ["chat"],
+        "name": "laptop", "scope": "inference", "endpoint_names": "chat",
         "requests_per_minute": "30", "tokens_per_minute": "5000"})
     later = owner_client.get(f"/orgs/{org.slug}/keys/")
 
@@ -35,7 +35,7 @@ def test_bad_key_input_shows_the_error_next_to_its_field(owner_client: Client,
                                                          org: Organization) -> None:
     response = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
         "name": "x", "scope": "inference", "requests_per_minute": "0",
-        "endpoint_names": ["not-an-endpoint"]})
+        "endpoint_names": "not-an-endpoint"})
 
     assert response.status_code == 400
     assert b'id="id_requests_per_minute_errors"' in response.content
