@@ -21,7 +21,7 @@ from engine.sizing import CPU
 
 # How to bring a node of a missing kind online, in words a newcomer can follow.
 ADD_NODE_ADVICE = ("start a node agent on a host with one (`python manage.py node_agent "
-                   "--name <host>`; see the README's \"Add a GPU node\")")
+                   "--name <host>`; see the README's \"Adding a GPU node\")")
 
 
 def shape_of(model: ModelSpec) -> sizing.ModelShape:

@@ -35,10 +35,10 @@ def descendants(pid: int) -> set[int]:
 class Launch:
     def __init__(self, state_dir: Path, port: int) -> None:
         env = {k: v for k, v in os.environ.items()
-               if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER", "DEBUG"}}
+               if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER", "DEBUG",
+                            "KVRUN_BASE_URL"}}
         env.update(KVRUN_STATE_DIR=str(state_dir), KVRUN_PORT=str(port),
-                   KVRUN_BASE_URL=f"http://127.0.0.1:{port}", KVRUN_NODE_NAME="launch-test",
-                   KVRUN_NODE_GPUS="none")
+                   KVRUN_NODE_NAME="launch-test", KVRUN_NODE_GPUS="none")
         self.process = subprocess.Popen([sys.executable, "-m", "kvrun.launcher", "run"], cwd=ROOT,
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
@@ -90,6 +90,15 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
     secret = re.search(r"Bearer (kvr_\w+)", output).group(1)
     models = httpx.get(f"{base}/api/v1/models/", headers={"Authorization": f"Bearer {secret}"})
     assert models.status_code == 200 and models.json()["count"] >= 15
+    # Every URL it prints names the port it was given and is served; the first leads a
+    # newcomer to the wizard (through sign-in).
+    printed = re.findall(r"https?://[^\s'\"]+", output)
+    assert printed and all(url.startswith(f"{base}/") for url in printed), printed
+    for url in printed:
+        assert httpx.get(url, headers={"Authorization": f"Bearer {secret}"}).status_code in (
+            200, 302), url
+    wizard = httpx.get(f"{base}/endpoints/new/")
+    assert wizard.headers["location"] == "/login/?next=/endpoints/new/"
     processes = descendants(first.process.pid)
     postmaster = int((state_dir / "postgres" / "postmaster.pid").read_text().split()[0])
     assert len(processes) >= 5  # web, worker (+ its pool), beat, node agent, redis
