@@ -1,3 +1,4 @@
+from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.urls import path
 
@@ -13,13 +14,11 @@ urlpatterns = [
         name="password_change"),
     path("password/done/", auth_views.PasswordChangeDoneView.as_view(
         template_name="accounts/password_changed.html"), name="password_change_done"),
-    path("password/reset/", auth_views.PasswordResetView.as_view(
-        template_name="accounts/password_reset.html",
-        email_template_name="accounts/password_reset_email.txt",
-        subject_template_name="accounts/password_reset_subject.txt",
-        success_url="/password/reset/sent/"), name="password_reset"),
+    path("password/reset/", views.PasswordResetView.as_view(), name="password_reset"),
     path("password/reset/sent/", auth_views.PasswordResetDoneView.as_view(
-        template_name="accounts/password_reset_sent.html"), name="password_reset_done"),
+        template_name="accounts/password_reset_sent.html",
+        extra_context={"timeout_days": settings.PASSWORD_RESET_TIMEOUT // 86400}),
+        name="password_reset_done"),
     path("password/reset/<uidb64>/<token>/", auth_views.PasswordResetConfirmView.as_view(
         template_name="accounts/password_reset_confirm.html",
         success_url="/password/reset/done/"), name="password_reset_confirm"),

@@ -1,9 +1,12 @@
 """Reads for accounts: who may see what. Another organisation's objects are never found."""
 
+from datetime import timedelta
+
 from django.conf import settings
 from django.core.cache import cache
 from django.db.models import QuerySet
 from django.http import Http404
+from django.utils import timezone
 
 from accounts import tokens
 from accounts.models import APIKey, Invite, KeyPurpose, Membership, Organization, Role, User
@@ -94,6 +97,15 @@ def memberships_of(*, organization: Organization) -> QuerySet[Membership]:
 
 def invites_of(*, organization: Organization) -> QuerySet[Invite]:
     return Invite.objects.filter(organization=organization).select_related("created_by")
+
+
+def playground_key_of(*, user: User, organization: Organization, endpoint_name: str,
+                      usable_for: timedelta) -> APIKey | None:
+    """The person's playground key for the endpoint with at least `usable_for` of life left."""
+    return (APIKey.objects.filter(
+        organization=organization, created_by=user, purpose=KeyPurpose.PLAYGROUND,
+        endpoint_names=[endpoint_name], revoked_at=None,
+        expires_at__gt=timezone.now() + usable_for).order_by("-expires_at").first())
 
 
 def api_keys_of(*, organization: Organization) -> QuerySet[APIKey]:

@@ -34,7 +34,7 @@ from accounts.models import (
 )
 from accounts.revocations import announce_key_revoked
 from accounts.selectors import key_cache_name
-from kvrun.digests import secret_digest
+from kvrun.digests import playground_secret, secret_digest
 
 logger = logging.getLogger(__name__)
 
@@ -229,19 +229,20 @@ def do_create_api_key(
 
 
 def do_issue_playground_key(*, organization: Organization, user: User, endpoint_name: str,
-                            lifetime: timedelta) -> tuple[APIKey, str]:
+                            lifetime: timedelta) -> APIKey:
     """A short-lived inference key for one member's playground on one endpoint, so that what
     the playground spends is recorded against a key of its own, never another's. Any member
-    may have one; the caller keeps the secret server-side and never shows it."""
-    secret = tokens.new_api_key_secret()
-    key = APIKey.objects.create(
-        organization=organization, name=f"playground: {user.email}"[:100],
-        scope=Scope.INFERENCE, purpose=KeyPurpose.PLAYGROUND, digest=secret_digest(secret),
-        prefix=tokens.visible_prefix(secret), last_four=secret[-4:],
-        endpoint_names=[endpoint_name], created_by=user,
-        expires_at=timezone.now() + lifetime,
-    )
-    return key, secret
+    may have one. Its secret is `kvrun.digests.playground_secret(key.id)`: derived, never
+    stored, never shown."""
+    key = APIKey(organization=organization, name=f"playground: {user.email}"[:100],
+                 scope=Scope.INFERENCE, purpose=KeyPurpose.PLAYGROUND,
+                 endpoint_names=[endpoint_name], created_by=user,
+                 expires_at=timezone.now() + lifetime)
+    secret = playground_secret(key.id)
+    key.digest, key.prefix, key.last_four = (secret_digest(secret),
+                                             tokens.visible_prefix(secret), secret[-4:])
+    key.save()
+    return key
 
 
 def do_revoke_api_key(*, key: APIKey, actor_role: str | None) -> bool:

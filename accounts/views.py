@@ -1,10 +1,14 @@
-"""Account pages: sign-up, the lock-out page, accepting an invite. Sign-in, sign-out and
-the password change are Django's own views (accounts.page_urls)."""
+"""Account pages: sign-up, the lock-out page, the password-reset request, accepting an
+invite. Sign-in, sign-out, the password change and the rest of the reset are Django's own
+views (accounts.page_urls)."""
 
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import login
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
+from django.contrib.auth.forms import PasswordResetForm
+from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
@@ -13,6 +17,9 @@ from accounts import services
 from accounts.forms import SignUpForm
 from accounts.models import Invite
 from kvrun.digests import secret_digest
+from kvrun.forms import add_service_errors
+
+PASSWORD_RESETS_PER_HOUR = 5
 
 
 def lockout(request: HttpRequest, credentials: dict | None = None, *args: object,
@@ -32,14 +39,35 @@ def sign_up(request: HttpRequest) -> HttpResponse:
         try:
             user = services.do_sign_up(**form.cleaned_data)
         except ValidationError as exc:
-            for field, errors in exc.message_dict.items():
-                for error in errors:
-                    form.add_error(field if field in form.fields else None, error)
+            add_service_errors(form, exc)
         else:
             login(request, user, backend="django.contrib.auth.backends.ModelBackend")
             return redirect("dashboard")
     status = 400 if request.method == "POST" else 200
     return render(request, "accounts/signup.html", {"form": form}, status=status)
+
+
+class PasswordResetView(auth_views.PasswordResetView):
+    """Django's reset form, with its mail limited per address and per client address
+    (`PASSWORD_RESETS_PER_HOUR` each), so that nobody can flood an inbox through it."""
+
+    template_name = "accounts/password_reset.html"
+    email_template_name = "accounts/password_reset_email.txt"
+    subject_template_name = "accounts/password_reset_subject.txt"
+    success_url = "/password/reset/sent/"
+
+    def form_valid(self, form: PasswordResetForm) -> HttpResponse:
+        senders = (f"password-reset:email:{form.cleaned_data['email'].lower()}",
+                   f"password-reset:ip:{self.request.META.get('REMOTE_ADDR', '')}")
+        if not all([_within_hourly_limit(name) for name in senders]):
+            form.add_error("email", "Too many reset requests; wait an hour, then try again.")
+            return self.render_to_response(self.get_context_data(form=form), status=429)
+        return super().form_valid(form)
+
+
+def _within_hourly_limit(name: str) -> bool:
+    cache.add(name, 0, timeout=3600)
+    return cache.incr(name) <= PASSWORD_RESETS_PER_HOUR
 
 
 @login_required

@@ -44,9 +44,11 @@ def last_hour_totals(*, endpoint_ids: Iterable[UUID], now: datetime | None = Non
 
 def usage_by_minute(*, endpoint_id: UUID, minutes: int = 60, now: datetime | None = None
                     ) -> list[dict[str, object]]:
-    """One row per minute that saw requests over the last `minutes`: requests, errors
-    (status 400 and up, clients that left included), tokens, and TTFT p50/p95 in ms."""
-    since = (now or timezone.now()) - timedelta(minutes=minutes)
+    """One row per minute that saw requests, over the current minute and the `minutes` - 1
+    before it: requests, errors (status 400 and up, clients that left included), tokens,
+    and TTFT p50/p95 in ms."""
+    now = now or timezone.now()
+    since = now.replace(second=0, microsecond=0) - timedelta(minutes=minutes - 1)
     return list(
         UsageRecord.objects.filter(endpoint_id=endpoint_id, started_at__gte=since)
         .annotate(minute=TruncMinute("started_at"))

@@ -31,9 +31,8 @@ from endpoints.services import (
     do_stop_endpoint,
     do_undrain_node,
 )
+from engine.sizing import GIB
 from kvrun.paginators import BoundedCountPaginator
-
-GIB = 2**30
 
 
 def age(moment: datetime) -> str:

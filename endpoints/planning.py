@@ -14,6 +14,7 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
+from django.db.models import QuerySet
 
 from endpoints.models import GPUType, ModelSpec, NodeState
 from engine import sizing
@@ -91,11 +92,9 @@ class Advice:
     field: str
     message: str
     cause: str  # "weights": the model fits nothing online; "kv_cache": its KV cache does not
-    weight_bytes: int
     holder: Option | None = None  # the cheapest catalog hardware that holds the whole request
     fitting_models: list[ModelSpec] = field(default_factory=list)
     largest_concurrency: int = 0
-    largest_context: int = 0
 
 
 class Unfit(ValidationError):
@@ -106,8 +105,13 @@ class Unfit(ValidationError):
         self.advice = advice
 
 
+def online_gpu_types() -> QuerySet[GPUType]:
+    """Types of the nodes that take new replicas: online and not draining."""
+    return GPUType.objects.filter(node__state=NodeState.ONLINE, node__draining=False).distinct()
+
+
 def online_gpu_type_ids() -> set[int]:
-    return set(GPUType.objects.filter(node__state=NodeState.ONLINE).values_list("id", flat=True))
+    return set(online_gpu_types().values_list("id", flat=True))
 
 
 def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dtype: str,
@@ -116,6 +120,9 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     field to change: a GPU count vLLM cannot split the model over, or `Unfit` saying what
     would fit when the request fits nothing offered."""
     candidates = _candidate_types(gpu_type)
+    if not candidates:
+        raise ValidationError({"gpu_type": ["The GPU catalog is empty; an operator loads it "
+                                            "with `python manage.py load_catalogs`."]})
     if gpu_count and not sizing.valid_tp(shape_of(model), gpu_count):
         raise ValidationError({"gpu_count": [
             f"{model.name} has {model.attention_heads} attention heads, which vLLM cannot split "
@@ -161,7 +168,7 @@ def _candidate_types(gpu_type: GPUType | None) -> list[GPUType]:
     """The asked type; else the types on online nodes; else every GPU type in the catalog."""
     if gpu_type is not None:
         return [gpu_type]
-    present = list(GPUType.objects.filter(node__state=NodeState.ONLINE).distinct())
+    present = list(online_gpu_types())
     gpus = [gpu for gpu in present if gpu.slug != CPU]
     if gpus:
         return gpus
@@ -188,14 +195,13 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
         fitting = models_that_fit_online(context_length=request.context_length,
                                          concurrency=request.concurrency,
                                          kv_cache_dtype=request.kv_dtype)
-        message = (f"{model.name}'s weights need {_gb(weights)} ({request.weight_dtype}), more "
-                   f"than {where} can hold. {holder_text}")
+        message = (f"{model.name}'s weights need {sizing.gb_text(weights)} "
+                   f"({request.weight_dtype}), more than {where} can hold. {holder_text}")
         if fitting:
             message += " Models that fit what is online: " + ", ".join(
                 m.name for m in fitting[:6]) + "."
         return Advice(field="gpu_type" if gpu_type else "model", message=message,
-                      cause="weights", weight_bytes=weights, holder=holder,
-                      fitting_models=fitting)
+                      cause="weights", holder=holder, fitting_models=fitting)
     most = sizing.largest_concurrency(shape, request, best)
     longest = sizing.largest_context(shape, request, best, concurrency=request.concurrency)
     ways = []
@@ -210,15 +216,14 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
         if fp8_most > most:
             ways.append(f"use fp8 KV cache ({fp8_most} requests at this context)")
     message = (f"{request.concurrency} requests × {request.context_length:,} tokens need "
-               f"{_gib(best.kv_needed_per_gpu)} of KV cache per GPU; {best.count} × "
-               f"{best.accelerator.name} has {_gib(max(0, best.kv_available_per_gpu))} left "
+               f"{sizing.gib_text(best.kv_needed_per_gpu)} of KV cache per GPU; {best.count} × "
+               f"{best.accelerator.name} has {sizing.gib_text(max(0, best.kv_available_per_gpu))} left "
                f"after the weights and runtime, which holds {most} at this context.")
     if ways:
         message += " " + _sentence("To fit, " + _either(ways))
     message += " " + holder_text
     return Advice(field="gpu_type" if gpu_type else "concurrency", message=message,
-                  cause="kv_cache", weight_bytes=weights, holder=holder,
-                  largest_concurrency=most, largest_context=longest)
+                  cause="kv_cache", holder=holder, largest_concurrency=most)
 
 
 def fp8_request(request: sizing.Request) -> sizing.Request:
@@ -266,7 +271,7 @@ def models_that_fit_online(*, context_length: int, concurrency: int,
                            kv_cache_dtype: str) -> list[ModelSpec]:
     """Catalog models that online hardware holds at this concurrency (at their own maximum
     context where the asked one is longer)."""
-    online = list(GPUType.objects.filter(node__state=NodeState.ONLINE).distinct())
+    online = list(online_gpu_types())
     fitting = []
     for model in ModelSpec.objects.all():
         shape = shape_of(model)
@@ -295,7 +300,6 @@ def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decisio
         "kv_needed_bytes_per_gpu": choice.kv_needed_per_gpu,
         "kv_available_bytes_per_gpu": choice.kv_available_per_gpu,
         "runtime_overhead_bytes_per_gpu": choice.overhead_bytes_per_gpu,
-        "usable_bytes_per_gpu": choice.usable_bytes_per_gpu,
         "block_tokens": request.block_tokens,
         "max_concurrency_at_context": sizing.largest_concurrency(shape, request, choice),
         "max_context_at_concurrency": sizing.largest_context(
@@ -330,11 +334,3 @@ def _either(ways: list[str]) -> str:
 
 def _sentence(text: str) -> str:
     return text[0].upper() + text[1:] + "."
-
-
-def _gb(value: int) -> str:
-    return f"{value / sizing.GB:,.1f} GB"
-
-
-def _gib(value: int) -> str:
-    return f"{value / sizing.GIB:,.1f} GiB"

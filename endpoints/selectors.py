@@ -26,11 +26,13 @@ def gpu_type_for_device(*, device_name: str, memory_bytes: int) -> GPUType | Non
 
 
 def endpoints_of(*, organization: object) -> QuerySet[Endpoint]:
-    """The organisation's endpoints that are not deleted, with what their responses show."""
+    """The organisation's endpoints that are not deleted, with what their responses show:
+    their replicas that are not stopped (stopped ones are history, and grow without end)."""
+    live = (Replica.objects.exclude(state=State.STOPPED).select_related("node")
+            .order_by("-created_at"))
     return (Endpoint.objects.filter(organization=organization, deleted_at=None)
             .select_related("model", "gpu_type")
-            .prefetch_related(Prefetch("replicas", queryset=Replica.objects.select_related("node")
-                                       .order_by("-created_at"))))
+            .prefetch_related(Prefetch("replicas", queryset=live)))
 
 
 def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str, object]:

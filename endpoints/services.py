@@ -28,6 +28,8 @@ from endpoints.reconciler import LIVE, ON_NODE, do_stop_replica
 from engine import hf_checkpoint
 
 CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
+# Names the dashboard's URLs use beside endpoint names (/orgs/<slug>/endpoints/new/).
+RESERVED_NAMES = frozenset({"new"})
 
 
 def do_load_catalogs(*, directory: Path = CATALOG_DIR) -> tuple[int, int]:
@@ -113,6 +115,8 @@ def do_create_endpoint(
     require_manager(actor_role, "create endpoints")
     max_replicas = max_replicas or min_replicas
     errors: dict[str, list[str]] = {}
+    if name in RESERVED_NAMES:
+        errors["name"] = [f"{name!r} is reserved; choose another name."]
     if context_length > model.max_context:
         errors["context_length"] = [
             f"{model.name} supports at most {model.max_context:,} tokens of context; "

@@ -171,7 +171,7 @@ def explain(model: ModelShape, request: Request, choice: Fit | None, fits: list[
     kv_total = request.concurrency * kv_bytes_for_request(
         model, tokens=request.context_length, kv_dtype=request.kv_dtype,
         block_tokens=request.block_tokens)
-    asked = (f"weights {_gb(weight_bytes(model, request.weight_dtype))} + KV {_gib(kv_total)} "
+    asked = (f"weights {gb_text(weight_bytes(model, request.weight_dtype))} + KV {gib_text(kv_total)} "
              f"for {request.concurrency} × {_k(request.context_length)} tokens")
     if choice is None:
         best = max(fits, key=lambda fit: fit.kv_available_per_gpu, default=None)
@@ -220,11 +220,11 @@ def largest_context(model: ModelShape, request: Request, fit: Fit, *, concurrenc
     return low // request.block_tokens * request.block_tokens if low < model.max_context else low
 
 
-def _gb(value: int) -> str:
+def gb_text(value: int) -> str:
     return f"{value / GB:,.0f} GB" if value >= GB else f"{value / 1000**2:,.1f} MB"
 
 
-def _gib(value: int) -> str:
+def gib_text(value: int) -> str:
     return f"{value / GIB:,.1f} GiB" if value >= GIB / 10 else f"{value / 1024**2:,.1f} MiB"
 
 

@@ -76,9 +76,3 @@ class EndpointForm(SizingForm):
 class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=1, label="Replicas")
 
-
-def add_service_errors(form: forms.Form, error: ValidationError) -> None:
-    """A service's ValidationError shown next to the fields it names (else above the form)."""
-    for field, messages in error.message_dict.items():
-        for message in messages:
-            form.add_error(field if field in form.fields else None, message)

@@ -6,7 +6,6 @@ Another organisation's URL is a 404, never a 403: it must not tell anyone that i
 from dataclasses import dataclass
 
 from django.http import Http404, HttpRequest
-from django.shortcuts import get_object_or_404
 
 from accounts import selectors
 from accounts.models import MANAGER_ROLES, Organization
@@ -29,9 +28,9 @@ class Membership:
 def membership(request: HttpRequest, slug: str) -> Membership:
     """The organisation `slug` as the signed-in person sees it; 404 when not a member.
     Remembered as the one `/` opens next time."""
-    organization = get_object_or_404(
-        selectors.organizations_visible_to(principal=request.user), slug=slug)
-    request.session[CURRENT_ORGANIZATION] = organization.slug
+    organization = selectors.get_organization(principal=request.user, slug=slug)
+    if request.session.get(CURRENT_ORGANIZATION) != organization.slug:
+        request.session[CURRENT_ORGANIZATION] = organization.slug
     return Membership(organization=organization,
                       role=selectors.role_of(principal=request.user, organization=organization))
 

@@ -1,7 +1,8 @@
 """Every HMAC kvrun keys with its pepper (KVRUN_KEY_PEPPER), in one place.
 
 Each use hashes a message of its own shape (a `kvr_` secret, `engine:<replica>`,
-`cache-salt:<organisation>`), so no value of one kind can stand for another.
+`playground:<key>`, `cache-salt:<organisation>`), so no value of one kind can stand for
+another.
 """
 
 import functools
@@ -26,6 +27,12 @@ def engine_api_key(replica_id: UUID | str) -> str:
     """The key a replica's engine demands; derived, so that the node agent that starts the
     engine and every gateway that calls it agree on it and nothing stores it."""
     return _keyed(f"engine:{replica_id}")
+
+
+def playground_secret(key_id: UUID | str) -> str:
+    """The secret of a dashboard playground key, derived like an engine's key: the dashboard
+    recomputes it for each message, and neither the browser nor any store ever holds it."""
+    return "kvr_" + _keyed(f"playground:{key_id}")[:43]
 
 
 @functools.lru_cache(maxsize=100_000)

@@ -25,6 +25,7 @@ from front.scoping import Membership, current_organization, endpoint_of, members
 ENDPOINTS_PER_PAGE = 50
 LOG_LINES = 15
 EVENTS_SHOWN = 20
+CHART_MINUTES = 60
 
 
 @login_required
@@ -76,28 +77,32 @@ def endpoint_status(request: HttpRequest, org_slug: str, name: str) -> HttpRespo
     member = membership(request, org_slug)
     endpoint = endpoint_of(member, name)
     return render(request, "front/_status.html", {
-        "member": member, "organization": member.organization, "endpoint": endpoint,
-        "status": _status(endpoint)})
+        "organization": member.organization, "endpoint": endpoint, "status": _status(endpoint)})
 
 
 @login_required
 def endpoint_usage(request: HttpRequest, org_slug: str, name: str) -> JsonResponse:
-    """The last hour from the usage records, a point per minute, for the charts."""
+    """The last hour from the usage records, a point per minute (idle minutes are zeros,
+    and have no TTFT), for the charts."""
     member = membership(request, org_slug)
     endpoint = endpoint_of(member, name)
     now = timezone.now()
-    minutes = usage_by_minute(endpoint_id=endpoint.id, now=now)
+    rows = {row["minute"]: row for row in usage_by_minute(endpoint_id=endpoint.id, now=now)}
+    current = now.replace(second=0, microsecond=0)
+    minutes = [current - timedelta(minutes=back) for back in range(CHART_MINUTES - 1, -1, -1)]
+    idle = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0,
+            "ttft_p50_ms": None, "ttft_p95_ms": None}
+    series = [rows.get(minute, idle) for minute in minutes]
     return JsonResponse({
-        "minutes": [int(row["minute"].timestamp()) for row in minutes],
-        "requests_per_second": [round(row["requests"] / 60, 4) for row in minutes],
-        "tokens_per_second": [round(row["completion_tokens"] / 60, 3) for row in minutes],
-        "errors": [row["errors"] for row in minutes],
-        "ttft_p50_ms": [row["ttft_p50_ms"] for row in minutes],
-        "ttft_p95_ms": [row["ttft_p95_ms"] for row in minutes],
-        "requests": sum(row["requests"] for row in minutes),
-        "prompt_tokens": sum(row["prompt_tokens"] for row in minutes),
-        "completion_tokens": sum(row["completion_tokens"] for row in minutes),
-        "from": int((now - timedelta(hours=1)).timestamp()), "to": int(now.timestamp()),
+        "minutes": [int(minute.timestamp()) for minute in minutes],
+        "requests_per_second": [round(row["requests"] / 60, 4) for row in series],
+        "tokens_per_second": [round(row["completion_tokens"] / 60, 3) for row in series],
+        "errors": [row["errors"] for row in series],
+        "ttft_p50_ms": [row["ttft_p50_ms"] for row in series],
+        "ttft_p95_ms": [row["ttft_p95_ms"] for row in series],
+        "requests": sum(row["requests"] for row in rows.values()),
+        "prompt_tokens": sum(row["prompt_tokens"] for row in rows.values()),
+        "completion_tokens": sum(row["completion_tokens"] for row in rows.values()),
     })
 
 

@@ -6,12 +6,14 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
 from accounts import selectors, services
 from endpoints.selectors import endpoints_of
-from front.forms import APIKeyForm, add_service_errors
+from front.forms import APIKeyForm
 from front.scoping import Membership, membership
+from kvrun.forms import add_service_errors
 
 
 def _key_form(member: Membership, data: object = None) -> APIKeyForm:
@@ -33,6 +35,7 @@ def api_keys(request: HttpRequest, org_slug: str, form: APIKeyForm | None = None
 
 @login_required
 @require_POST
+@never_cache  # the response carries the new secret
 def create_api_key(request: HttpRequest, org_slug: str) -> HttpResponse:
     member = membership(request, org_slug)
     form = _key_form(member, request.POST)

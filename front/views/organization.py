@@ -6,6 +6,7 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect, render
+from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
 from accounts import selectors, services
@@ -30,6 +31,7 @@ def organization(request: HttpRequest, org_slug: str, invite_form: InviteForm | 
 
 @login_required
 @require_POST
+@never_cache  # the response carries the invite link
 def create_invite(request: HttpRequest, org_slug: str) -> HttpResponse:
     member = membership(request, org_slug)
     form = InviteForm(request.POST)
@@ -54,9 +56,11 @@ def remove_member(request: HttpRequest, org_slug: str, user_id: int) -> HttpResp
                                user_id=user_id)
     try:
         services.do_remove_member(membership=target, actor=request.user, actor_role=member.role)
-        messages.success(request, f"{target.user.email} is no longer a member.")
     except (PermissionDenied, ValidationError) as exc:
         messages.error(request, " ".join(getattr(exc, "messages", [str(exc)])))
+        return redirect("organization", org_slug=org_slug)
     if target.user_id == request.user.pk:
+        messages.success(request, f"You left {member.organization.name}.")
         return redirect("dashboard")
+    messages.success(request, f"{target.user.email} is no longer a member.")
     return redirect("organization", org_slug=org_slug)

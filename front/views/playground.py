@@ -1,13 +1,13 @@
 """The playground: chat with an endpoint through the gateway, answers streaming in.
 
 The browser never holds a key. The page posts to `chat`, which calls the gateway with a
-short-lived inference key of the signed-in person, restricted to this endpoint: the secret
-lives only in the server-side session, and what the playground spends is recorded against
-that key, never another's.
+short-lived inference key of the signed-in person, restricted to this endpoint, whose secret
+is derived from the key's id under the pepper for each message (kvrun.digests): nothing
+stores it. What the playground spends is recorded against that key, never another's.
 """
 
 from collections.abc import AsyncIterator
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import httpx
@@ -17,17 +17,17 @@ from django.conf import settings
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
 from django.shortcuts import render
-from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from accounts.selectors import playground_key_of
 from accounts.services import do_issue_playground_key
 from endpoints.models import Endpoint
 from front.scoping import Membership, endpoint_of, membership
+from kvrun.digests import playground_secret
 
 KEY_LIFETIME = timedelta(hours=1)
 # A key with less life than this left is replaced before a message, not during one.
 KEY_RENEW_BEFORE = timedelta(minutes=5)
-SESSION_KEYS = "playground_keys"
 ROLES = {"system", "user", "assistant"}
 MAX_MESSAGES = 100
 MAX_TOKENS = 4096
@@ -45,28 +45,36 @@ def playground(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
 @login_required
 @require_POST
 async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
-    """Relay one chat completion as server-sent events, exactly as the gateway sends them."""
+    """Relay one chat completion as server-sent events, exactly as the gateway sends them;
+    the gateway's own errors pass through with their status, and a gateway that cannot be
+    reached is a 502."""
     try:
         member, endpoint = await sync_to_async(_visible)(request, org_slug, name)
     except Http404:
         return _error(404, "No such endpoint in this organisation.")
     try:
-        payload = _payload(request.body)
+        payload = {**_payload(request.body), "model": endpoint.name}
     except ValueError as exc:
         return _error(400, str(exc))
-    secret = await sync_to_async(_key_for)(request, member, endpoint, False)
-    payload["model"] = endpoint.name
-    client = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=None))
-    upstream = await _open(client, payload, secret)
-    if upstream.status_code == 401:  # the key was revoked or expired: one fresh key, once
-        await upstream.aclose()
-        secret = await sync_to_async(_key_for)(request, member, endpoint, True)
-        upstream = await _open(client, payload, secret)
-    if upstream.status_code != 200:
-        body = await upstream.aread()
-        await upstream.aclose()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(
+        10.0, read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS))
+    try:
+        upstream = await _open(client, payload, await sync_to_async(_secret_for)(
+            request, member, endpoint, False))
+        if upstream.status_code == 401:  # the key was revoked: one fresh key, once
+            await upstream.aclose()
+            upstream = await _open(client, payload, await sync_to_async(_secret_for)(
+                request, member, endpoint, True))
+        if upstream.status_code != 200:
+            body = await upstream.aread()
+            await upstream.aclose()
+            await client.aclose()
+            return HttpResponse(body, status=upstream.status_code,
+                                content_type="application/json")
+    except httpx.HTTPError as exc:
         await client.aclose()
-        return HttpResponse(body, status=upstream.status_code, content_type="application/json")
+        return _error(502, f"The gateway did not answer ({exc.__class__.__name__}); try "
+                           "again, and if it persists ask an operator to check the web process.")
 
     async def relay() -> AsyncIterator[bytes]:
         try:
@@ -95,20 +103,17 @@ def _visible(request: HttpRequest, org_slug: str, name: str) -> tuple[Membership
     return member, endpoint_of(member, name)
 
 
-def _key_for(request: HttpRequest, member: Membership, endpoint: Endpoint, renew: bool) -> str:
-    """The person's playground key for the endpoint, minted when there is none with life
-    left (or `renew`)."""
-    keys = request.session.get(SESSION_KEYS, {})
-    held = keys.get(str(endpoint.id))
-    if (not renew and held
-            and datetime.fromisoformat(held["expires_at"]) - KEY_RENEW_BEFORE > timezone.now()):
-        return held["secret"]
-    key, secret = do_issue_playground_key(organization=member.organization, user=request.user,
-                                          endpoint_name=endpoint.name, lifetime=KEY_LIFETIME)
-    keys[str(endpoint.id)] = {"secret": secret, "expires_at": key.expires_at.isoformat()}
-    request.session[SESSION_KEYS] = keys
-    request.session.save()
-    return secret
+def _secret_for(request: HttpRequest, member: Membership, endpoint: Endpoint,
+                renew: bool) -> str:
+    """The secret of the person's playground key for the endpoint, minted when none has
+    enough life left (or when `renew`)."""
+    key = None if renew else playground_key_of(
+        user=request.user, organization=member.organization, endpoint_name=endpoint.name,
+        usable_for=KEY_RENEW_BEFORE)
+    if key is None:
+        key = do_issue_playground_key(organization=member.organization, user=request.user,
+                                      endpoint_name=endpoint.name, lifetime=KEY_LIFETIME)
+    return playground_secret(key.id)
 
 
 def _payload(body: bytes) -> dict[str, Any]:

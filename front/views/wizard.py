@@ -7,16 +7,19 @@ the launch posts the whole form, and errors come back next to their fields.
 import re
 from decimal import Decimal
 
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
+from django.views.decorators.http import require_POST
 
 from endpoints import planning, services
 from endpoints.models import GPUType, ModelSpec
 from endpoints.selectors import model_catalog
-from front.forms import EndpointForm, SizingForm, add_service_errors
+from front.forms import EndpointForm, SizingForm
 from front.scoping import Membership, membership
+from kvrun.forms import add_service_errors
 
 # Catalog filters: parameter-count bands and minimum contexts a person can pick.
 SIZES = {"small": (0, 4e9), "medium": (4e9, 16e9), "large": (16e9, 100e9), "huge": (100e9, 1e15)}
@@ -27,6 +30,9 @@ CONTEXTS = [8192, 32768, 131072]
 @login_required
 def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
     member = membership(request, org_slug)
+    if not member.manages:
+        messages.error(request, "Only owners and admins can create endpoints; ask one of them.")
+        return redirect("endpoints", org_slug=org_slug)
     if request.method != "POST":
         return _page(request, member, EndpointForm(initial=_initial(request.GET)))
     form = EndpointForm(request.POST)
@@ -43,13 +49,11 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
     except ValidationError as exc:  # Unfit included: the sizing panel shows its advice
         add_service_errors(form, exc)
         return _page(request, member, form, status=400)
-    except PermissionDenied as exc:
-        form.add_error(None, str(exc))
-        return _page(request, member, form, status=400)
     return redirect("endpoint", org_slug=org_slug, name=endpoint.name)
 
 
 @login_required
+@require_POST
 def sizing(request: HttpRequest, org_slug: str) -> HttpResponse:
     """The live sizing panel for what the form holds now (htmx partial)."""
     membership(request, org_slug)
@@ -124,7 +128,7 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
     device = planning.accelerator_of(decided.gpu_type).memory_bytes
     other_dtype = "fp8" if data["kv_cache_dtype"] == "auto" else "auto"
     return {
-        "sizing_form": form, "plan": decided, "summary": summary, "model": model,
+        "sizing_form": form, "plan": decided, "summary": summary,
         "daily_price": Decimal(summary["hourly_price_usd"]) * 24,
         "memory": _memory_bar(summary, device),
         "device_bytes": device,

@@ -24,7 +24,7 @@
       if (!charts[index]) {
         const options = {
           ...size(el),
-          scales: { x: { time: true, range: () => [latest.from, latest.to] } },
+          scales: { x: { time: true, range: () => [latest.minutes[0], latest.minutes[latest.minutes.length - 1]] } },
           series: [{}, ...names.map((name, i) => ({
             label: name.replaceAll("_", " "), stroke: i ? "#e8590c" : "#2f54eb", width: 2,
             points: { show: true, size: 5 },

@@ -36,6 +36,11 @@ document.addEventListener("submit", (event) => {
   if (message && !window.confirm(message)) event.preventDefault();
 });
 
+// An endpoint name from a model's slug, as front.views.wizard.suggested_name makes it.
+function suggestedName(slug) {
+  return slug.toLowerCase().replace(/[^a-z0-9-]+/g, "-").slice(0, 40).replace(/^-+|-+$/g, "");
+}
+
 // Selecting a model highlights its card and, while the name is untouched, suggests one.
 document.addEventListener("change", (event) => {
   if (event.target.name !== "model") return;
@@ -44,28 +49,39 @@ document.addEventListener("change", (event) => {
   });
   const name = document.querySelector('[name="name"]');
   if (name && (!name.value || name.dataset.suggested === name.value)) {
-    name.value = event.target.value.toLowerCase().replace(/[^a-z0-9-]+/g, "-").slice(0, 40)
-      .replace(/^-+|-+$/g, "");
+    name.value = suggestedName(event.target.value);
     name.dataset.suggested = name.value;
   }
 });
 
-// The wizard's catalog filters: hide the cards that do not match; the chosen one stays.
-document.addEventListener("input", (event) => {
-  const filters = event.target.closest("#catalog-filters");
-  if (!filters) return;
-  const query = filters.querySelector('[name="q"]').value.trim().toLowerCase();
-  const size = filters.querySelector('[name="size"]').value;
-  const licence = filters.querySelector('[name="licence"]').value;
-  const context = Number(filters.querySelector('[name="min_context"]').value || 0);
-  let shown = 0;
-  document.querySelectorAll(".model-card").forEach((card) => {
-    const match = query.split(/\s+/).every((word) => card.dataset.search.includes(word))
-      && (!size || card.dataset.size === size) && (!licence || card.dataset.licence === licence)
-      && Number(card.dataset.context) >= context;
-    const keep = match || card.querySelector("input").checked;
-    card.hidden = !keep;
-    shown += keep;
-  });
-  document.getElementById("catalog-empty").hidden = shown > 0;
-});
+// The wizard's catalog filters: hide the cards that do not match; the chosen one stays. The
+// events stop here, so typing in a filter does not ask for a new sizing.
+const filters = document.getElementById("catalog-filters");
+if (filters) {
+  const filter = (event) => {
+    event.stopPropagation();
+    const query = filters.querySelector('[name="q"]').value.trim().toLowerCase();
+    const size = filters.querySelector('[name="size"]').value;
+    const licence = filters.querySelector('[name="licence"]').value;
+    const context = Number(filters.querySelector('[name="min_context"]').value || 0);
+    let shown = 0;
+    document.querySelectorAll(".model-card").forEach((card) => {
+      const match = query.split(/\s+/).every((word) => card.dataset.search.includes(word))
+        && (!size || card.dataset.size === size) && (!licence || card.dataset.licence === licence)
+        && Number(card.dataset.context) >= context;
+      const keep = match || card.querySelector("input").checked;
+      card.hidden = !keep;
+      shown += keep;
+    });
+    document.getElementById("catalog-empty").hidden = shown > 0;
+  };
+  filters.addEventListener("input", filter);
+  filters.addEventListener("change", (event) => event.stopPropagation());
+}
+
+// A name the page suggested for the chosen model may be replaced when another is chosen.
+const chosen = document.querySelector('input[name="model"]:checked');
+const nameField = document.querySelector('#wizard [name="name"]');
+if (chosen && nameField && nameField.value === suggestedName(chosen.value)) {
+  nameField.dataset.suggested = nameField.value;
+}

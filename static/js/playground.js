@@ -31,7 +31,7 @@
     if (!text) return fail("Write a message first.");
     const system = form.system.value.trim();
     history.push({ role: "user", content: text });
-    bubble("user", text);
+    const question = bubble("user", text);
     form.message.value = "";
     const answer = bubble("assistant", "");
     answer.classList.add("streaming");
@@ -88,8 +88,11 @@
       ].filter(Boolean).join(" · ");
       answer.append(stats);
     } catch (err) {
+      // What failed leaves the conversation, on screen as in what the next message sends.
       history.pop();
+      question.remove();
       answer.remove();
+      form.message.value = text;
       fail(err.message);
     } finally {
       answer.classList.remove("streaming");

@@ -34,7 +34,7 @@ def test_sign_in_sign_out_and_change_password(client: Client) -> None:
 
     assert client.post("/login/", {"username": "lin@example.com", "password": PASSWORD}
                        ).status_code == 302
-    assert client.get("/", follow=True).status_code == 200
+    assert client.get("/", follow=True).context["user"] == user
     changed = client.post("/password/", {"old_password": PASSWORD,
                                          "new_password1": "a much better passphrase",
                                          "new_password2": "a much better passphrase"})
@@ -95,3 +95,13 @@ def test_a_reset_for_an_unknown_email_sends_nothing_and_says_the_same(client: Cl
     assert response.status_code == 200
     assert b"Check your email" in response.content
     assert mail.outbox == []
+
+
+def test_reset_mail_is_limited_per_address(client: Client) -> None:
+    UserFactory(email="ada@example.com")
+
+    answers = [client.post("/password/reset/", {"email": "ada@example.com"}).status_code
+               for _ in range(6)]
+
+    assert answers == [302] * 5 + [429]
+    assert len(mail.outbox) == 5

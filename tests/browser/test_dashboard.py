@@ -52,7 +52,7 @@ def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
     expect(page.locator(".model-card:visible")).to_have_count(1)
     page.get_by_text("Llama 3.1 8B Instruct").click()
     advice = page.get_by_test_id("sizing-advice")
-    expect(advice).to_contain_text("weights need 16.1 GB")
+    expect(advice).to_contain_text("weights need 16 GB")
     expect(advice).to_contain_text("no NVIDIA L4 24 GB node is online")
     expect(advice).to_contain_text("Models that fit what is online: kvrun demo")
     shot("wizard-advice")
@@ -60,8 +60,8 @@ def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
     expect(page.get_by_label("Name", exact=True)).to_have_value("llama-3-1-8b-instruct")
     page.get_by_label("Name", exact=True).fill("My Chat!")
     page.get_by_role("button", name="Launch endpoint").click()  # launched anyway: refused
-    expect(page.locator("#id_model_errors")).to_contain_text("weights need 16.1 GB")
-    expect(page.locator("#id_name_errors")).to_contain_text("letters, digits and hyphens")
+    expect(page.locator("#id_model_error")).to_contain_text("weights need 16 GB")
+    expect(page.locator("#id_name_error")).to_contain_text("letters, digits and hyphens")
     assert not Endpoint.objects.exists()
     shot("wizard-errors")
 

@@ -38,8 +38,8 @@ def test_bad_key_input_shows_the_error_next_to_its_field(owner_client: Client,
         "endpoint_names": "not-an-endpoint"})
 
     assert response.status_code == 400
-    assert b'id="id_requests_per_minute_errors"' in response.content
-    assert b'id="id_endpoint_names_errors"' in response.content
+    assert b'id="id_requests_per_minute_error"' in response.content
+    assert b'id="id_endpoint_names_error"' in response.content
     assert not APIKey.objects.exists()
 
 

@@ -5,7 +5,7 @@ from django.test import Client
 
 from accounts.models import APIKey, Membership, Role, User
 from endpoints.services import do_load_catalogs
-from tests.factories import UserFactory, organization_with_owner, ready_endpoint
+from tests.factories import UserFactory, api_key, organization_with_owner, ready_endpoint
 
 pytestmark = pytest.mark.django_db
 
@@ -53,15 +53,36 @@ def test_another_organisations_pages_are_not_found(client: Client, other_org: ob
 
 
 @pytest.mark.parametrize("path", ["keys/new/", "invites/", "endpoints/chat/stop/",
-                                  "endpoints/chat/delete/", "endpoints/chat/playground/chat/"])
+                                  "endpoints/chat/start/", "endpoints/chat/scale/",
+                                  "endpoints/chat/delete/", "endpoints/chat/playground/chat/",
+                                  "endpoints/new/", "endpoints/new/sizing/",
+                                  "members/1/remove/"])
 def test_another_organisations_forms_change_nothing(client: Client, other_org: object,
                                                     path: str) -> None:
     endpoint = ready_endpoint(other_org, "chat", ports=[])
+    key, _ = api_key(other_org)
     client.force_login(UserFactory())
 
-    response = client.post(f"/orgs/{other_org.slug}/{path}", {"name": "x", "scope": "manage"})
+    path = path.replace("members/1/", f"members/{owner_of(other_org).id}/")
+    response = client.post(f"/orgs/{other_org.slug}/{path}",
+                           {"name": "x", "scope": "manage", "replicas": "1"})
+    revoke = client.post(f"/orgs/{other_org.slug}/keys/{key.id}/revoke/")
 
-    assert response.status_code == 404
+    assert (response.status_code, revoke.status_code) == (404, 404)
     endpoint.refresh_from_db()
-    assert endpoint.desired_state == "running" and endpoint.deleted_at is None
-    assert not APIKey.objects.exists()
+    assert (endpoint.desired_state, endpoint.desired_replicas, endpoint.deleted_at) == (
+        "running", 1, None)
+    assert list(APIKey.objects.values_list("id", "revoked_at")) == [(key.id, None)]
+    assert Membership.objects.filter(organization=other_org).count() == 1
+
+
+def owner_of(organization: object) -> User:
+    return Membership.objects.get(organization=organization).user
+
+
+def test_a_member_is_told_only_managers_create_endpoints(member_client: Client,
+                                                         org: object) -> None:
+    response = member_client.get(f"/orgs/{org.slug}/endpoints/new/", follow=True)
+
+    assert response.redirect_chain[-1][0] == f"/orgs/{org.slug}/"
+    assert b"Only owners and admins can create endpoints" in response.content

@@ -7,7 +7,8 @@ import pytest
 from django.test import Client
 
 from accounts.models import APIKey, KeyPurpose, Organization, Scope, User
-from front.views.playground import SESSION_KEYS
+from accounts.selectors import get_key_identity
+from kvrun.digests import playground_secret
 from tests.factories import ready_endpoint
 
 pytestmark = pytest.mark.django_db
@@ -34,25 +35,28 @@ def test_bad_chat_input_is_refused_before_any_key_is_made(owner_client: Client,
     assert not APIKey.objects.exists()
 
 
-def test_the_playground_key_is_short_lived_restricted_and_reused(owner_client: Client,
-                                                                  owner: User,
-                                                                  org: Organization,
-                                                                  settings: object) -> None:
-    settings.KVRUN_GATEWAY_URL = "http://127.0.0.1:9"  # nothing listens: the relay fails
+def test_the_playground_key_is_short_lived_restricted_reused_and_never_stored(
+        owner_client: Client, owner: User, org: Organization, settings: object) -> None:
+    settings.KVRUN_GATEWAY_URL = "http://127.0.0.1:9"  # nothing listens there
     ready_endpoint(org, "chat", ports=[])
     message = {"messages": [{"role": "user", "content": "hi"}]}
 
-    for _ in range(2):
-        with pytest.raises(Exception):  # noqa: B017 (the connection is refused)
-            chat(owner_client, org, message)
+    answers = [chat(owner_client, org, message) for _ in range(2)]
 
-    key = APIKey.objects.get()
+    assert [answer.status_code for answer in answers] == [502, 502]
+    assert "The gateway did not answer" in answers[0].json()["error"]["message"]
+    key = APIKey.objects.get()  # one key, reused
     assert (key.purpose, key.scope, key.endpoint_names) == (KeyPurpose.PLAYGROUND,
                                                             Scope.INFERENCE, ["chat"])
     assert key.created_by == owner
     assert 3500 < (key.expires_at - key.created_at).total_seconds() <= 3600
-    held = owner_client.session[SESSION_KEYS]
-    assert len(held) == 1 and key.last_four == next(iter(held.values()))["secret"][-4:]
+    # Its secret is derived for each message, so neither the session nor a row holds it.
+    secret = playground_secret(key.id)
+    identity = get_key_identity(secret=secret)
+    assert identity.id == key.id and identity.endpoint_names == ("chat",)
+    assert identity.is_usable()
+    assert secret not in str(dict(owner_client.session))
+    assert key.digest != secret and key.last_four == secret[-4:]
 
 
 def test_the_page_never_holds_a_key(owner_client: Client, org: Organization) -> None:
