@@ -32,6 +32,8 @@ urlpatterns = [
          name="api-key-revoke"),
     path("orgs/<slug:org_slug>/members/", organization.organization, name="organization"),
     path("orgs/<slug:org_slug>/invites/", organization.create_invite, name="invite-create"),
+    path("orgs/<slug:org_slug>/members/<int:user_id>/role/", organization.change_role,
+         name="member-role"),
     path("orgs/<slug:org_slug>/members/<int:user_id>/remove/", organization.remove_member,
          name="member-remove"),
 ]

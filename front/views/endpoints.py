@@ -18,8 +18,10 @@ from django.views.decorators.http import require_POST
 from billing.selectors import last_hour_totals, usage_by_minute
 from endpoints import selectors, services
 from endpoints.models import ACTIVE_STATES, Endpoint, State
+from endpoints.planning import accelerator_of
 from front.forms import ScaleForm
 from front.scoping import Membership, current_organization, endpoint_of, membership
+from front.views.wizard import memory_bar
 
 # Fewer rows than this per page keeps the list one screen on a laptop.
 ENDPOINTS_PER_PAGE = 50
@@ -64,7 +66,10 @@ def endpoint_detail(request: HttpRequest, org_slug: str, name: str) -> HttpRespo
     member = membership(request, org_slug)
     endpoint = endpoint_of(member, name)
     gateway = settings.KVRUN_GATEWAY_URL
+    device = accelerator_of(endpoint.gpu_type).memory_bytes
+    sized = "weight_bytes_per_gpu" in endpoint.sizing  # absent only on hand-made rows
     return render(request, "front/endpoint.html", {
+        "memory": memory_bar(endpoint.sizing, device) if sized else None, "device_bytes": device,
         "member": member, "organization": member.organization, "endpoint": endpoint,
         "section": "endpoints", "status": _status(endpoint),
         "gateway": gateway, "snippets": _snippets(endpoint.name, gateway),
@@ -119,6 +124,8 @@ def _status(endpoint: Endpoint) -> dict[str, object]:
         "ready": sum(replica.state == State.READY for replica in replicas),
         "events": list(endpoint.events.order_by("-at", "-id")[:EVENTS_SHOWN]),
         "settled": endpoint.state in (State.READY, State.STOPPED, State.FAILED),
+        "kv_cache_tokens": next((replica.kv_cache_tokens for replica in replicas
+                                 if replica.kv_cache_tokens), None),
     }
     logged = leader or next((replica for replica in replicas if replica.log_tail), None)
     if logged is not None:

@@ -10,6 +10,7 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
 from accounts import selectors, services
+from accounts.models import Role
 from front.forms import InviteForm
 from front.scoping import membership
 
@@ -25,7 +26,7 @@ def organization(request: HttpRequest, org_slug: str, invite_form: InviteForm | 
         .order_by("created_at"),
         "invites": selectors.invites_of(organization=member.organization)
         .order_by("-created_at")[:20],
-        "invite_form": invite_form or InviteForm(),
+        "invite_form": invite_form or InviteForm(), "roles": Role.choices,
     }, status=status)
 
 
@@ -46,6 +47,24 @@ def create_invite(request: HttpRequest, org_slug: str) -> HttpResponse:
         return redirect("organization", org_slug=org_slug)
     return organization(request, org_slug, created={"invite": invite,
                                                     "invite_url": services.invite_url(token)})
+
+
+@login_required
+@require_POST
+def change_role(request: HttpRequest, org_slug: str, user_id: int) -> HttpResponse:
+    member = membership(request, org_slug)
+    target = get_object_or_404(selectors.memberships_of(organization=member.organization),
+                               user_id=user_id)
+    role = request.POST.get("role", "")
+    if role not in Role.values:
+        messages.error(request, f"Choose a role: {', '.join(Role.values)}.")
+        return redirect("organization", org_slug=org_slug)
+    try:
+        services.do_change_member_role(membership=target, role=role, actor_role=member.role)
+        messages.success(request, f"{target.user.email} is now {role}.")
+    except (PermissionDenied, ValidationError) as exc:
+        messages.error(request, " ".join(getattr(exc, "messages", [str(exc)])))
+    return redirect("organization", org_slug=org_slug)
 
 
 @login_required

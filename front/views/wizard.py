@@ -130,7 +130,7 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
     return {
         "sizing_form": form, "plan": decided, "summary": summary,
         "daily_price": Decimal(summary["hourly_price_usd"]) * 24,
-        "memory": _memory_bar(summary, device),
+        "memory": memory_bar(summary, device),
         "device_bytes": device,
         "other_dtype": other_dtype,
         "other_dtype_concurrency": planning.largest_concurrency_on(
@@ -140,7 +140,7 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
     }
 
 
-def _memory_bar(summary: dict, device: int) -> list[dict[str, object]]:
+def memory_bar(summary: dict, device: int) -> list[dict[str, object]]:
     """One GPU's memory as bar segments: weights, the KV cache asked for, runtime, headroom."""
     weights = summary["weight_bytes_per_gpu"]
     kv = summary["kv_needed_bytes_per_gpu"]

@@ -12,16 +12,18 @@ CHROMIUM = "/usr/bin/chromium"
 SCREENSHOTS = ROOT / "artifacts" / "screenshots"
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: Playwright's sync API runs an event loop in this thread while the
+# browser lives, and the suites after these need the thread (and the environment) back.
+@pytest.fixture(scope="module")
 def _allow_orm_beside_playwright() -> Iterator[None]:
-    # Playwright's sync API runs an event loop in this thread while the browser lives; the
-    # ORM calls the tests make are plain blocking calls, which Django must be told are fine.
+    # The ORM calls the tests make beside that loop are plain blocking calls, which Django
+    # must be told are fine.
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DJANGO_ALLOW_ASYNC_UNSAFE", "true")
         yield
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(_allow_orm_beside_playwright: None) -> Iterator[Browser]:
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(

@@ -170,3 +170,23 @@ def test_a_member_sees_but_cannot_stop_an_endpoint(member_client: Client,
     assert b"Manage" not in page.content
     assert b"Only owners and admins can stop endpoints" in stopped.content
     assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.RUNNING
+
+
+def test_the_endpoint_page_shows_its_memory_and_the_kv_cache_the_engine_reports(
+        owner_client: Client, org: Organization, cpu_node: Node) -> None:
+    from endpoints.models import ModelSpec
+    from endpoints.services import do_create_endpoint
+
+    endpoint = do_create_endpoint(
+        organization=org, actor_role="owner", created_by=None, name="chat",
+        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
+        concurrency=8)
+    Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.READY,
+                           kv_cache_tokens=2_097_152)
+
+    page = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/")
+
+    assert [part["name"] for part in page.context["memory"]] == [
+        "weights", "KV cache", "runtime", "headroom"]
+    assert sum(part["bytes"] for part in page.context["memory"]) == page.context["device_bytes"]
+    assert b"2,097,152 tokens" in page.content

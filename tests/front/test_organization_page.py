@@ -86,3 +86,22 @@ def test_a_member_is_told_only_managers_create_endpoints(member_client: Client,
 
     assert response.redirect_chain[-1][0] == f"/orgs/{org.slug}/"
     assert b"Only owners and admins can create endpoints" in response.content
+
+
+def test_an_owner_changes_a_members_role(owner_client: Client, org: object) -> None:
+    member = UserFactory(email="dev@acme.test")
+    Membership.objects.create(organization=org, user=member, role=Role.MEMBER)
+
+    response = owner_client.post(f"/orgs/{org.slug}/members/{member.id}/role/",
+                                 {"role": "admin"}, follow=True)
+
+    assert b"dev@acme.test is now admin" in response.content
+    assert Membership.objects.get(user=member).role == Role.ADMIN
+
+
+def test_a_member_cannot_change_roles(member_client: Client, owner: User, org: object) -> None:
+    response = member_client.post(f"/orgs/{org.slug}/members/{owner.id}/role/",
+                                  {"role": "member"}, follow=True)
+
+    assert b"Only owners and admins can change roles" in response.content
+    assert Membership.objects.get(user=owner).role == Role.OWNER
