@@ -215,12 +215,18 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
             shape, fp8, sizing.evaluate(shape, fp8, best.accelerator, best.count))
         if fp8_most > most:
             ways.append(f"use fp8 KV cache ({fp8_most} requests at this context)")
+    left = max(0, best.kv_available_per_gpu)
     message = (f"{request.concurrency} requests × {request.context_length:,} tokens need "
                f"{sizing.gib_text(best.kv_needed_per_gpu)} of KV cache per GPU; {best.count} × "
-               f"{best.accelerator.name} has {sizing.gib_text(max(0, best.kv_available_per_gpu))} left "
-               f"after the weights and runtime, which holds {most} at this context.")
+               f"{best.accelerator.name} has {sizing.gib_text(left)} left after the weights "
+               f"and runtime, which holds {most} at this context.")
     if ways:
         message += " " + _sentence("To fit, " + _either(ways))
+    else:
+        tokens = left // sizing.kv_bytes_per_token(shape, kv_dtype=request.kv_dtype,
+                                                   tp=best.count)
+        message += (f" That is room for about {tokens:,} tokens in all: too little to serve "
+                    "this model here.")
     message += " " + holder_text
     return Advice(field="gpu_type" if gpu_type else "concurrency", message=message,
                   cause="kv_cache", holder=holder, largest_concurrency=most)

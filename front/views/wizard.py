@@ -25,6 +25,7 @@ from kvrun.forms import add_service_errors
 SIZES = {"small": (0, 4e9), "medium": (4e9, 16e9), "large": (16e9, 100e9), "huge": (100e9, 1e15)}
 SIZE_LABELS = {"small": "under 4B", "medium": "4–16B", "large": "16–100B", "huge": "over 100B"}
 CONTEXTS = [8192, 32768, 131072]
+RUNS_ONLINE_CONTEXT = 2048
 
 
 @login_required
@@ -94,11 +95,12 @@ def suggested_name(slug: str) -> str:
 
 
 def _catalog_context() -> dict[str, object]:
-    """Every catalog model with what the page filters on; the filtering happens in the
-    browser, so a choice never races a re-rendered list."""
+    """Every catalog model with what the page filters on, and whether a node online serves
+    it one request of a useful length (RUNS_ONLINE_CONTEXT tokens, or its maximum if less);
+    the filtering happens in the browser, so a choice never races a re-rendered list."""
     models = list(model_catalog())
     runs_online = {model.id for model in planning.models_that_fit_online(
-        context_length=1, concurrency=1, kv_cache_dtype="auto")}
+        context_length=RUNS_ONLINE_CONTEXT, concurrency=1, kv_cache_dtype="auto")}
     return {
         "models": [{"spec": model, "size": _size_of(model), "runs_online": model.id in runs_online}
                    for model in models],

@@ -27,6 +27,7 @@ def test_the_wizard_lists_the_catalog_and_what_runs_online(owner_client: Client,
     runs = {m["spec"].slug for m in response.context["models"] if m["runs_online"]}
     assert "kvrun-demo-tiny" in runs
     assert "llama-3.1-8b-instruct" not in runs  # 16 GB of weights, 8 GiB per CPU engine
+    assert "llama-3.2-3b-instruct" not in runs  # its weights leave KV room for ~150 tokens
     assert b'value="kvrun-demo-tiny" checked' in response.content
     assert b"1 \xc3\x97 CPU" in response.content  # sizing for the chosen model, on load
 
@@ -70,6 +71,15 @@ def test_a_kv_cache_that_does_not_fit_names_the_largest_that_does(owner_client: 
     assert "lower the concurrency to 8" in panel
     assert "lower the context length to" in panel
     assert "use fp8 KV cache (16 requests at this context)" in panel
+
+
+def test_weights_that_leave_almost_no_kv_room_say_so(owner_client: Client, org: Organization,
+                                                      cpu_node: Node) -> None:
+    panel = sizing(owner_client, org, model="llama-3.2-3b-instruct", context_length="4096")
+
+    assert "which holds 0 at this context" in panel
+    assert "too little to serve this model here" in panel
+    assert "1 × NVIDIA L4 24 GB ($0.80/h) would hold it" in panel
 
 
 def test_launching_creates_the_endpoint_and_opens_its_page(owner_client: Client,
