@@ -12,6 +12,7 @@ from django.core.cache import cache
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
+from django.utils.http import url_has_allowed_host_and_scheme
 
 from accounts import services
 from accounts.forms import SignUpForm
@@ -35,6 +36,7 @@ def lockout(request: HttpRequest, credentials: dict | None = None, *args: object
 
 def sign_up(request: HttpRequest) -> HttpResponse:
     form = SignUpForm(request.POST or None)
+    next_url = request.POST.get("next") or request.GET.get("next", "")
     if request.method == "POST" and form.is_valid():
         try:
             user = services.do_sign_up(**form.cleaned_data)
@@ -42,9 +44,13 @@ def sign_up(request: HttpRequest) -> HttpResponse:
             add_service_errors(form, exc)
         else:
             login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+            # Where sign-in was asked for (the wizard, from make run's first line), if ours.
+            if url_has_allowed_host_and_scheme(next_url, allowed_hosts={request.get_host()}):
+                return redirect(next_url)
             return redirect("dashboard")
     status = 400 if request.method == "POST" else 200
-    return render(request, "accounts/signup.html", {"form": form}, status=status)
+    return render(request, "accounts/signup.html", {"form": form, "next": next_url},
+                  status=status)
 
 
 class PasswordResetView(auth_views.PasswordResetView):

@@ -21,8 +21,8 @@ from engine import sizing
 from engine.sizing import CPU
 
 # How to bring a node of a missing kind online, in words a newcomer can follow.
-ADD_NODE_ADVICE = ("start a node agent on a host with one (`python manage.py node_agent "
-                   "--name <host>`; see the README's \"Adding a GPU node\")")
+ADD_NODE_ADVICE = ("start a node agent on a host with one (manage.py node_agent; the README's "
+                   "\"Adding a GPU node\" says how)")
 
 
 def shape_of(model: ModelSpec) -> sizing.ModelShape:
@@ -182,13 +182,15 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
     shape = shape_of(model)
     weights = sizing.weight_bytes(shape, request.weight_dtype)
     holder = _cheapest_holder(model, request)
-    holder_text = _holder_text(holder)
+    holder_text = _holder_text(holder, request)
     fits = [sizing.evaluate(shape, request, accelerator_of(gpu), count)
             for gpu in candidates for count in counts_for(gpu) if sizing.valid_tp(shape, count)]
     best = max(fits, key=lambda fit: sizing.largest_concurrency(shape, request, fit)
                if fit.kv_available_per_gpu > 0 else -1, default=None)
-    where = (gpu_type.name if gpu_type else "the hardware online"
-             if online_gpu_type_ids() else "any GPU in the catalog")
+    where = (gpu_type.name if gpu_type else "any GPU in the catalog"
+             if not online_gpu_type_ids() else "the hardware online (" + ", ".join(
+                 f"{gpu.name}: {sizing.gib_text(accelerator_of(gpu).memory_bytes)} per "
+                 f"{'engine' if gpu.slug == CPU else 'GPU'}" for gpu in candidates) + ")")
     if best is None or sizing.largest_context(shape, request, best,
                                               concurrency=1) < request.block_tokens:
         # The weights (with one block of KV) fit nothing: no knob but the hardware helps.
@@ -263,11 +265,12 @@ def _cheapest_holder(model: ModelSpec, request: sizing.Request) -> Option | None
                   max_concurrency=sizing.largest_concurrency(shape, on_gpu, choice))
 
 
-def _holder_text(holder: Option | None) -> str:
+def _holder_text(holder: Option | None, request: sizing.Request) -> str:
     if holder is None:
         return "No GPU in the catalog holds this request; lower the context or the concurrency."
     text = (f"{holder.gpu_count} × {holder.gpu_type.name} (${holder.hourly_price:.2f}/h) would "
-            f"hold it")
+            f"hold the weights and the KV cache for {request.concurrency} × "
+            f"{request.context_length:,} tokens")
     if holder.online:
         return _sentence(text + "; pick it as the GPU type")
     return _sentence(f"{text}, but no {holder.gpu_type.name} node is online: {ADD_NODE_ADVICE}")

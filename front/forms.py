@@ -38,7 +38,8 @@ class APIKeyForm(forms.Form):
 
 
 class InviteForm(forms.Form):
-    email = forms.EmailField(required=False, label="Email (optional)")
+    email = forms.EmailField(required=False, label="Email (optional)",
+                             help_text="A note of whom the link is for; kvrun sends no mail.")
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 
@@ -65,7 +66,8 @@ class SizingForm(forms.Form):
 
 
 class EndpointForm(SizingForm):
-    name = forms.SlugField(max_length=63, help_text="Clients send it as the `model` field.",
+    name = forms.SlugField(max_length=63,
+                           help_text="Clients send it as \"model\" in their requests.",
                            error_messages={"invalid": "Use letters, digits and hyphens only, "
                                                       "such as support-chat."})
     min_replicas = forms.IntegerField(min_value=1, max_value=16, initial=1, label="Replicas")

@@ -201,8 +201,10 @@ def run() -> int:
         commands = {
             "web": uvicorn_args("kvrun.asgi:application", host=host, port=int(port)),
             "worker": ["-m", "celery", "-A", "kvrun", "worker", "-Q", "control", "-n",
-                       "control@%h", "--concurrency", "2", "--loglevel", "INFO"],
-            "beat": ["-m", "celery", "-A", "kvrun", "beat", "--loglevel", "INFO",
+                       "control@%h", "--concurrency", "2", "--loglevel", "WARNING"],
+            # WARNING: at INFO the worker and beat print a line per task, several a second,
+            # and the first run's password and URLs scroll away.
+            "beat": ["-m", "celery", "-A", "kvrun", "beat", "--loglevel", "WARNING",
                      "-s", str(STATE_DIR / "celerybeat-schedule")],
             "node": ["manage.py", "node_agent", "--name", node_name],
         }

@@ -1,10 +1,16 @@
 from django.contrib import admin
+from django.templatetags.static import static
 from django.urls import include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from kvrun import health
 
+admin.site.site_header = admin.site.site_title = "kvrun console"
+admin.site.index_title = "Nodes, endpoints, usage and accounts"
+
 urlpatterns = [
+    path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("admin/", admin.site.urls),

@@ -45,10 +45,19 @@ def django_db_setup(request: pytest.FixtureRequest, django_test_environment: Non
                                  aliases={"default"}, serialized_aliases=set())
     yield
     with django_db_blocker.unblock():
-        # Backends of processes that have just exited may not have gone yet.
+        # Backends of processes that have just exited may not have gone yet: end them, and
+        # wait until they are gone, or dropping the database finds them still there.
         with connection.cursor() as cursor:
-            cursor.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                           "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+            for _ in range(50):
+                cursor.execute("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                               "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+                if cursor.fetchone()[0] == 0:
+                    break
+                time.sleep(0.1)
+        # Closed here, not left to teardown_databases: a session of ours still open on the test
+        # database makes its DROP fail ("being accessed by other users"), seen when the
+        # session's last test used no database.
+        connection.close()
         teardown_databases(config, verbosity=request.config.option.verbose)
 
 

@@ -28,6 +28,7 @@ ENDPOINTS_PER_PAGE = 50
 LOG_LINES = 15
 EVENTS_SHOWN = 20
 CHART_MINUTES = 60
+SNIPPET_MAX_TOKENS = 64
 
 
 @login_required
@@ -127,6 +128,8 @@ def _status(endpoint: Endpoint) -> dict[str, object]:
         "kv_cache_tokens": next((replica.kv_cache_tokens for replica in replicas
                                  if replica.kv_cache_tokens), None),
     }
+    if status["kv_cache_tokens"]:
+        status["kv_cache_requests"] = status["kv_cache_tokens"] // endpoint.context_length
     logged = leader or next((replica for replica in replicas if replica.log_tail), None)
     if logged is not None:
         status["log_lines"] = "\n".join(logged.log_tail.splitlines()[-LOG_LINES:])
@@ -144,7 +147,8 @@ def _status(endpoint: Endpoint) -> dict[str, object]:
 
 
 def _snippets(name: str, gateway: str) -> dict[str, str]:
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}]})
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": SNIPPET_MAX_TOKENS})
     return {
         "curl": (f"curl {gateway}/v1/chat/completions \\\n"
                  f"  -H \"Authorization: Bearer $KVRUN_API_KEY\" \\\n"
@@ -154,7 +158,8 @@ def _snippets(name: str, gateway: str) -> dict[str, str]:
                    f"client = OpenAI(base_url=\"{gateway}/v1\", "
                    "api_key=os.environ[\"KVRUN_API_KEY\"])\n"
                    f"answer = client.chat.completions.create(\n    model=\"{name}\",\n"
-                   "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}],\n)\n"
+                   "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}],\n"
+                   f"    max_tokens={SNIPPET_MAX_TOKENS},\n)\n"
                    "print(answer.choices[0].message.content)\n"),
     }
 

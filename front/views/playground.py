@@ -56,6 +56,9 @@ async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
         payload = {**_payload(request.body), "model": endpoint.name}
     except ValueError as exc:
         return _error(400, str(exc))
+    if payload["max_tokens"] >= endpoint.context_length:
+        return _error(400, f"Max tokens must leave room for the prompt in this endpoint's "
+                           f"{endpoint.context_length:,}-token context; ask for fewer.")
     client = httpx.AsyncClient(timeout=httpx.Timeout(
         10.0, read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS))
     try:

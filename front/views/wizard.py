@@ -101,6 +101,7 @@ def _catalog_context() -> dict[str, object]:
     models = list(model_catalog())
     runs_online = {model.id for model in planning.models_that_fit_online(
         context_length=RUNS_ONLINE_CONTEXT, concurrency=1, kv_cache_dtype="auto")}
+    models.sort(key=lambda model: model.id not in runs_online)  # stable: catalog order after
     return {
         "models": [{"spec": model, "size": _size_of(model), "runs_online": model.id in runs_online}
                    for model in models],

@@ -16,8 +16,11 @@
     if (!response.ok) return;
     const usage = await response.json();
     latest = usage;
-    totals.textContent = `${usage.requests} request(s), ${usage.prompt_tokens} prompt and ` +
-      `${usage.completion_tokens} generated tokens in the last hour.`;
+    const count = new Intl.NumberFormat();
+    totals.textContent = `${count.format(usage.requests)} ` +
+      `${usage.requests === 1 ? "request" : "requests"}, ` +
+      `${count.format(usage.prompt_tokens)} prompt and ${count.format(usage.completion_tokens)} ` +
+      "generated tokens in the last hour.";
     root.querySelectorAll("[data-series]").forEach((el, index) => {
       const names = el.dataset.series.split(",");
       const data = [usage.minutes, ...names.map((name) => usage[name])];

@@ -79,6 +79,15 @@ if (filters) {
   filters.addEventListener("change", (event) => event.stopPropagation());
 }
 
+// Choosing a model brings the context within its maximum. This listens on the catalog,
+// below the form, so the live sizing that the form asks for next already sees the new value.
+document.getElementById("catalog")?.addEventListener("change", (event) => {
+  if (event.target.name !== "model") return;
+  const most = Number(event.target.closest(".model-card").dataset.context);
+  const context = document.querySelector('#wizard [name="context_length"]');
+  if (context && Number(context.value) > most) context.value = most;
+});
+
 // A name the page suggested for the chosen model may be replaced when another is chosen.
 const chosen = document.querySelector('input[name="model"]:checked');
 const nameField = document.querySelector('#wizard [name="name"]');

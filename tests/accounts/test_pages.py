@@ -105,3 +105,17 @@ def test_reset_mail_is_limited_per_address(client: Client) -> None:
 
     assert answers == [302] * 5 + [429]
     assert len(mail.outbox) == 5
+
+
+def test_sign_up_goes_on_to_where_sign_in_was_asked_for(client: Client) -> None:
+    body = {"email": "new@example.com", "password": PASSWORD, "organization_name": "New"}
+
+    page = client.get("/signup/?next=/endpoints/new/")
+    ours = client.post("/signup/", {**body, "next": "/endpoints/new/"})
+    client.post("/logout/")
+    theirs = Client().post("/signup/", {**body, "email": "other@example.com",
+                                        "next": "https://evil.example/"})
+
+    assert b'name="next" value="/endpoints/new/"' in page.content
+    assert ours["Location"] == "/endpoints/new/"
+    assert theirs["Location"] == "/"

@@ -66,7 +66,7 @@ def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
     shot("wizard-errors")
 
     advice.get_by_role("button", name="kvrun demo").click()  # the fitting model, one click
-    page.get_by_role("button", name="Use 2048 tokens").click()  # its longest context
+    expect(page.get_by_label("Context length (tokens)")).to_have_value("2048")  # its longest
     expect(page.get_by_test_id("sizing")).to_contain_text("1 × CPU only")
     expect(page.locator('input[value="kvrun-demo-tiny"]')).to_be_checked()
     shot("wizard-sizing")

@@ -66,6 +66,9 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
                  READY_WITHIN), "the endpoint did not become ready"
     expect(page.get_by_test_id("state")).to_have_text("ready", timeout=10_000)
     expect(page.get_by_role("progressbar")).to_have_count(0)
+    # What kvrun sized is what the engine allocated: 1 GiB of KV on the CPU node.
+    expect(page.get_by_test_id("engine-kv")).to_contain_text(
+        "2,097,152 tokens: 1,024 requests of 2,048 tokens")
     shot("journey-05-ready")
 
     page.get_by_role("link", name="Open the playground").click()
@@ -87,7 +90,7 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
     assert wait_until(recorded, 30, interval=0.5)
     assert UsageRecord.objects.get(endpoint=endpoint).api_key_id == playground_key.id
     page.get_by_role("link", name="first").click()
-    expect(page.locator("#usage-totals")).to_contain_text("1 request(s)")
+    expect(page.locator("#usage-totals")).to_contain_text("1 request,")
     expect(page.locator("#charts canvas")).to_have_count(4)
     shot("journey-07-charts")
 

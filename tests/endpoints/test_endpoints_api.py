@@ -94,7 +94,7 @@ def test_a_request_that_fits_no_gpu_says_what_would(owner_api: APIClient,
     assert "8 × NVIDIA L4 24 GB has" in message
     assert "which holds 8 at this context" in message
     assert "lower the concurrency to 8" in message
-    assert "would hold it, but no" in message
+    assert "would hold the weights and the KV cache for 64 × 131,072 tokens, but no" in message
     assert not Endpoint.objects.exists()
 
 

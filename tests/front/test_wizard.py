@@ -51,7 +51,9 @@ def test_a_model_too_big_for_anything_online_says_what_would_hold_it(owner_clien
     panel = sizing(owner_client, org, model="llama-3.1-8b-instruct", context_length="8192")
 
     assert "weights need 16 GB" in panel
-    assert "2 × NVIDIA L4 24 GB ($1.60/h) would hold it" in panel
+    assert ("2 × NVIDIA L4 24 GB ($1.60/h) would hold the weights and the KV cache for "
+            "8 × 8,192 tokens") in panel
+    assert "the hardware online (CPU only: 8.0 GiB per engine)" in panel
     assert "no NVIDIA L4 24 GB node is online" in panel
     assert "node_agent" in panel
     assert "Models that fit what is online: kvrun demo" in panel
@@ -79,7 +81,7 @@ def test_weights_that_leave_almost_no_kv_room_say_so(owner_client: Client, org: 
 
     assert "which holds 0 at this context" in panel
     assert "too little to serve this model here" in panel
-    assert "1 × NVIDIA L4 24 GB ($0.80/h) would hold it" in panel
+    assert "1 × NVIDIA L4 24 GB ($0.80/h) would hold the weights" in panel
 
 
 def test_launching_creates_the_endpoint_and_opens_its_page(owner_client: Client,
