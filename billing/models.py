@@ -31,7 +31,9 @@ class UsageRecord(models.Model):
     started_at = models.DateTimeField()
     time_to_first_token_ms = models.PositiveIntegerField(null=True, blank=True)
     duration_ms = models.PositiveIntegerField()
-    gateway_overhead_ms = models.DecimalField(max_digits=9, decimal_places=3)
+    # Wide enough for any request the gateway can serve (its overhead is at most its whole
+    # duration, itself at most 2**31 ms as duration_ms).
+    gateway_overhead_ms = models.DecimalField(max_digits=13, decimal_places=3)
     ingested_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

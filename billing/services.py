@@ -4,7 +4,7 @@ import logging
 import socket
 from collections.abc import Iterable
 
-from django.db import IntegrityError, transaction
+from django.db import DataError, IntegrityError, transaction
 from redis.exceptions import ResponseError
 
 from accounts.services import do_touch_api_key
@@ -19,32 +19,37 @@ INGEST_LOCK = "kvrun:usage:ingest-lock"
 CLAIM_IDLE_MS = 60_000
 
 
-def do_record_usage(*, payloads: Iterable[bytes]) -> list[bytes]:
+def do_record_usage(*, payloads: Iterable[bytes]) -> list[tuple[bytes, str]]:
     """Insert usage records as gateways encode them (usage_stream.UsageReport). A request
     already recorded is skipped (unique request_id), so a batch may be delivered any number
     of times.
 
-    Returns the payloads that cannot be stored (malformed, or naming rows that do not exist);
-    every other record is committed when this returns.
+    Returns the payloads that cannot be stored, each with why: malformed, naming rows that do
+    not exist, or holding a value no column takes. Every other record is committed when this
+    returns. A database that cannot be reached raises (OperationalError), and then nothing
+    is rejected: the batch is for later.
     """
     rows, rejected = [], []
     for payload in payloads:
         try:
             rows.append((payload, usage_stream.UsageReport.decode(payload).as_row()))
-        except (ValueError, KeyError, TypeError, ArithmeticError):
-            rejected.append(payload)
+        except (ValueError, KeyError, TypeError, ArithmeticError) as exc:
+            rejected.append((payload, f"malformed: {exc}"))
+    stored = []
     try:
         with transaction.atomic():
             UsageRecord.objects.bulk_create([row for _, row in rows], ignore_conflicts=True)
-    except IntegrityError:
+        stored = rows
+    except (IntegrityError, DataError):
         # One bad row must not hold back the others: store them one by one.
         for payload, row in rows:
             try:
                 with transaction.atomic():
                     UsageRecord.objects.bulk_create([row], ignore_conflicts=True)
-            except IntegrityError:
-                rejected.append(payload)
-    _touch_keys(row for _, row in rows)
+                stored.append((payload, row))
+            except (IntegrityError, DataError) as exc:
+                rejected.append((payload, f"{exc.__class__.__name__}: {exc}".strip()))
+    _touch_keys(row for _, row in stored)
     return rejected
 
 
@@ -81,11 +86,11 @@ def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
                 break
             ids = [entry_id for entry_id, _ in entries]
             payloads = [fields.get(usage_stream.FIELD, b"") for _, fields in entries]
-            rejected = do_record_usage(payloads=payloads)
-            for payload in rejected:
-                logger.error("usage record cannot be stored; kept in %s: %r",
+            for payload, reason in do_record_usage(payloads=payloads):
+                logger.error("usage record cannot be stored (%s); kept in %s: %r", reason,
                              usage_stream.DEAD_LETTERS, payload[:300])
-                redis.xadd(usage_stream.DEAD_LETTERS, {usage_stream.FIELD: payload})
+                redis.xadd(usage_stream.DEAD_LETTERS, {usage_stream.FIELD: payload,
+                                                       usage_stream.ERROR_FIELD: reason[:500]})
             redis.xack(usage_stream.STREAM, usage_stream.GROUP, *ids)
             redis.xdel(usage_stream.STREAM, *ids)
             handled += len(ids)

@@ -20,6 +20,8 @@ STREAM = "kvrun:usage"
 GROUP = "ingest"
 DEAD_LETTERS = "kvrun:usage:dead"
 FIELD = b"r"
+# Beside a dead letter: why it could not be stored.
+ERROR_FIELD = b"error"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

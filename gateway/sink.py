@@ -110,7 +110,7 @@ class UsageSink:
             logger.exception("PostgreSQL refused %d usage record(s); retrying", len(records))
             self._records[:0] = records
             return False
-        for payload in rejected:
-            logger.error("usage record cannot be stored: %s", payload.decode())
+        for payload, reason in rejected:
+            logger.error("usage record cannot be stored (%s): %s", reason, payload.decode())
         self.counts["postgres"] += len(records) - len(rejected)
         return True

@@ -140,3 +140,35 @@ def test_last_used_at_never_moves_backwards(endpoint: Endpoint, key: APIKey) -> 
 
     assert APIKey.objects.get(id=key.id).last_used_at == later
     assert timezone.is_aware(later)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_record_no_column_takes_is_set_aside_and_ingestion_goes_on(endpoint: Endpoint,
+                                                                      key: APIKey) -> None:
+    # Before, one such value (DataError) stopped ingestion for every organisation: the batch
+    # was never acknowledged and every later run read it again first.
+    before = record(endpoint, key)
+    poison = record(endpoint, key, gateway_overhead_ms=Decimal("10000000000000.000"))
+    after = record(endpoint, key)
+    longest = record(endpoint, key, duration_ms=2**31 - 1,
+                     gateway_overhead_ms=Decimal("2147483647.000"))
+    append(before, poison, after, longest)
+
+    assert do_ingest_usage() == 4
+    append(later := record(endpoint, key))
+    assert do_ingest_usage() == 1
+
+    stored = set(UsageRecord.objects.values_list("request_id", flat=True))
+    assert stored == {before.request_id, after.request_id, longest.request_id, later.request_id}
+    ((_, dead),) = redis_client().xrange(usage_stream.DEAD_LETTERS)
+    assert UsageReport.decode(dead[usage_stream.FIELD]).request_id == poison.request_id
+    assert dead[usage_stream.ERROR_FIELD].startswith(b"DataError")
+    assert redis_client().xlen(usage_stream.STREAM) == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_malformed_record_says_why() -> None:
+    ((payload, reason),) = do_record_usage(payloads=[b"not a report"])
+
+    assert payload == b"not a report"
+    assert reason.startswith("malformed: ")
