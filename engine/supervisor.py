@@ -13,7 +13,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,12 +73,30 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
     return argv, env
 
 
+# What an engine sees of the environment it is started from: what the system, Python,
+# PyTorch and vLLM need, and nothing of the control plane's (its secret key, the pepper, the
+# database and Redis URLs): an engine's /proc/<pid>/environ is readable by its own user.
+INHERITED_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE",
+                             "TZ", "TMPDIR", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH",
+                             "VIRTUAL_ENV", "XDG_CACHE_HOME"})
+INHERITED_PREFIXES = ("VLLM_", "HF_", "CUDA_", "NVIDIA_", "TORCH", "OMP_", "MKL_", "KMP_",
+                      "NCCL_", "TRITON_", "TRANSFORMERS_")
+
+
+def engine_environment(inherited: Mapping[str, str], additions: Mapping[str, str]
+                       ) -> dict[str, str]:
+    """The whole environment of an engine: the allowed part of `inherited`, then `additions`."""
+    kept = {name: value for name, value in inherited.items()
+            if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)}
+    return {**kept, **additions}
+
+
 def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
     """Start the engine in its own process group, output appended to `log_path`."""
     argv, env = build_command(spec)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, env={**os.environ, **env}, stdout=log,
+        return subprocess.Popen(argv, env=engine_environment(os.environ, env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=own_group_dying_with_parent)
 

@@ -70,6 +70,11 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     assert answer.json()["usage"]["completion_tokens"] == 5
     assert httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions",
                       json={"model": "chat", "prompt": "x"}).status_code == 401
+    # The engine holds none of the control plane's secrets.
+    environ = Path(f"/proc/{replica.pid}/environ").read_bytes().split(b"\0")
+    names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
+    assert "VLLM_API_KEY" in names
+    assert not names & {"SECRET_KEY", "KVRUN_KEY_PEPPER", "DATABASE_URL", "REDIS_URL"}
     # Sizing reproduces the capacity the engine itself logged (1 GiB of CPU KV space).
     demo = shape_of(ModelSpec.objects.get(slug="kvrun-demo-tiny"))
     assert abs(replica.kv_cache_tokens - kv_cache_tokens(demo, kv_bytes=GIB)) <= (

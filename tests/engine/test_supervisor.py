@@ -1,6 +1,6 @@
 from pathlib import Path
 
-from engine.supervisor import EngineSpec, build_command, read_kv_capacity, tail
+from engine.supervisor import EngineSpec, build_command, engine_environment, read_kv_capacity, tail
 
 
 def spec(**overrides: object) -> EngineSpec:
@@ -58,3 +58,15 @@ def test_an_engine_listens_on_its_node_s_address_and_reports_cached_tokens() -> 
     joined = " ".join(argv)
     assert "--host 10.0.0.7" in joined
     assert "--enable-prompt-tokens-details" in argv  # usage then carries cached_tokens
+
+
+def test_an_engine_inherits_nothing_of_the_control_plane() -> None:
+    control_plane = {"PATH": "/usr/bin", "HOME": "/root", "HF_HUB_OFFLINE": "1",
+                     "CUDA_HOME": "/usr/local/cuda", "SECRET_KEY": "s", "KVRUN_KEY_PEPPER": "p",
+                     "DATABASE_URL": "postgres://kvrun:pw@db/kvrun", "REDIS_URL": "redis://r",
+                     "STRIPE_API_KEY": "sk", "VLLM_API_KEY": "the control plane's own"}
+
+    env = engine_environment(control_plane, {"VLLM_API_KEY": "engine-secret"})
+
+    assert env == {"PATH": "/usr/bin", "HOME": "/root", "HF_HUB_OFFLINE": "1",
+                   "CUDA_HOME": "/usr/local/cuda", "VLLM_API_KEY": "engine-secret"}
