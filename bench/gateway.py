@@ -123,6 +123,7 @@ def main() -> None:
     gateway = f"http://127.0.0.1:{web_port}/v1/completions"
     direct_minimal = f"http://127.0.0.1:{upstream_port}/v1/completions"
     direct_engine = f"http://127.0.0.1:{engine_port}"
+    engine_auth = {"Authorization": f"Bearer {engine_key}"}  # its /metrics wants the key too
     runs: dict[str, dict] = {}
     try:
         supervisor.wait_ready(port=engine_port, served_model_name="engine", api_key=engine_key,
@@ -141,13 +142,13 @@ def main() -> None:
                                                 watch=web.pid)
         # Metered tokens against the engine's own counters, over the gateway's runs alone.
         counted_from = timezone.now()
-        before = engine_token_totals(httpx.get(f"{direct_engine}/metrics").text)
+        before = engine_token_totals(httpx.get(f"{direct_engine}/metrics", headers=engine_auth).text)
         for label, stream in (("plain", False), ("stream", True)):
             runs[f"engine_gateway_{label}_c1"] = wrk(gateway, body_for("engine", stream=stream),
                                                      secret, connections=1)
         time.sleep(1)  # the last cut-off request has been aborted
         grew = {name: value - before[name] for name, value in
-                engine_token_totals(httpx.get(f"{direct_engine}/metrics").text).items()}
+                engine_token_totals(httpx.get(f"{direct_engine}/metrics", headers=engine_auth).text).items()}
         for label, stream in (("plain", False), ("stream", True)):
             runs[f"engine_direct_{label}_c1"] = wrk(
                 f"{direct_engine}/v1/completions", body_for("engine", stream=stream),

@@ -62,6 +62,9 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         # Usage then reports cached prompt tokens, which the gateway meters.
         "--enable-prompt-tokens-details",
     ]
+    if spec.api_key:
+        # vLLM checks the key under /v1 only; this checks it on every other path but /health.
+        argv += ["--middleware", "engine.key_guard.RequireEngineKey"]
     # The key goes in the environment: an argv is readable by every user through `ps`.
     env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key, **spec.extra_env}
     if spec.device == CPU:

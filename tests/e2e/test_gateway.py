@@ -23,6 +23,7 @@ from billing.tasks import ingest_usage
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
 from engine.metrics import engine_token_totals, totals
+from kvrun.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
 from tests.helpers import api_servers, drive, wait_until
 
@@ -41,7 +42,12 @@ class Served:
         return openai.OpenAI(base_url=f"{self.web}/v1", api_key=secret, max_retries=0)
 
     def metrics(self) -> dict[str, float]:
-        return totals(httpx.get(f"{self.engine}/metrics").text)
+        return totals(self.engine_metrics())
+
+    def engine_metrics(self) -> str:
+        replica = Replica.objects.get(endpoint=self.endpoint, state=State.READY)
+        return httpx.get(f"{self.engine}/metrics", headers={
+            "Authorization": f"Bearer {engine_api_key(replica.id)}"}).text
 
 
 @pytest.fixture(scope="module")
@@ -216,7 +222,7 @@ def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Ser
 def test_metered_tokens_equal_what_the_engine_counted(served: Served) -> None:
     secret = inference_key(served.first)[1]
     client = served.client(secret)
-    before = engine_token_totals(httpx.get(f"{served.engine}/metrics").text)
+    before = engine_token_totals(served.engine_metrics())
     ids = []
     for prompt in ("Alpha", "Beta gamma delta", "Epsilon " * 20):
         ids.append(client.completions.with_raw_response.create(
@@ -233,7 +239,7 @@ def test_metered_tokens_equal_what_the_engine_counted(served: Served) -> None:
                               json={"model": "chat", "max_tokens": 5, **body})
         assert response.text.rstrip().endswith("data: [DONE]")
         ids.append(response.headers["x-request-id"])
-    after = engine_token_totals(httpx.get(f"{served.engine}/metrics").text)
+    after = engine_token_totals(served.engine_metrics())
 
     records = records_for(ids)
     assert sum(record.prompt_tokens for record in records) == after["prompt"] - before["prompt"]

@@ -70,6 +70,18 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     assert answer.json()["usage"]["completion_tokens"] == 5
     assert httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions",
                       json={"model": "chat", "prompt": "x"}).status_code == 401
+    # Every path but /health demands the engine's key, not only /v1 (vLLM's own check).
+    engine = f"http://127.0.0.1:{replica.port}"
+    assert httpx.get(f"{engine}/health").status_code == 200
+    for method, path in [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+                         ("GET", "/metrics"), ("GET", "/ping"), ("GET", "/version"),
+                         ("GET", "/v1/models")]:
+        refused = httpx.request(method, f"{engine}{path}", json={"model": "chat", "prompt": "x"})
+        assert refused.status_code == 401, (path, refused.status_code)
+    key = {"Authorization": f"Bearer {engine_api_key(replica.id)}"}
+    assert httpx.get(f"{engine}/metrics", headers=key).status_code == 200
+    assert httpx.post(f"{engine}/tokenize", headers=key,
+                      json={"model": "chat", "prompt": "x"}).status_code == 200
     # The engine holds none of the control plane's secrets.
     environ = Path(f"/proc/{replica.pid}/environ").read_bytes().split(b"\0")
     names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}

@@ -70,3 +70,9 @@ def test_an_engine_inherits_nothing_of_the_control_plane() -> None:
 
     assert env == {"PATH": "/usr/bin", "HOME": "/root", "HF_HUB_OFFLINE": "1",
                    "CUDA_HOME": "/usr/local/cuda", "VLLM_API_KEY": "engine-secret"}
+
+
+def test_an_engine_with_a_key_demands_it_on_every_path() -> None:
+    argv, _ = build_command(spec(device="cpu"))
+
+    assert argv[argv.index("--middleware") + 1] == "engine.key_guard.RequireEngineKey"
