@@ -16,7 +16,9 @@ CURRENT_ORGANIZATION = "organization"
 
 
 @dataclass(frozen=True)
-class Membership:
+class Member:
+    """The signed-in person in the page's organisation, with their role there."""
+
     organization: Organization
     role: str
 
@@ -25,13 +27,13 @@ class Membership:
         return self.role in MANAGER_ROLES
 
 
-def membership(request: HttpRequest, slug: str) -> Membership:
+def membership(request: HttpRequest, slug: str) -> Member:
     """The organisation `slug` as the signed-in person sees it; 404 when not a member.
     Remembered as the one `/` opens next time."""
     organization = selectors.get_organization(principal=request.user, slug=slug)
     if request.session.get(CURRENT_ORGANIZATION) != organization.slug:
         request.session[CURRENT_ORGANIZATION] = organization.slug
-    return Membership(organization=organization,
+    return Member(organization=organization,
                       role=selectors.role_of(principal=request.user, organization=organization))
 
 
@@ -42,7 +44,7 @@ def current_organization(request: HttpRequest) -> Organization | None:
     return (remembered and organizations.filter(slug=remembered).first()) or organizations.first()
 
 
-def endpoint_of(member: Membership, name: str) -> Endpoint:
+def endpoint_of(member: Member, name: str) -> Endpoint:
     endpoint = endpoints_of(organization=member.organization).filter(name=name).first()
     if endpoint is None:
         raise Http404("No such endpoint")

@@ -17,7 +17,9 @@ from rest_framework.test import APIClient
 from accounts.models import Organization, User
 from endpoints.models import Node
 from endpoints.services import do_load_catalogs
+from engine.devices import HostResources
 from engine.processes import free_port
+from nodes.services import do_register_node
 from tests.factories import UserFactory, api_key, organization_with_owner
 from tests.helpers import (
     ENGINE_TIMINGS,
@@ -115,6 +117,14 @@ def other_org(db: None) -> Organization:
 def owner_api(api: APIClient, owner: User) -> APIClient:
     api.force_authenticate(owner)
     return api
+
+
+@pytest.fixture
+def cpu_node(db: None) -> Node:
+    """What `make run` has on a machine without a GPU: the catalog and one CPU node online."""
+    do_load_catalogs()
+    return do_register_node(name="cpu-1", resources=HostResources(
+        devices=[], cpu_count=2, memory_bytes=24 * 2**30))
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from endpoints import selectors, services
 from endpoints.models import ACTIVE_STATES, Endpoint, State
 from endpoints.planning import accelerator_of
 from front.forms import ScaleForm
-from front.scoping import Membership, current_organization, endpoint_of, membership
+from front.scoping import Member, current_organization, endpoint_of, membership
 from front.views.wizard import memory_bar
 
 # Fewer rows than this per page keeps the list one screen on a laptop.
@@ -165,7 +165,7 @@ def _snippets(name: str, gateway: str) -> dict[str, str]:
 
 
 def _change(request: HttpRequest, org_slug: str, name: str,
-            change: Callable[[Membership, Endpoint], str]) -> HttpResponse:
+            change: Callable[[Member, Endpoint], str]) -> HttpResponse:
     """Run `change` on the endpoint and say how it went on the endpoint's page; refusals
     (a role that may not, a value out of range) are shown, not raised."""
     member = membership(request, org_slug)
@@ -182,7 +182,7 @@ def _change(request: HttpRequest, org_slug: str, name: str,
 @login_required
 @require_POST
 def scale_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
-    def scale(member: Membership, endpoint: Endpoint) -> str:
+    def scale(member: Member, endpoint: Endpoint) -> str:
         form = ScaleForm(request.POST)
         if not form.is_valid():
             raise ValidationError(form.errors["replicas"])
@@ -195,7 +195,7 @@ def scale_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpRespon
 @login_required
 @require_POST
 def stop_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
-    def stop(member: Membership, endpoint: Endpoint) -> str:
+    def stop(member: Member, endpoint: Endpoint) -> str:
         services.do_stop_endpoint(endpoint=endpoint, actor_role=member.role)
         return f"Stopping {name}; its GPU time ends when its engines exit."
     return _change(request, org_slug, name, stop)
@@ -204,7 +204,7 @@ def stop_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpRespons
 @login_required
 @require_POST
 def start_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
-    def start(member: Membership, endpoint: Endpoint) -> str:
+    def start(member: Member, endpoint: Endpoint) -> str:
         services.do_start_endpoint(endpoint=endpoint, actor_role=member.role)
         return f"Starting {name}."
     return _change(request, org_slug, name, start)

@@ -12,11 +12,11 @@ from django.views.decorators.http import require_POST
 from accounts import selectors, services
 from endpoints.selectors import endpoints_of
 from front.forms import APIKeyForm
-from front.scoping import Membership, membership
+from front.scoping import Member, membership
 from kvrun.forms import add_service_errors
 
 
-def _key_form(member: Membership, data: object = None) -> APIKeyForm:
+def _key_form(member: Member, data: object = None) -> APIKeyForm:
     return APIKeyForm(data, endpoints=endpoints_of(organization=member.organization))
 
 

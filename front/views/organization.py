@@ -10,9 +10,9 @@ from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_POST
 
 from accounts import selectors, services
-from accounts.models import Role
+from accounts.models import Membership, Role
 from front.forms import InviteForm
-from front.scoping import membership
+from front.scoping import Member, membership
 
 
 @login_required
@@ -53,8 +53,7 @@ def create_invite(request: HttpRequest, org_slug: str) -> HttpResponse:
 @require_POST
 def change_role(request: HttpRequest, org_slug: str, user_id: int) -> HttpResponse:
     member = membership(request, org_slug)
-    target = get_object_or_404(selectors.memberships_of(organization=member.organization),
-                               user_id=user_id)
+    target = _membership_of(member, user_id)
     role = request.POST.get("role", "")
     if role not in Role.values:
         messages.error(request, f"Choose a role: {', '.join(Role.values)}.")
@@ -63,7 +62,7 @@ def change_role(request: HttpRequest, org_slug: str, user_id: int) -> HttpRespon
         services.do_change_member_role(membership=target, role=role, actor_role=member.role)
         messages.success(request, f"{target.user.email} is now {role}.")
     except (PermissionDenied, ValidationError) as exc:
-        messages.error(request, " ".join(getattr(exc, "messages", [str(exc)])))
+        messages.error(request, _refusal(exc))
     return redirect("organization", org_slug=org_slug)
 
 
@@ -71,15 +70,24 @@ def change_role(request: HttpRequest, org_slug: str, user_id: int) -> HttpRespon
 @require_POST
 def remove_member(request: HttpRequest, org_slug: str, user_id: int) -> HttpResponse:
     member = membership(request, org_slug)
-    target = get_object_or_404(selectors.memberships_of(organization=member.organization),
-                               user_id=user_id)
+    target = _membership_of(member, user_id)
     try:
         services.do_remove_member(membership=target, actor=request.user, actor_role=member.role)
     except (PermissionDenied, ValidationError) as exc:
-        messages.error(request, " ".join(getattr(exc, "messages", [str(exc)])))
+        messages.error(request, _refusal(exc))
         return redirect("organization", org_slug=org_slug)
     if target.user_id == request.user.pk:
         messages.success(request, f"You left {member.organization.name}.")
         return redirect("dashboard")
     messages.success(request, f"{target.user.email} is no longer a member.")
     return redirect("organization", org_slug=org_slug)
+
+
+def _membership_of(member: Member, user_id: int) -> Membership:
+    """A membership of the page's organisation; 404 for anyone else's."""
+    return get_object_or_404(selectors.memberships_of(organization=member.organization),
+                             user_id=user_id)
+
+
+def _refusal(exc: PermissionDenied | ValidationError) -> str:
+    return " ".join(exc.messages) if isinstance(exc, ValidationError) else str(exc)

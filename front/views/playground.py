@@ -22,7 +22,7 @@ from django.views.decorators.http import require_POST
 from accounts.selectors import playground_key_of
 from accounts.services import do_issue_playground_key
 from endpoints.models import Endpoint
-from front.scoping import Membership, endpoint_of, membership
+from front.scoping import Member, endpoint_of, membership
 from kvrun.digests import playground_secret
 
 KEY_LIFETIME = timedelta(hours=1)
@@ -101,12 +101,12 @@ async def _open(client: httpx.AsyncClient, payload: dict[str, Any], secret: str
     return await client.send(request, stream=True)
 
 
-def _visible(request: HttpRequest, org_slug: str, name: str) -> tuple[Membership, Endpoint]:
+def _visible(request: HttpRequest, org_slug: str, name: str) -> tuple[Member, Endpoint]:
     member = membership(request, org_slug)
     return member, endpoint_of(member, name)
 
 
-def _secret_for(request: HttpRequest, member: Membership, endpoint: Endpoint,
+def _secret_for(request: HttpRequest, member: Member, endpoint: Endpoint,
                 renew: bool) -> str:
     """The secret of the person's playground key for the endpoint, minted when none has
     enough life left (or when `renew`)."""

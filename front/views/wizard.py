@@ -18,7 +18,7 @@ from endpoints import planning, services
 from endpoints.models import GPUType, ModelSpec
 from endpoints.selectors import model_catalog
 from front.forms import EndpointForm, SizingForm
-from front.scoping import Membership, membership
+from front.scoping import Member, membership
 from kvrun.forms import add_service_errors
 
 # Catalog filters: parameter-count bands and minimum contexts a person can pick.
@@ -61,7 +61,7 @@ def sizing(request: HttpRequest, org_slug: str) -> HttpResponse:
     return render(request, "front/_sizing.html", _sizing_context(SizingForm(request.POST)))
 
 
-def _page(request: HttpRequest, member: Membership, form: EndpointForm, *,
+def _page(request: HttpRequest, member: Member, form: EndpointForm, *,
           status: int = 200) -> HttpResponse:
     values = form.data if form.is_bound else QueryDict(mutable=True)
     if not form.is_bound:

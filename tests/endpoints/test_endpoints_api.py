@@ -4,8 +4,6 @@ from rest_framework.test import APIClient
 from accounts.models import Organization
 from endpoints.models import Endpoint, EndpointEvent, Node, Replica, State
 from endpoints.services import do_load_catalogs
-from engine.devices import HostResources
-from nodes.services import do_register_node
 
 pytestmark = pytest.mark.django_db
 
@@ -13,12 +11,6 @@ pytestmark = pytest.mark.django_db
 @pytest.fixture(autouse=True)
 def catalogs(db: None) -> None:
     do_load_catalogs()
-
-
-@pytest.fixture
-def cpu_node(catalogs: None) -> Node:
-    return do_register_node(name="cpu-1", resources=HostResources(
-        devices=[], cpu_count=2, memory_bytes=24 * 2**30))
 
 
 def url(org: Organization, rest: str = "") -> str:
