@@ -2,9 +2,11 @@
 
 import logging
 import socket
+import time
 from collections.abc import Iterable
 
 from django.db import DataError, IntegrityError, transaction
+from redis import Redis
 from redis.exceptions import ResponseError
 
 from accounts.services import do_touch_api_key
@@ -65,12 +67,15 @@ def _touch_keys(records: Iterable[UsageRecord]) -> None:
 
 
 def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
-    """Move usage records from the gateways' Redis stream into PostgreSQL.
+    """Move usage records from the gateways' Redis stream into PostgreSQL, then store the
+    traces of requests whose gateway died under them as interrupted requests.
 
     An entry is acknowledged and deleted only after its row is committed; entries a dead
-    worker had read are taken over after CLAIM_IDLE_MS. Records that cannot be stored go to
-    the dead-letter stream with the reason logged. One run at a time (a Redis lock); returns
-    how many entries were handled.
+    worker had read are taken over after CLAIM_IDLE_MS. A trace is removed only after its
+    row is committed, and one not renewed for a lease (usage_stream.lease_ms) is taken for a dead
+    gateway's. Records that cannot be stored go to the dead-letter stream with the reason
+    logged. One run at a time (a Redis lock); returns how many entries and traces were
+    handled.
     """
     redis = redis_client()
     lock = redis.lock(INGEST_LOCK, timeout=120, blocking=False)
@@ -86,17 +91,42 @@ def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
                 break
             ids = [entry_id for entry_id, _ in entries]
             payloads = [fields.get(usage_stream.FIELD, b"") for _, fields in entries]
-            for payload, reason in do_record_usage(payloads=payloads):
-                logger.error("usage record cannot be stored (%s); kept in %s: %r", reason,
-                             usage_stream.DEAD_LETTERS, payload[:300])
-                redis.xadd(usage_stream.DEAD_LETTERS, {usage_stream.FIELD: payload,
-                                                       usage_stream.ERROR_FIELD: reason[:500]})
+            _store(redis, payloads)
             redis.xack(usage_stream.STREAM, usage_stream.GROUP, *ids)
             redis.xdel(usage_stream.STREAM, *ids)
             handled += len(ids)
-        return handled
+        return handled + _store_interrupted(redis, batch=batch,
+                                            now_ms=time.time_ns() // 1_000_000)
     finally:
         lock.release()
+
+
+def _store(redis: Redis, payloads: list[bytes]) -> None:
+    """Commit the records; the ones that cannot be stored go to the dead letters."""
+    for payload, reason in do_record_usage(payloads=payloads):
+        logger.error("usage record cannot be stored (%s); kept in %s: %r", reason,
+                     usage_stream.DEAD_LETTERS, payload[:300])
+        redis.xadd(usage_stream.DEAD_LETTERS, {usage_stream.FIELD: payload,
+                                               usage_stream.ERROR_FIELD: reason[:500]})
+
+
+def _store_interrupted(redis: Redis, *, batch: int, now_ms: int) -> int:
+    """Store, as interrupted, the requests whose gateway stopped renewing their trace."""
+    handled = 0
+    while request_ids := redis.zrangebyscore(usage_stream.ADMITTED_SEEN, "-inf",
+                                             now_ms - usage_stream.lease_ms(), start=0,
+                                             num=batch):
+        payloads = [payload for payload in redis.hmget(usage_stream.ADMITTED, request_ids)
+                    if payload is not None]
+        _store(redis, payloads)
+        logger.warning("%d request(s) interrupted by the death of their gateway recorded",
+                       len(payloads))
+        pipe = redis.pipeline()
+        pipe.hdel(usage_stream.ADMITTED, *request_ids)
+        pipe.zrem(usage_stream.ADMITTED_SEEN, *request_ids)
+        pipe.execute()
+        handled += len(request_ids)
+    return handled
 
 
 def _ensure_group(redis: object) -> None:

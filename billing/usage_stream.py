@@ -3,6 +3,12 @@
 Gateways append one UsageReport per finished request; the ingester reads them through a
 consumer group and acknowledges an entry only after its row is committed in PostgreSQL, so a
 worker that dies mid-batch leaves the entries pending for the next run.
+
+A request is traced from its admission until its report is on the stream: ADMITTED holds,
+by request id, the report as it would read were its gateway to die now (renewed every few
+seconds with the usage so far), and ADMITTED_SEEN when its gateway last vouched for it. A
+trace not renewed for a lease (lease_ms) belongs to a gateway that died (a SIGKILL leaves no other
+sign): the ingester stores it as an interrupted request.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from datetime import datetime
 from decimal import Decimal
 
 import orjson
+from django.conf import settings
 
 from billing.models import UsageRecord
 
@@ -22,6 +29,21 @@ DEAD_LETTERS = "kvrun:usage:dead"
 FIELD = b"r"
 # Beside a dead letter: why it could not be stored.
 ERROR_FIELD = b"error"
+ADMITTED = "kvrun:usage:admitted"
+ADMITTED_SEEN = "kvrun:usage:admitted:seen"
+# The status and error code of a request whose gateway died under it.
+INTERRUPTED_STATUS, INTERRUPTED_CODE = 502, "gateway_interrupted"
+
+
+def lease_ms() -> int:
+    """How long a trace, or an in-flight slot, lives without renewal."""
+    return int(settings.KVRUN_GATEWAY_LEASE_SECONDS * 1000)
+
+
+def renew_seconds() -> float:
+    """How often a live gateway renews what it holds: often enough that no pause of a live
+    process outlasts its lease."""
+    return settings.KVRUN_GATEWAY_LEASE_SECONDS / 6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -42,7 +42,13 @@ from gateway.directory import Directory, Route
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 from gateway.limits import Limiter
-from gateway.protocol import OPERATIONS, model_entry, parse_request
+from gateway.protocol import (
+    OPERATIONS,
+    estimated_prompt_tokens,
+    model_entry,
+    parse_request,
+    tokens_to_reserve,
+)
 from gateway.proxy import Proxy
 from gateway.sink import UsageSink
 
@@ -122,6 +128,7 @@ class Gateway:
         exchange = Exchange(request_id=f"req_{uuid.uuid4().hex}",
                             operation=OPERATIONS.get(path, ""),
                             started_ms=time.time_ns() // 1_000_000)
+        send = exchange.waiting_on_client(send)
         try:
             if path == "/v1/models" or path.startswith("/v1/models/"):
                 require_method(method, "GET")
@@ -173,10 +180,11 @@ class Gateway:
     async def _complete(self, exchange: Exchange, scope: ASGIScope, receive: Receive,
                         send: Send) -> None:
         identity = await self._authenticate(scope)
-        payload = parse_request(await read_body(scope, receive))
+        payload = parse_request(await read_body(scope, exchange.waiting_on_client(receive)))
         route = await self._route(identity, payload["model"])
         exchange.identity, exchange.route = identity, route
         exchange.stream = bool(payload.get("stream"))
+        exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)
         key = header(scope, b"idempotency-key")
         if key:
             exchange.idempotency_key = idempotency.validate(key)
@@ -189,10 +197,14 @@ class Gateway:
                 return
         try:
             exchange.admission = await self.limiter.admit(
-                identity=identity, request_id=exchange.request_id, now_ms=exchange.started_ms)
+                identity=identity, request_id=exchange.request_id, now_ms=exchange.started_ms,
+                tokens=tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
+                                         context_length=route.context_length),
+                trace=exchange.interrupted_report().encode())
         except GatewayError:
             await self._settle_idempotency(exchange, succeeded=False, body=None)
             raise
+        self.sink.track(exchange)
         body = None
         try:
             body = await self.proxy.forward(exchange, payload, receive, send)
@@ -230,9 +242,7 @@ class Gateway:
             exchange.status, exchange.error_code = 499, "client_disconnected"
             if not exchange.usage_seen and exchange.upstream is not None:
                 exchange.prompt_tokens = await self.proxy.count_prompt_tokens(exchange, payload)
-        assert exchange.admission is not None
-        self.sink.add(report=exchange.report(), admission=exchange.admission,
-                      tokens=exchange.prompt_tokens + exchange.completion_tokens)
+        self.sink.add(exchange)
         await self._settle_idempotency(exchange, succeeded=exchange.status == 200, body=body)
 
     async def _settle_idempotency(self, exchange: Exchange, *, succeeded: bool,

@@ -52,6 +52,7 @@ class Route:
     state: str
     progress: dict[str, Any]
     created: int
+    context_length: int
     upstreams: tuple[Upstream, ...] = field(default=())
 
 
@@ -74,7 +75,8 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
         route = Route(endpoint_id=str(endpoint.id), name=endpoint.name,
                       organization_slug=endpoint.organization.slug, state=endpoint.state,
                       progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),
-                      created=int(endpoint.created_at.timestamp()))
+                      created=int(endpoint.created_at.timestamp()),
+                      context_length=endpoint.context_length)
         replicas = tuple(_ReplicaRow(replica_id=str(replica.id),
                                      base_url=_base_url(replica.node.address, replica.port))
                          for replica in endpoint.ready_replicas)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 from accounts.principals import KeyIdentity
-from billing.usage_stream import UsageReport
+from billing.usage_stream import INTERRUPTED_CODE, INTERRUPTED_STATUS, UsageReport
 from gateway.directory import Route, Upstream
 from gateway.limits import Admission
 
@@ -37,6 +38,8 @@ class Exchange:
     cached_tokens: int = 0
     ttft_ms: int | None = None
     upstream_seconds: float = 0.0  # time spent waiting on the engine
+    client_seconds: float = 0.0  # time spent waiting on the client to send or to read
+    estimated_prompt_tokens: int = 0  # until the engine says how many there are
     response: Any = None  # the engine's response while it is being read
 
     def take_usage(self, usage: dict[str, Any] | None) -> None:
@@ -53,8 +56,20 @@ class Exchange:
         return (time.perf_counter() - self.clock) * 1000
 
     def overhead_ms(self) -> float:
-        """The gateway's own time: everything but waiting on the engine."""
-        return max(0.0, self.elapsed_ms() - self.upstream_seconds * 1000)
+        """The gateway's own time: everything but waiting on the engine or the client."""
+        waited = self.upstream_seconds + self.client_seconds
+        return max(0.0, self.elapsed_ms() - waited * 1000)
+
+    def waiting_on_client(self, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """`call` (the ASGI receive or send) with the time it blocks kept apart: a client
+        that uploads slowly or stops reading is not the gateway's overhead."""
+        async def timed(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return await call(*args)
+            finally:
+                self.client_seconds += time.perf_counter() - started
+        return timed
 
     def mark_first_token(self) -> None:
         if self.ttft_ms is None:
@@ -83,3 +98,11 @@ class Exchange:
             duration_ms=round(self.elapsed_ms()),
             gateway_overhead_ms=Decimal(f"{self.overhead_ms():.3f}"),
         )
+
+    def interrupted_report(self) -> UsageReport:
+        """The record to store should this process die now: the usage so far, and the
+        prompt as estimated when the engine has not yet said."""
+        report = self.report()
+        return replace(report, status_code=INTERRUPTED_STATUS, error_code=INTERRUPTED_CODE,
+                       prompt_tokens=report.prompt_tokens if self.usage_seen
+                       else self.estimated_prompt_tokens)

@@ -1,12 +1,15 @@
 """Per-key requests and tokens per minute, and per-organisation requests in flight, in Redis.
 
-One Lua script checks all three and takes a request slot atomically, so gateways on many
-hosts share the limits exactly. Minutes are sliding windows (this minute's count plus the
-last minute's, weighted by how much of it still overlaps). Tokens are known only when a
-request ends: its Admission's release adds them then (the usage sink sends that release in
-its next pipeline), and a key may start new requests while its window has room. In-flight
-slots carry their start time, so a slot held by a gateway that died is dropped after
-`STALE_AFTER_MS` instead of blocking the organisation for ever.
+One Lua script checks all three, takes the request's share of each and traces the request
+for the usage ledger (billing.usage_stream), atomically and in the one round trip admission
+costs, so gateways on many hosts share the limits exactly. Minutes are sliding windows (this
+minute's count plus the last minute's, weighted by how much of it still overlaps).
+
+Tokens are reserved at admission, as many as the request may consume (gateway.protocol), so
+that requests running at once cannot together pass the limit; its release settles the
+reservation against what it really used. In-flight slots are leases: the gateway holding one
+renews it (the usage sink), and a slot not renewed for a lease (usage_stream.lease_ms), whose
+gateway died, no longer counts.
 """
 
 from __future__ import annotations
@@ -18,45 +21,52 @@ from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
 
 from accounts.principals import KeyIdentity
+from billing.usage_stream import ADMITTED, ADMITTED_SEEN, lease_ms
 from gateway.errors import GatewayError
 
 WINDOW_MS = 60_000
 COUNTER_TTL_MS = 2 * WINDOW_MS
-STALE_AFTER_MS = 15 * WINDOW_MS
 
 ADMIT = """
 local now = tonumber(ARGV[1])
 local rpm, tpm, concurrent = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local overlap = tonumber(ARGV[5]) / 1000000
+local request_id, reserve = ARGV[6], tonumber(ARGV[7])
+local lease, counter_ttl = tonumber(ARGV[8]), tonumber(ARGV[9])
 local rc = tonumber(redis.call('GET', KEYS[1]) or '0')
 local rp = tonumber(redis.call('GET', KEYS[2]) or '0')
 local tc = tonumber(redis.call('GET', KEYS[3]) or '0')
 local tp = tonumber(redis.call('GET', KEYS[4]) or '0')
 if rpm > 0 and rc + rp * overlap + 1 > rpm then return {1, rc, rp, tc, tp, 0} end
-if tpm > 0 and tc + tp * overlap >= tpm then return {2, rc, rp, tc, tp, 0} end
+if tpm > 0 and tc + tp * overlap + reserve > tpm then return {2, rc, rp, tc, tp, 0} end
 local in_flight = 0
 if concurrent > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - tonumber(ARGV[7]))
+  redis.call('ZREMRANGEBYSCORE', KEYS[5], '-inf', now - lease)
   in_flight = redis.call('ZCARD', KEYS[5])
   if in_flight >= concurrent then return {3, rc, rp, tc, tp, in_flight} end
-  redis.call('ZADD', KEYS[5], now, ARGV[6])
-  redis.call('PEXPIRE', KEYS[5], tonumber(ARGV[7]))
+  redis.call('ZADD', KEYS[5], now, request_id)
+  redis.call('PEXPIRE', KEYS[5], lease)
   in_flight = in_flight + 1
 end
 if rpm > 0 then
   rc = redis.call('INCR', KEYS[1])
-  if rc == 1 then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[8])) end
+  if rc == 1 then redis.call('PEXPIRE', KEYS[1], counter_ttl) end
 end
+if tpm > 0 then
+  tc = redis.call('INCRBY', KEYS[3], reserve)
+  redis.call('PEXPIRE', KEYS[3], counter_ttl)
+end
+redis.call('HSET', KEYS[7], request_id, ARGV[10])
+redis.call('ZADD', KEYS[6], now, request_id)
 return {0, rc, rp, tc, tp, in_flight}
 """
 
 ALLOWED, REQUESTS, TOKENS, CONCURRENCY = 0, 1, 2, 3
 
 
-def counter_names(identity: KeyIdentity, window: int) -> tuple[str, str, str, str]:
-    key = f"kvrun:rl:{identity.id}"
-    return (f"{key}:req:{window}", f"{key}:req:{window - 1}",
-            f"{key}:tok:{window}", f"{key}:tok:{window - 1}")
+def counter_name(identity: KeyIdentity, kind: str, window: int) -> str:
+    """The key's count of `kind` ("req" or "tok") in minute `window`."""
+    return f"kvrun:rl:{identity.id}:{kind}:{window}"
 
 
 def in_flight_name(organization_id: object) -> str:
@@ -65,27 +75,46 @@ def in_flight_name(organization_id: object) -> str:
 
 @dataclass(frozen=True)
 class Admission:
-    """A request let in: its rate-limit headers and what its release must undo."""
+    """A request let in: its rate-limit headers and its hold on the limits."""
 
     request_id: str
+    identity: KeyIdentity
     headers: list[tuple[bytes, bytes]]
-    tokens_counter: str | None  # where the request's tokens are added when it ends
+    window: int  # the minute it was admitted in
+    reserved_tokens: int  # 0 when the key has no token limit
     in_flight_set: str | None
 
-    def release(self, pipe: Pipeline, *, tokens: int) -> None:
-        """Queue on `pipe` the end of the request's hold on the limits: its in-flight slot
-        given back, and its tokens counted in the window it was admitted in."""
+    def renew(self, pipe: Pipeline, *, now_ms: int) -> None:
+        """Queue on `pipe` the renewal of the request's in-flight lease."""
+        if self.in_flight_set:
+            pipe.zadd(self.in_flight_set, {self.request_id: now_ms}, xx=True)
+
+    def release(self, pipe: Pipeline, *, tokens: int, now_ms: int) -> None:
+        """Queue on `pipe` the end of the request's hold: its in-flight slot given back, and
+        its reservation settled against the `tokens` it used. While the minute it was
+        admitted in still counts, the difference goes there; after that a request that used
+        more than it reserved has the excess counted in the current minute."""
         if self.in_flight_set:
             pipe.zrem(self.in_flight_set, self.request_id)
-        if self.tokens_counter and tokens:
-            pipe.incrby(self.tokens_counter, tokens)
-            pipe.pexpire(self.tokens_counter, COUNTER_TTL_MS)
+        if not self.reserved_tokens:
+            return
+        difference = tokens - self.reserved_tokens
+        window = now_ms // WINDOW_MS
+        if window <= self.window + 1:
+            window = self.window
+        else:
+            difference = max(0, difference)
+        counter = counter_name(self.identity, "tok", window)
+        if difference:
+            pipe.incrby(counter, difference)
+            pipe.pexpire(counter, COUNTER_TTL_MS)
 
 
-def seconds_until_room(*, current: int, previous: int, limit: int, elapsed_ms: int) -> int:
-    """Whole seconds until a sliding-window count first leaves room for one more unit,
-    if nothing else arrives meanwhile."""
-    room = limit - 1
+def seconds_until_room(*, current: int, previous: int, limit: int, elapsed_ms: int,
+                       needed: int = 1) -> int:
+    """Whole seconds until a sliding-window count first leaves room for `needed` more
+    units, if nothing else arrives meanwhile."""
+    room = limit - needed
     if current <= room:
         if previous <= 0:
             return 1
@@ -99,18 +128,25 @@ class Limiter:
     def __init__(self, redis: Redis) -> None:
         self._admit = redis.register_script(ADMIT)
 
-    async def admit(self, *, identity: KeyIdentity, request_id: str, now_ms: int) -> Admission:
-        """Take a slot for the request, or raise a 429 that says which limit and when to retry."""
+    async def admit(self, *, identity: KeyIdentity, request_id: str, now_ms: int,
+                    tokens: int, trace: bytes) -> Admission:
+        """Take a slot for the request and reserve its `tokens`, and leave its `trace` (the
+        encoded report of the request as if interrupted) for the usage ledger; or raise a
+        429 that says which limit and when to retry."""
         window, elapsed = divmod(now_ms, WINDOW_MS)
         overlap = (WINDOW_MS - elapsed) * 1_000_000 // WINDOW_MS
-        req_now, req_before, tok_now, tok_before = counter_names(identity, window)
-        in_flight = in_flight_name(identity.organization_id)
         rpm, tpm = identity.requests_per_minute, identity.tokens_per_minute
         concurrent = identity.max_concurrent_requests
+        # A request may take a whole minute's tokens, never more: it must be admissible once
+        # the window is empty.
+        reserve = min(tokens, tpm)
+        in_flight = in_flight_name(identity.organization_id)
         verdict, rc, rp, tc, tp, busy = await self._admit(
-            keys=[req_now, req_before, tok_now, tok_before, in_flight],
-            args=[now_ms, rpm, tpm, concurrent, overlap, request_id, STALE_AFTER_MS,
-                  COUNTER_TTL_MS])
+            keys=[counter_name(identity, "req", window), counter_name(identity, "req", window - 1),
+                  counter_name(identity, "tok", window), counter_name(identity, "tok", window - 1),
+                  in_flight, ADMITTED_SEEN, ADMITTED],
+            args=[now_ms, rpm, tpm, concurrent, overlap, request_id, reserve, lease_ms(),
+                  COUNTER_TTL_MS, trace])
         weight = overlap / 1_000_000
         headers = []
         reset = f"{math.ceil((WINDOW_MS - elapsed) / 1000)}s".encode()
@@ -125,8 +161,8 @@ class Limiter:
                         (b"x-ratelimit-remaining-tokens", str(max(0, tpm - used)).encode()),
                         (b"x-ratelimit-reset-tokens", reset)]
         if verdict == ALLOWED:
-            return Admission(request_id=request_id, headers=headers,
-                             tokens_counter=tok_now if tpm else None,
+            return Admission(request_id=request_id, identity=identity, headers=headers,
+                             window=window, reserved_tokens=reserve if tpm else 0,
                              in_flight_set=in_flight if concurrent else None)
         if verdict == REQUESTS:
             wait = seconds_until_room(current=rc, previous=rp, limit=rpm, elapsed_ms=elapsed)
@@ -134,9 +170,14 @@ class Limiter:
                        f"in {wait} s, or ask an admin to raise the key's requests_per_minute.")
             kind = "requests"
         elif verdict == TOKENS:
-            wait = seconds_until_room(current=tc, previous=tp, limit=tpm, elapsed_ms=elapsed)
-            message = (f"This API key's limit of {tpm} tokens per minute is used up; retry in "
-                       f"{wait} s, or ask an admin to raise the key's tokens_per_minute.")
+            wait = seconds_until_room(current=tc, previous=tp, limit=tpm, elapsed_ms=elapsed,
+                                      needed=reserve)
+            room = max(0, tpm - math.ceil(tc + tp * weight))
+            message = (f"This API key's limit of {tpm} tokens per minute has room for {room} "
+                       f"now, and this request may use {reserve} (its prompt and max_tokens, "
+                       f"or the endpoint's whole context when max_tokens is not set). Retry "
+                       f"in {wait} s, set a lower max_tokens, or ask an admin to raise the "
+                       "key's tokens_per_minute.")
             kind = "tokens"
         else:
             wait = 1

@@ -1,8 +1,9 @@
-"""The OpenAI-compatible surface: which paths are operations, what a request must hold, and
-how an endpoint is listed as a model."""
+"""The OpenAI-compatible surface: which paths are operations, what a request must hold, how
+many tokens it may use, and how an endpoint is listed as a model."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import orjson
@@ -13,6 +14,10 @@ from gateway.errors import GatewayError
 # Path → the operation a usage record names; the engine serves the same path.
 OPERATIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
 ENGINE_PATHS = {operation: path for path, operation in OPERATIONS.items()}
+# OpenAI's rule of thumb for a prompt before it is tokenized, and what a chat template adds
+# around each message.
+CHARACTERS_PER_TOKEN = 4
+TOKENS_PER_MESSAGE = 4
 
 
 def parse_request(body: bytes) -> dict[str, Any]:
@@ -39,3 +44,36 @@ def parse_request(body: bytes) -> dict[str, Any]:
 def model_entry(route: Route) -> dict[str, Any]:
     return {"id": route.name, "object": "model", "created": route.created,
             "owned_by": route.organization_slug}
+
+
+def estimated_prompt_tokens(payload: dict[str, Any]) -> int:
+    """The prompt's tokens as far as they can be known without the model's tokenizer: token
+    ids count as themselves, text one token per CHARACTERS_PER_TOKEN characters."""
+    characters, tokens = 0, 0
+    for message in payload.get("messages") or ():
+        tokens += TOKENS_PER_MESSAGE
+        content = message.get("content") if isinstance(message, dict) else None
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                characters += len(text)
+    prompt = payload.get("prompt")
+    for item in prompt if isinstance(prompt, list) else [prompt]:
+        if isinstance(item, str):
+            characters += len(item)
+        elif isinstance(item, int):
+            tokens += 1
+        elif isinstance(item, list):  # one prompt as token ids
+            tokens += len(item)
+    return tokens + math.ceil(characters / CHARACTERS_PER_TOKEN)
+
+
+def tokens_to_reserve(payload: dict[str, Any], *, prompt_tokens: int, context_length: int) -> int:
+    """What a request may consume at most: its prompt and the completion it allows
+    (max_completion_tokens or max_tokens), within the endpoint's context; the whole context
+    when it sets no bound."""
+    limit = payload.get("max_completion_tokens") or payload.get("max_tokens")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return context_length
+    return max(1, min(context_length, prompt_tokens + limit))

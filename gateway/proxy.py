@@ -112,7 +112,8 @@ class Proxy:
                 exchange.response = await self.session.post(
                     upstream.base_url + path, data=body,
                     headers={"Authorization": upstream.authorization,
-                             "Content-Type": "application/json"})
+                             "Content-Type": "application/json",
+                             "X-Request-Id": exchange.request_id})
             except aiohttp.ClientConnectorError:
                 upstream.in_flight -= 1
                 exchange.upstream = None
@@ -136,6 +137,7 @@ class Proxy:
         for field in ("messages", "prompt"):
             if field in payload:
                 asked[field] = payload[field]
+        waited = time.perf_counter()
         try:
             async with self.session.post(
                     exchange.upstream.base_url + "/tokenize", json=asked,
@@ -144,6 +146,8 @@ class Proxy:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             logger.warning("could not count the prompt tokens of %s", exchange.request_id)
             return 0
+        finally:
+            exchange.upstream_seconds += time.perf_counter() - waited
 
 
 async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, send: Send, *,

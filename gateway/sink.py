@@ -1,8 +1,11 @@
-"""Where finished requests go: their usage report onto the Redis stream, their limits released.
+"""Where requests go once admitted: their leases renewed while they run, and at their end
+their usage report onto the Redis stream, their trace cleared and their limits released.
 
-`add` never waits. One background task writes whatever has gathered within a few
-milliseconds as a single pipeline, so a write carries many requests under load and several
-even at low concurrency.
+`track` and `add` never wait. One background task writes whatever has gathered within a few
+milliseconds as a single transaction, so a write carries many requests under load and
+several even at low concurrency; every few seconds it also renews the requests still
+running (their in-flight slots, and their traces with the usage so far), so that what a
+process killed outright held is freed, and recorded, by others (billing.usage_stream).
 If Redis cannot be reached the records go straight to PostgreSQL instead; `close` writes
 what is left before the process exits, so a web process that is told to stop loses nothing.
 """
@@ -11,14 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from billing import usage_stream
 from billing.services import do_record_usage
+from gateway.exchange import Exchange
 from gateway.limits import Admission
 
 logger = logging.getLogger(__name__)
@@ -37,8 +43,10 @@ def _store_directly(payloads: list[bytes]) -> list[bytes]:
 class UsageSink:
     def __init__(self, redis: Redis) -> None:
         self._redis = redis
-        self._records: list[bytes] = []
-        self._releases: list[tuple[Admission, int]] = []
+        self._records: list[tuple[str, bytes]] = []  # request id, encoded report
+        self._releases: list[tuple[Admission, int, int]] = []  # tokens used, when it ended
+        self._running: dict[str, Exchange] = {}
+        self._renew_at = 0.0
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -47,12 +55,20 @@ class UsageSink:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
-    def add(self, *, report: usage_stream.UsageReport, admission: Admission, tokens: int) -> None:
-        """Queue the request's usage report, and the release of its limits with the `tokens`
-        it consumed."""
-        self._records.append(report.encode())
+    def track(self, exchange: Exchange) -> None:
+        """Keep the admitted request's lease and trace renewed until it is `add`ed."""
+        self._running[exchange.request_id] = exchange
+
+    def add(self, exchange: Exchange) -> None:
+        """Queue the finished request's usage report, the clearing of its trace, and the
+        release of its limits with the tokens it consumed."""
+        assert exchange.admission is not None
+        self._running.pop(exchange.request_id, None)
+        self._records.append((exchange.request_id, exchange.report().encode()))
         self.counts["queued"] += 1
-        self._releases.append((admission, tokens))
+        self._releases.append((exchange.admission,
+                               exchange.prompt_tokens + exchange.completion_tokens,
+                               time.time_ns() // 1_000_000))
         self._wake.set()
 
     async def close(self, timeout: float = 15.0) -> None:
@@ -64,7 +80,7 @@ class UsageSink:
                 await asyncio.wait_for(self._task, timeout)
             except TimeoutError:
                 pass
-        for payload in self._records:
+        for _, payload in self._records:
             logger.error("usage record not stored (Redis and PostgreSQL unreachable): %s",
                          payload.decode())
         counts = self.counts
@@ -73,7 +89,11 @@ class UsageSink:
 
     async def _run(self) -> None:
         while True:
-            await self._wake.wait()
+            try:
+                async with asyncio.timeout(usage_stream.renew_seconds()):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
             if not self._closing:
                 await asyncio.sleep(GATHER_SECONDS)
             self._wake.clear()
@@ -87,13 +107,18 @@ class UsageSink:
         """Write one batch; False when it has to be tried again later."""
         records, releases = self._records, self._releases
         self._records, self._releases = [], []
-        if not records and not releases:
+        renewing = bool(self._running) and time.monotonic() >= self._renew_at
+        if not records and not releases and not renewing:
             return True
-        pipe = self._redis.pipeline(transaction=False)
-        for admission, tokens in releases:
-            admission.release(pipe, tokens=tokens)
-        for payload in records:
+        pipe = self._redis.pipeline(transaction=True)
+        for admission, tokens, ended_ms in releases:
+            admission.release(pipe, tokens=tokens, now_ms=ended_ms)
+        for request_id, payload in records:
             pipe.xadd(usage_stream.STREAM, {usage_stream.FIELD: payload})
+            pipe.hdel(usage_stream.ADMITTED, request_id)
+            pipe.zrem(usage_stream.ADMITTED_SEEN, request_id)
+        if renewing:
+            self._renew(pipe)
         try:
             await pipe.execute()
             self.counts["redis"] += len(records)
@@ -104,8 +129,9 @@ class UsageSink:
                            exc, len(records))
         if not records:
             return True
+        payloads = [payload for _, payload in records]
         try:
-            rejected = await sync_to_async(_store_directly)(records)
+            rejected = await sync_to_async(_store_directly)(payloads)
         except Exception:
             logger.exception("PostgreSQL refused %d usage record(s); retrying", len(records))
             self._records[:0] = records
@@ -114,3 +140,16 @@ class UsageSink:
             logger.error("usage record cannot be stored (%s): %s", reason, payload.decode())
         self.counts["postgres"] += len(records) - len(rejected)
         return True
+
+    def _renew(self, pipe: Pipeline) -> None:
+        """Queue the renewal of every running request: its in-flight lease, and its trace
+        with the usage so far. A trace that was taken for interrupted (its lease ran out
+        while Redis was away) is traced again: the ledger keeps one record per request."""
+        self._renew_at = time.monotonic() + usage_stream.renew_seconds()
+        now_ms = time.time_ns() // 1_000_000
+        for request_id, exchange in self._running.items():
+            assert exchange.admission is not None
+            exchange.admission.renew(pipe, now_ms=now_ms)
+            pipe.hset(usage_stream.ADMITTED, request_id,
+                      exchange.interrupted_report().encode())
+            pipe.zadd(usage_stream.ADMITTED_SEEN, {request_id: now_ms})

@@ -167,6 +167,10 @@ KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_UPSTREAM_TIMEO
                                                    default=600.0)
 # An Idempotency-Key is remembered this long; a repeat within it does not run again.
 KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
+# What a web process holds for a request (its in-flight slot, its trace for the usage ledger)
+# lasts this long unless renewed: a process killed outright frees it, and has its requests
+# recorded as interrupted, this long after.
+KVRUN_GATEWAY_LEASE_SECONDS = env.float("KVRUN_GATEWAY_LEASE_SECONDS", default=30.0)
 # How often beat moves usage records from the gateway's stream into PostgreSQL.
 KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0)
 

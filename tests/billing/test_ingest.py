@@ -1,6 +1,7 @@
 """Usage records move from the gateways' Redis stream into PostgreSQL exactly once."""
 
 import dataclasses
+import time
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from uuid import uuid4
@@ -172,3 +173,49 @@ def test_a_malformed_record_says_why() -> None:
 
     assert payload == b"not a report"
     assert reason.startswith("malformed: ")
+
+
+def trace(report: UsageReport, *, seen_ms: int) -> None:
+    """What admission leaves for a request (gateway.limits), as last renewed at `seen_ms`."""
+    redis_client().hset(usage_stream.ADMITTED, report.request_id, report.encode())
+    redis_client().zadd(usage_stream.ADMITTED_SEEN, {report.request_id: seen_ms})
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_whose_gateway_died_is_stored_as_interrupted(endpoint: Endpoint,
+                                                               key: APIKey) -> None:
+    now_ms = time.time_ns() // 1_000_000
+    interrupted = record(endpoint, key, status_code=usage_stream.INTERRUPTED_STATUS,
+                         error_code=usage_stream.INTERRUPTED_CODE, prompt_tokens=9,
+                         completion_tokens=0)
+    running = record(endpoint, key, status_code=usage_stream.INTERRUPTED_STATUS,
+                     error_code=usage_stream.INTERRUPTED_CODE)
+    trace(interrupted, seen_ms=now_ms - usage_stream.lease_ms() - 1_000)
+    trace(running, seen_ms=now_ms)
+
+    assert do_ingest_usage() == 1
+
+    stored = UsageRecord.objects.get()
+    assert stored.request_id == interrupted.request_id
+    assert (stored.status_code, stored.error_code, stored.prompt_tokens) == (
+        502, "gateway_interrupted", 9)
+    # A request whose gateway still renews its trace is left to finish.
+    assert redis_client().hkeys(usage_stream.ADMITTED) == [running.request_id.encode()]
+    assert redis_client().zrange(usage_stream.ADMITTED_SEEN, 0, -1) == [
+        running.request_id.encode()]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_request_already_recorded_is_not_recorded_again_as_interrupted(
+    endpoint: Endpoint, key: APIKey
+) -> None:
+    # Its gateway wrote the record to PostgreSQL while Redis was away, so the trace stayed.
+    finished = record(endpoint, key)
+    do_record_usage(payloads=[finished.encode()])
+    trace(dataclasses.replace(finished, status_code=502, error_code="gateway_interrupted"),
+          seen_ms=time.time_ns() // 1_000_000 - usage_stream.lease_ms() - 1)
+
+    assert do_ingest_usage() == 1
+
+    assert UsageRecord.objects.get().status_code == 200
+    assert redis_client().hlen(usage_stream.ADMITTED) == 0

@@ -9,9 +9,11 @@ import httpx
 import orjson
 import pytest
 from django.conf import settings
+from django.test import override_settings
 from django.utils import timezone
 
 from accounts.models import APIKey, Organization
+from billing import usage_stream
 from billing.models import UsageRecord
 from endpoints.models import Endpoint, State
 from engine.processes import free_port
@@ -305,6 +307,47 @@ def test_a_key_has_a_token_limit_per_minute(
     assert refused.headers["x-ratelimit-remaining-tokens"] == "0"
 
 
+def test_streams_that_are_still_running_count_against_the_token_limit(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
+) -> None:
+    _, secret = inference_key(org, tokens_per_minute=50)
+    body = {"model": "chat", "prompt": "slow", "stream": True, "max_tokens": 20}
+    running = [gateway.submit(gateway.send(secret, body)) for _ in range(2)]
+    assert wait_until(lambda: len(received(stubs[0])) == 2, 5, interval=0.02)
+
+    # Each reserved its prompt (one token) and its 20: 42 of the 50.
+    refused = gateway.post(secret, body)
+
+    assert refused.status_code == 429, refused.text
+    assert "has room for 8 now, and this request may use 21" in refused.json()["error"]["message"]
+    assert [call.result(10).status_code for call in running] == [200, 200]
+    assert len(received(stubs[0])) == 2
+
+
+@override_settings(KVRUN_GATEWAY_LEASE_SECONDS=0.6)  # renewed every 0.1 s
+def test_a_running_request_s_trace_is_renewed_with_its_usage_and_cleared_at_its_end(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    gateway.post(secret, {"model": "chat", "prompt": "hello"})  # the sink now renews often
+    running = gateway.submit(gateway.send(secret, {"model": "chat", "prompt": "slow",
+                                                   "stream": True}))
+
+    def traced_completion_tokens() -> int:
+        traces = redis_client().hvals(usage_stream.ADMITTED)
+        return max((orjson.loads(trace)["completion_tokens"] for trace in traces), default=0)
+    assert wait_until(lambda: traced_completion_tokens() >= 3, 5, interval=0.05)
+    [trace] = [orjson.loads(trace) for trace in redis_client().hvals(usage_stream.ADMITTED)]
+    response = running.result(10)
+
+    assert (trace["status_code"], trace["error_code"]) == (502, "gateway_interrupted")
+    assert trace["request_id"] == response.headers["x-request-id"]
+    assert trace["prompt_tokens"] == 7  # the engine's figure, once it has sent one
+    assert stored(2)
+    assert redis_client().hlen(usage_stream.ADMITTED) == 0
+    assert redis_client().zcard(usage_stream.ADMITTED_SEEN) == 0
+    assert UsageRecord.objects.get(request_id=trace["request_id"]).status_code == 200
+
+
 def test_an_organisation_has_a_limit_on_requests_in_flight(
     gateway: InProcessGateway, endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
 ) -> None:
@@ -398,11 +441,13 @@ def test_a_key_revoked_behind_kvrun_s_back_is_refused_within_the_cache_ttl(
     assert time.monotonic() - revoked_at <= settings.KVRUN_API_KEY_CACHE_SECONDS + 0.5
 
 
-async def leave_early(gateway: InProcessGateway, secret: str, body: dict, *,
-                      after_frames: int | None = None,
-                      after_seconds: float | None = None) -> list[bytes]:
+async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
+                     after_frames: int | None = None, after_seconds: float | None = None,
+                     reading_seconds: float = 0.0) -> list[bytes]:
     """Call the app as a client that disconnects after `after_frames` body frames or
-    `after_seconds`; returns the frames it got. httpx's transport cannot leave early."""
+    `after_seconds`, and that takes `reading_seconds` to read each frame (a server's send
+    blocks while its client does not read); returns the frames it got. httpx's transport
+    can do neither."""
     gone = asyncio.Event()
     frames: list[bytes] = []
     request = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
@@ -417,6 +462,7 @@ async def leave_early(gateway: InProcessGateway, secret: str, body: dict, *,
         if gone.is_set():
             return  # as a server does: nothing reaches a client that has left
         if message["type"] == "http.response.body" and message.get("body"):
+            await asyncio.sleep(reading_seconds)
             frames.append(message["body"])
             if after_frames is not None and len(frames) >= after_frames:
                 gone.set()
@@ -431,6 +477,20 @@ async def leave_early(gateway: InProcessGateway, secret: str, body: dict, *,
     return frames
 
 
+def test_a_client_that_reads_slowly_is_not_the_gateway_s_overhead(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    frames = gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "hello",
+                                                      "stream": True}, reading_seconds=0.3))
+
+    assert len(frames) == 5  # four chunks, then [DONE]
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert record.duration_ms >= 1500
+    # The gateway's own work on a request is about a millisecond.
+    assert record.gateway_overhead_ms < 100
+
+
 def nothing_held(gateway: InProcessGateway, organization: Organization) -> bool:
     """No request of the organisation still counts as in flight, in Redis or in the
     gateway's own count per replica (call once the gateway has stopped)."""
@@ -441,7 +501,7 @@ def nothing_held(gateway: InProcessGateway, organization: Organization) -> bool:
 def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
     gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
-    frames = gateway.run(leave_early(gateway, secret, {"model": "chat", "prompt": "slow",
+    frames = gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "slow",
                                                        "stream": True}, after_frames=3))
 
     assert len(frames) == 3
@@ -456,7 +516,7 @@ def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
 def test_a_client_that_leaves_before_any_usage_is_billed_for_its_prompt(
     gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
-    frames = gateway.run(leave_early(gateway, secret, {"model": "chat", "prompt": "slow"},
+    frames = gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "slow"},
                                      after_seconds=0.3))
 
     assert frames == []  # gone before the slow answer was ready

@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from uuid import uuid4
 
 import orjson
@@ -10,13 +11,14 @@ from django.conf import settings
 from redis.asyncio import Redis
 
 from accounts.principals import KeyIdentity
+from billing.usage_stream import ADMITTED, ADMITTED_SEEN, lease_ms
 from gateway.errors import GatewayError, from_engine
 from gateway.limits import (
     COUNTER_TTL_MS,
-    STALE_AFTER_MS,
     WINDOW_MS,
+    Admission,
     Limiter,
-    counter_names,
+    counter_name,
     in_flight_name,
     seconds_until_room,
 )
@@ -27,20 +29,55 @@ def identity(**limits: int) -> KeyIdentity:
                        revoked=False, **limits)
 
 
-def admit_all(key: KeyIdentity, times: int, now_ms: int) -> list[int]:
-    async def run() -> list[int]:
-        redis = Redis.from_url(settings.REDIS_URL)
+def clean_minute() -> int:
+    """The start of a minute no test has counted in yet."""
+    return (int(time.time() * 1000) // WINDOW_MS + 10) * WINDOW_MS
+
+
+async def with_redis(work: Callable[[Redis], Awaitable[object]]) -> object:
+    redis = Redis.from_url(settings.REDIS_URL)
+    try:
+        return await work(redis)
+    finally:
+        await redis.aclose()
+
+
+def admit_all(key: KeyIdentity, times: int, now_ms: int, tokens: int = 1) -> list[int]:
+    async def run(redis: Redis) -> list[int]:
         limiter = Limiter(redis)
         statuses = []
-        for number in range(times):
+        for _ in range(times):
             try:
-                await limiter.admit(identity=key, request_id=f"r{number}", now_ms=now_ms)
+                await limiter.admit(identity=key, request_id=f"r{uuid4().hex}", now_ms=now_ms,
+                                    tokens=tokens, trace=b"{}")
                 statuses.append(200)
             except GatewayError as error:
                 statuses.append(error.status)
-        await redis.aclose()
         return statuses
-    return asyncio.run(run())
+    return asyncio.run(with_redis(run))
+
+
+def admit(key: KeyIdentity, now_ms: int, tokens: int = 1) -> Admission:
+    return asyncio.run(with_redis(lambda redis: Limiter(redis).admit(
+        identity=key, request_id=f"r{uuid4().hex}", now_ms=now_ms, tokens=tokens,
+        trace=b"{}")))
+
+
+def settle(admission: Admission, *, tokens: int = 0, now_ms: int = 0, renew: bool = False) -> None:
+    """Send the admission's renewal (at `now_ms`) or its release."""
+    async def run(redis: Redis) -> None:
+        pipe = redis.pipeline(transaction=True)
+        if renew:
+            admission.renew(pipe, now_ms=now_ms)
+        else:
+            admission.release(pipe, tokens=tokens, now_ms=now_ms)
+        await pipe.execute()
+    asyncio.run(with_redis(run))
+
+
+def counted(key: KeyIdentity, kind: str, window: int) -> int:
+    return int(asyncio.run(with_redis(lambda redis: redis.get(counter_name(key, kind, window))))
+               or 0)
 
 
 @pytest.mark.parametrize(("current", "previous", "limit", "elapsed_ms", "expected"), [
@@ -56,56 +93,107 @@ def test_it_says_how_long_until_there_is_room(current: int, previous: int, limit
                               elapsed_ms=elapsed_ms) == expected
 
 
+def test_the_wait_is_for_room_enough_for_the_whole_reservation() -> None:
+    # 50 wanted of 100 with 40 used: room now. With 80 used: 45 s to this minute's end,
+    # then 22.5 s more until the last minute's 80 weighs no more than 50.
+    assert seconds_until_room(current=40, previous=0, limit=100, elapsed_ms=15_000,
+                              needed=50) == 1
+    assert seconds_until_room(current=80, previous=0, limit=100, elapsed_ms=15_000,
+                              needed=50) == 45 + 23
+
+
 def test_the_request_limit_counts_this_and_last_minute() -> None:
     key = identity(requests_per_minute=4)
-    minute = (int(time.time() * 1000) // WINDOW_MS + 10) * WINDOW_MS  # a clean window
+    minute = clean_minute()
 
     assert admit_all(key, 5, minute) == [200, 200, 200, 200, 429]
     # Half-way through the next minute the last one still weighs 2 of its 4.
     assert admit_all(key, 3, minute + WINDOW_MS + WINDOW_MS // 2) == [200, 200, 429]
 
 
-def test_a_slot_held_by_a_dead_gateway_expires() -> None:
+def test_a_slot_held_by_a_dead_gateway_is_free_within_a_minute() -> None:
     key = identity(max_concurrent_requests=1)
     now = int(time.time() * 1000)
     assert admit_all(key, 2, now) == [200, 429]
 
-    assert admit_all(key, 1, now + STALE_AFTER_MS + 1) == [200]
+    assert lease_ms() <= WINDOW_MS
+    assert admit_all(key, 1, now + lease_ms() + 1) == [200]
+
+
+def test_a_slot_its_gateway_renews_stays_taken() -> None:
+    key = identity(max_concurrent_requests=1)
+    now = int(time.time() * 1000)
+    running = admit(key, now)
+
+    settle(running, renew=True, now_ms=now + lease_ms() - 1)
+
+    assert admit_all(key, 1, now + lease_ms() + 1) == [429]
+    settle(running, now_ms=now + lease_ms() + 2)
+    assert admit_all(key, 1, now + lease_ms() + 3) == [200]
 
 
 def test_no_limit_means_no_counting() -> None:
     key = identity()
     assert admit_all(key, 3, int(time.time() * 1000)) == [200, 200, 200]
 
-    async def held() -> int:
-        redis = Redis.from_url(settings.REDIS_URL)
-        count = await redis.zcard(in_flight_name(key.organization_id))
-        await redis.aclose()
-        return count
-    assert asyncio.run(held()) == 0
+    held = asyncio.run(with_redis(lambda redis: redis.zcard(in_flight_name(key.organization_id))))
+    assert held == 0
 
 
-def test_a_release_gives_the_slot_back_and_counts_the_tokens_in_the_admitted_window() -> None:
-    key = identity(tokens_per_minute=100, max_concurrent_requests=1)
+def test_admission_traces_the_request_for_the_ledger() -> None:
     now = int(time.time() * 1000)
 
-    async def admit_and_release() -> tuple[int, int, int]:
-        redis = Redis.from_url(settings.REDIS_URL)
-        admission = await Limiter(redis).admit(identity=key, request_id="r1", now_ms=now)
-        pipe = redis.pipeline(transaction=False)
-        admission.release(pipe, tokens=11)
-        await pipe.execute()
-        tokens_counter = counter_names(key, now // WINDOW_MS)[2]
-        held = await redis.zcard(in_flight_name(key.organization_id))
-        tokens = int(await redis.get(tokens_counter))
-        ttl = await redis.pttl(tokens_counter)
-        await redis.aclose()
-        return held, tokens, ttl
+    async def run(redis: Redis) -> tuple[object, object]:
+        await Limiter(redis).admit(identity=identity(), request_id="r-traced", now_ms=now,
+                                   tokens=1, trace=b'{"request_id": "r-traced"}')
+        traced = await redis.hget(ADMITTED, "r-traced"), await redis.zscore(ADMITTED_SEEN,
+                                                                            "r-traced")
+        await redis.hdel(ADMITTED, "r-traced")
+        await redis.zrem(ADMITTED_SEEN, "r-traced")
+        return traced
 
-    held, tokens, ttl = asyncio.run(admit_and_release())
+    assert asyncio.run(with_redis(run)) == (b'{"request_id": "r-traced"}', now)
 
-    assert (held, tokens) == (0, 11)
+
+def test_running_requests_hold_their_reservation_until_they_end() -> None:
+    key = identity(tokens_per_minute=100)
+    minute = clean_minute()
+    first = admit(key, minute, tokens=60)
+
+    # Nothing has ended yet, and 60 of the 100 are reserved.
+    assert admit_all(key, 1, minute + 1, tokens=60) == [429]
+    settle(first, tokens=10, now_ms=minute + 2)  # it used 10 of its 60
+
+    assert counted(key, "tok", minute // WINDOW_MS) == 10
+    assert admit_all(key, 1, minute + 3, tokens=60) == [200]
+
+
+def test_a_request_reserves_at_most_the_whole_limit() -> None:
+    key = identity(tokens_per_minute=100)
+
+    assert admit_all(key, 2, clean_minute(), tokens=1_000) == [200, 429]
+
+
+def test_a_request_that_outlasts_its_minute_counts_its_excess_when_it_ends() -> None:
+    key = identity(tokens_per_minute=1_000)
+    minute = clean_minute()
+    long = admit(key, minute, tokens=50)
+
+    settle(long, tokens=80, now_ms=minute + 3 * WINDOW_MS)
+
+    assert counted(key, "tok", minute // WINDOW_MS + 3) == 30
+    ttl = asyncio.run(with_redis(lambda redis: redis.pttl(
+        counter_name(key, "tok", minute // WINDOW_MS + 3))))
     assert 0 < ttl <= COUNTER_TTL_MS
+
+
+def test_a_release_gives_the_slot_back() -> None:
+    key = identity(max_concurrent_requests=1)
+    now = int(time.time() * 1000)
+
+    settle(admit(key, now), tokens=11, now_ms=now)
+
+    assert admit_all(key, 1, now) == [200]
 
 
 @pytest.mark.parametrize(("status", "message", "expected"), [
