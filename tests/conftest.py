@@ -6,6 +6,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import psycopg
 import pytest
 import redis
@@ -15,12 +16,18 @@ from django.db.backends.postgresql.operations import DatabaseOperations
 from rest_framework.test import APIClient
 
 from accounts.models import Organization, User
-from endpoints.models import Node
+from endpoints.models import Endpoint, Node
 from endpoints.services import do_load_catalogs
 from engine.devices import HostResources
 from engine.processes import free_port
 from nodes.services import do_register_node
-from tests.factories import UserFactory, api_key, organization_with_owner
+from tests.factories import (
+    UserFactory,
+    api_key,
+    inference_key,
+    organization_with_owner,
+    ready_endpoint,
+)
 from tests.helpers import (
     ENGINE_TIMINGS,
     NODE_LOST_AFTER_SECONDS,
@@ -178,6 +185,27 @@ def stub_ports() -> Iterator[list[int]]:
     yield ports
     for process in processes:
         stop(process)
+
+
+@pytest.fixture
+def stubs(stub_ports: list[int]) -> Iterator[list[httpx.Client]]:
+    """Clients of the stand-in engines, with what they were sent forgotten."""
+    clients = [httpx.Client(base_url=f"http://127.0.0.1:{port}") for port in stub_ports]
+    for client in clients:
+        client.delete("/_requests")
+    yield clients
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture
+def endpoint(org: Organization, stub_ports: list[int]) -> Endpoint:
+    return ready_endpoint(org, "chat", stub_ports[:1])
+
+
+@pytest.fixture
+def secret(org: Organization) -> str:
+    return inference_key(org)[1]
 
 
 @pytest.fixture

@@ -2,8 +2,8 @@
 
     python -m uvicorn tests.stub_upstream:app --port P
 
-It keeps every completion request it was sent (GET /_requests), counts a prompt's words as
-its tokens (POST /tokenize), and behaves by the prompt (or the
+It keeps every completion request it was sent (GET /_requests), with the gateway's request
+id; counts a prompt's words as its tokens (POST /tokenize); and behaves by the prompt (or the
 last chat message): "context" answers vLLM's context-length 400, "slow" takes its time
 (a second, or a chunk every 0.2 s), "drop" dies after two chunks of a stream; anything else
 is answered at once with usage. Streams carry running usage when asked, as vLLM's do.
@@ -57,8 +57,10 @@ async def app(scope: dict, receive: object, send: object) -> None:
     if scope["path"] == "/tokenize":  # one token a word, as far as the stub's tokenizer goes
         await _respond(send, 200, orjson.dumps({"count": len(_prompt(request).split())}))
         return
+    headers = dict(scope["headers"])
     RECEIVED.append({"path": scope["path"], "body": request,
-                     "authorization": dict(scope["headers"]).get(b"authorization", b"").decode()})
+                     "authorization": headers.get(b"authorization", b"").decode(),
+                     "request_id": headers.get(b"x-request-id", b"").decode()})
     prompt = _prompt(request)
     if prompt == "context":
         await _respond(send, 400, CONTEXT_ERROR)

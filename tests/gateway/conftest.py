@@ -2,12 +2,8 @@ import asyncio
 import threading
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
-from accounts.models import Organization
-from endpoints.models import Endpoint
-from tests.factories import inference_key, ready_endpoint
 from tests.gateway.helpers import InProcessGateway
 
 
@@ -30,24 +26,3 @@ def gateway(gateway_loop: asyncio.AbstractEventLoop,
     app = InProcessGateway(gateway_loop)
     yield app
     app.stop()
-
-
-@pytest.fixture
-def stubs(stub_ports: list[int]) -> Iterator[list[httpx.Client]]:
-    """Clients of the stand-in engines, with what they were sent forgotten."""
-    clients = [httpx.Client(base_url=f"http://127.0.0.1:{port}") for port in stub_ports]
-    for client in clients:
-        client.delete("/_requests")
-    yield clients
-    for client in clients:
-        client.close()
-
-
-@pytest.fixture
-def endpoint(org: Organization, stub_ports: list[int]) -> Endpoint:
-    return ready_endpoint(org, "chat", stub_ports[:1])
-
-
-@pytest.fixture
-def secret(org: Organization) -> str:
-    return inference_key(org)[1]

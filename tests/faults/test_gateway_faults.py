@@ -1,0 +1,96 @@
+"""Faults under load at the gateway: the web process killed outright. Every request it
+admitted must end up in the ledger, once.
+
+The stand-in engine keeps the gateway's request id of every request it was sent, which is
+the set of requests that were admitted and reached an engine."""
+
+import signal
+import threading
+from collections.abc import Callable
+
+import httpx
+import orjson
+import pytest
+from django.test import override_settings
+
+from billing.models import UsageRecord
+from billing.services import do_ingest_usage
+from billing.usage_stream import INTERRUPTED_CODE
+from endpoints.models import Endpoint
+from engine.processes import free_port
+from tests.gateway.helpers import received
+from tests.helpers import start_web, stop, wait_until
+
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
+
+CONCURRENCY = 8
+# The killed web process and this test's ingestion agree on a short lease, so that the
+# requests of the dead process are recorded within seconds rather than half a minute.
+LEASE_SECONDS = 3
+
+
+class Load:
+    """CONCURRENCY clients sending slow requests, streamed and not, until stopped."""
+
+    def __init__(self, base: str, secret: str) -> None:
+        self._base, self._secret = base, secret
+        self._stopping = threading.Event()
+        self.statuses: list[int] = []
+        self.transport_errors = 0
+        self._threads = [threading.Thread(target=self._client, args=(number % 2 == 0,))
+                         for number in range(CONCURRENCY)]
+
+    def __enter__(self) -> "Load":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stopping.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _client(self, stream: bool) -> None:
+        body = orjson.dumps({"model": "chat", "prompt": "slow", "stream": stream})
+        headers = {"Authorization": f"Bearer {self._secret}"}
+        while not self._stopping.is_set():
+            try:
+                response = httpx.post(f"{self._base}/v1/completions", content=body,
+                                      headers=headers, timeout=30)
+                self.statuses.append(response.status_code)
+            except httpx.TransportError:
+                self.transport_errors += 1
+
+
+def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request(
+    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
+) -> None:
+    port = free_port()
+    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+    try:
+        with Load(f"http://127.0.0.1:{port}", secret) as load:
+            # Some requests done, CONCURRENCY more at the engine.
+            assert wait_until(lambda: len(received(stubs[0])) >= 3 * CONCURRENCY, 30,
+                              interval=0.05)
+            web.send_signal(signal.SIGKILL)
+            web.wait(10)
+    finally:
+        stop(web)
+    admitted = {request["request_id"] for request in received(stubs[0])}
+
+    with override_settings(KVRUN_GATEWAY_LEASE_SECONDS=LEASE_SECONDS):
+        assert wait_until(lambda: do_ingest_usage() == 0 and admitted <= set(
+            UsageRecord.objects.values_list("request_id", flat=True)),
+            LEASE_SECONDS + 10, interval=0.5)
+
+    records = UsageRecord.objects.filter(request_id__in=admitted)
+    interrupted = records.filter(error_code=INTERRUPTED_CODE)
+    figures(sent=len(load.statuses) + load.transport_errors, admitted=len(admitted),
+            stored=records.count(), interrupted=interrupted.count(),
+            without_record=len(admitted) - records.count(),
+            server_errors=sum(status >= 500 for status in load.statuses))
+    assert records.count() == len(admitted)
+    assert load.transport_errors >= CONCURRENCY - 1  # the requests the kill cut off
+    assert interrupted.count() >= CONCURRENCY // 2  # in flight at the kill
+    assert all(record.prompt_tokens > 0 for record in interrupted)
+    assert not load.statuses or max(load.statuses) < 500
