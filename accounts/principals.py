@@ -2,6 +2,7 @@
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 from uuid import UUID
 
 from django.utils import timezone
@@ -23,6 +24,15 @@ class KeyIdentity:
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     max_concurrent_requests: int = 0
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "KeyIdentity":
+        """The identity from the JSON that the cache holds (orjson's form of this class)."""
+        expires_at = data["expires_at"]
+        return cls(**{**data, "id": UUID(data["id"]),
+                      "organization_id": UUID(data["organization_id"]),
+                      "expires_at": datetime.fromisoformat(expires_at) if expires_at else None,
+                      "endpoint_names": tuple(data["endpoint_names"])})
 
     def is_usable(self) -> bool:
         if self.revoked:

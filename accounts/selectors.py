@@ -21,17 +21,19 @@ def key_cache_name(digest: str) -> str:
 
 
 def get_key_identity(*, secret: str) -> KeyIdentity | None:
-    """The usable key for `secret`, or None. Served from the cache for a few seconds."""
+    """The usable key for `secret`, or None. Served from the cache for a few seconds, an
+    unknown key too (False there), so that a flood of made-up keys does not reach the
+    database for each."""
     if not secret.startswith(tokens.API_KEY_PREFIX):
         return None
     digest = secret_digest(secret)
-    identity: KeyIdentity | None = cache.get(key_cache_name(digest))
-    if identity is None:
+    cached = cache.get(key_cache_name(digest))
+    if cached is None:
         identity = key_identity_from_database(digest=digest)
-        if identity is None:
-            return None
-        cache.set(key_cache_name(digest), identity, settings.KVRUN_API_KEY_CACHE_SECONDS)
-    return identity if identity.is_usable() else None
+        cache.set(key_cache_name(digest), identity or False, settings.KVRUN_API_KEY_CACHE_SECONDS)
+    else:
+        identity = KeyIdentity.from_json(cached) if cached else None
+    return identity if identity is not None and identity.is_usable() else None
 
 
 def key_identity_from_database(*, digest: str) -> KeyIdentity | None:

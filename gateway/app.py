@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import time
 import uuid
 from typing import Any
@@ -41,7 +42,7 @@ from gateway.asgi import (
 from gateway.directory import Directory, Route
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
-from gateway.limits import Limiter
+from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     OPERATIONS,
     estimated_prompt_tokens,
@@ -51,6 +52,8 @@ from gateway.protocol import (
 )
 from gateway.proxy import Proxy
 from gateway.sink import UsageSink
+
+logger = logging.getLogger(__name__)
 
 STARTING_STATES = {State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING}
 
@@ -78,7 +81,7 @@ class Gateway:
         async with self._start_lock:
             if self._started:
                 return
-            self.redis = Redis.from_url(settings.REDIS_URL)
+            self.redis = Redis.from_url(settings.REDIS_URL, **settings.REDIS_OPTIONS)
             self.directory = Directory(key_seconds=settings.KVRUN_API_KEY_CACHE_SECONDS,
                                        route_seconds=settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS)
             self.limiter = Limiter(self.redis)
@@ -108,16 +111,23 @@ class Gateway:
         self._started = False
 
     async def _follow_revocations(self) -> None:
-        """Forget a revoked key the moment it is revoked anywhere, not a cache TTL later."""
-        while True:
-            try:
-                async with self.redis.pubsub() as pubsub:
-                    await pubsub.subscribe(KEY_REVOKED_CHANNEL)
-                    async for message in pubsub.listen():
-                        if message["type"] == "message":
-                            self.directory.forget_key(message["data"].decode())
-            except (RedisError, OSError):
-                await asyncio.sleep(1.0)
+        """Forget a revoked key the moment it is revoked anywhere, not a cache TTL later.
+        The subscription waits for messages without end, so its client has no read timeout
+        (the cache TTL still bounds how long a revoked key lives)."""
+        listener = Redis.from_url(settings.REDIS_URL,
+                                  socket_connect_timeout=settings.KVRUN_REDIS_TIMEOUT_SECONDS)
+        try:
+            while True:
+                try:
+                    async with listener.pubsub() as pubsub:
+                        await pubsub.subscribe(KEY_REVOKED_CHANNEL)
+                        async for message in pubsub.listen():
+                            if message["type"] == "message":
+                                self.directory.forget_key(message["data"].decode())
+                except (RedisError, OSError):
+                    await asyncio.sleep(1.0)
+        finally:
+            await listener.aclose()
 
     # --- routing ----------------------------------------------------------------------------
 
@@ -180,7 +190,8 @@ class Gateway:
     async def _complete(self, exchange: Exchange, scope: ASGIScope, receive: Receive,
                         send: Send) -> None:
         identity = await self._authenticate(scope)
-        payload = parse_request(await read_body(scope, exchange.waiting_on_client(receive)))
+        body = await read_body(scope, exchange.waiting_on_client(receive))
+        payload = parse_request(body)
         route = await self._route(identity, payload["model"])
         exchange.identity, exchange.route = identity, route
         exchange.stream = bool(payload.get("stream"))
@@ -188,26 +199,19 @@ class Gateway:
         key = header(scope, b"idempotency-key")
         if key:
             exchange.idempotency_key = idempotency.validate(key)
-            replay = await self.idempotency.reserve(
-                organization_id=identity.organization_id, key=key,
+            exchange.idempotency = idempotency.Claim.of(
+                api_key_id=identity.id, endpoint_id=route.endpoint_id, key=key, body=body,
                 request_id=exchange.request_id)
+            replay = await self._reserve(exchange.idempotency)
             if replay is not None:
                 await respond(send, exchange, 200, replay,
                               [JSON, (b"x-kvrun-idempotent-replay", b"true")])
                 return
-        try:
-            exchange.admission = await self.limiter.admit(
-                identity=identity, request_id=exchange.request_id, now_ms=exchange.started_ms,
-                tokens=tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
-                                         context_length=route.context_length),
-                trace=exchange.interrupted_report().encode())
-        except GatewayError:
-            await self._settle_idempotency(exchange, succeeded=False, body=None)
-            raise
+        exchange.admission = await self._admit(exchange, payload)
         self.sink.track(exchange)
-        body = None
+        answer = None
         try:
-            body = await self.proxy.forward(exchange, payload, receive, send)
+            answer = await self.proxy.forward(exchange, payload, receive, send)
         except GatewayError as error:
             exchange.status, exchange.error_code = error.status, error.code or ""
             await send_error(send, exchange, error)
@@ -220,7 +224,40 @@ class Gateway:
             exchange.status, exchange.error_code = 500, "gateway_error"
             raise
         finally:
-            await self._finish(exchange, payload, body)
+            await self._finish(exchange, payload, answer)
+
+    async def _reserve(self, claim: idempotency.Claim) -> bytes | None:
+        try:
+            return await self.idempotency.reserve(claim)
+        except (RedisError, OSError):
+            raise GatewayError(503, "kvrun cannot make sure right now that a request with an "
+                               "Idempotency-Key runs only once (its store is unreachable); "
+                               "retry in a few seconds.", code="idempotency_unavailable",
+                               headers=[(b"retry-after", b"5")]) from None
+
+    async def _admit(self, exchange: Exchange, payload: dict[str, Any]) -> Admission:
+        """The request's admission under its key's limits; a 429 frees its Idempotency-Key.
+        While Redis, where the limits live, cannot be reached, requests are let in
+        unlimited: each endpoint has engines of its own, so a tenant over its limit for
+        that while weighs on its own engines, and refusing every request would stop all."""
+        assert exchange.identity is not None and exchange.route is not None
+        try:
+            return await self.limiter.admit(
+                identity=exchange.identity, request_id=exchange.request_id,
+                now_ms=exchange.started_ms,
+                tokens=tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
+                                         context_length=exchange.route.context_length),
+                trace=exchange.interrupted_report().encode())
+        except GatewayError as refusal:
+            exchange.status = refusal.status
+            await self._settle(exchange, answer=None)
+            raise
+        except (RedisError, OSError) as exc:
+            logger.warning("limits unreachable (%s); %s admitted without them", exc,
+                           exchange.request_id)
+            return Admission(request_id=exchange.request_id, identity=exchange.identity,
+                             headers=[], window=exchange.started_ms // WINDOW_MS,
+                             reserved_tokens=0, in_flight_set=None)
 
     async def _route(self, identity: KeyIdentity, name: str) -> Route:
         route = (await self.directory.routes(identity.organization_id)).get(name)
@@ -235,22 +272,26 @@ class Gateway:
         return route
 
     async def _finish(self, exchange: Exchange, payload: dict[str, Any],
-                      body: bytes | None) -> None:
-        """Give the limits back and queue the usage record; runs for every admitted request,
-        however it ended."""
+                      answer: bytes | None) -> None:
+        """Queue the usage record and the release of the limits, and keep the outcome for
+        the Idempotency-Key; runs for every admitted request, however it ended."""
         if exchange.disconnected:
             exchange.status, exchange.error_code = 499, "client_disconnected"
             if not exchange.usage_seen and exchange.upstream is not None:
                 exchange.prompt_tokens = await self.proxy.count_prompt_tokens(exchange, payload)
         self.sink.add(exchange)
-        await self._settle_idempotency(exchange, succeeded=exchange.status == 200, body=body)
+        await self._settle(exchange, answer=answer)
 
-    async def _settle_idempotency(self, exchange: Exchange, *, succeeded: bool,
-                                  body: bytes | None) -> None:
-        if exchange.idempotency_key and exchange.identity is not None:
-            await self.idempotency.settle(
-                organization_id=exchange.identity.organization_id, key=exchange.idempotency_key,
-                request_id=exchange.request_id, succeeded=succeeded, body=body)
+    async def _settle(self, exchange: Exchange, *, answer: bytes | None) -> None:
+        if exchange.idempotency is None:
+            return
+        try:
+            await self.idempotency.settle(exchange.idempotency, answer=answer,
+                                          succeeded=exchange.status == 200)
+        except (RedisError, OSError) as exc:
+            # The running key is a lease: a repeat may run again once it has expired.
+            logger.warning("could not settle the Idempotency-Key of %s (%s)",
+                           exchange.request_id, exc)
 
 
 def _allowed(identity: KeyIdentity, name: str) -> bool:

@@ -12,6 +12,7 @@ from typing import Any
 from accounts.principals import KeyIdentity
 from billing.usage_stream import INTERRUPTED_CODE, INTERRUPTED_STATUS, UsageReport
 from gateway.directory import Route, Upstream
+from gateway.idempotency import Claim
 from gateway.limits import Admission
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -28,6 +29,7 @@ class Exchange:
     upstream: Upstream | None = None
     admission: Admission | None = None
     idempotency_key: str = ""
+    idempotency: Claim | None = None
     stream: bool = False
     status: int = 200
     error_code: str = ""
@@ -60,7 +62,8 @@ class Exchange:
         waited = self.upstream_seconds + self.client_seconds
         return max(0.0, self.elapsed_ms() - waited * 1000)
 
-    def waiting_on_client(self, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    def waiting_on_client(
+            self, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         """`call` (the ASGI receive or send) with the time it blocks kept apart: a client
         that uploads slowly or stops reading is not the gateway's overhead."""
         async def timed(*args: Any) -> Any:

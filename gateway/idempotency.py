@@ -1,25 +1,37 @@
 """`Idempotency-Key`: a request repeated with the same key does not run (or bill) again.
 
-The first request with a key reserves it in Redis (SET NX). While it runs, a repeat is a 409.
-When it succeeds, a non-streamed answer is kept and a repeat gets it again, marked with
-`x-kvrun-idempotent-replay`; a streamed one cannot be replayed, so a repeat is a 409 naming
-the first request. When it fails, the key is released so that the client's retry runs.
+A key belongs to the API key that sent it and the endpoint it names, and it remembers a
+digest of the request body: the same key with another body is a 422, never someone else's
+answer. The first request reserves the key in Redis (SET NX) as a lease that its gateway
+renews while it runs (the usage sink), so the key of a request whose gateway died is free
+again within a minute; while it runs, a repeat is a 409. When it succeeds, a non-streamed
+answer of up to MAX_KEPT_BYTES is kept for KVRUN_IDEMPOTENCY_HOURS and a repeat gets it
+again, marked with `x-kvrun-idempotent-replay`; a streamed or larger answer is not kept, so
+a repeat is a 409 naming the first request. When it fails, the key is released so that the
+client's retry runs.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 
+from billing.usage_stream import lease_ms
 from gateway.errors import GatewayError
 
 MAX_KEY_LENGTH = 255
-
-
-def _name(organization_id: object, key: str) -> str:
-    return f"kvrun:idem:{organization_id}:{hashlib.sha256(key.encode()).hexdigest()}"
+# Answers are kept in the Redis that also carries the broker and the usage ledger: a bound
+# on each, well above an ordinary completion's few kilobytes.
+MAX_KEPT_BYTES = 64 * 1024
+RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
 
 
 def validate(key: str) -> str:
@@ -29,35 +41,71 @@ def validate(key: str) -> str:
     return key
 
 
+@dataclass(frozen=True)
+class Claim:
+    """One request's hold on an Idempotency-Key."""
+
+    name: str
+    request_id: str
+    body_digest: str
+
+    @classmethod
+    def of(cls, *, api_key_id: object, endpoint_id: str, key: str, body: bytes,
+           request_id: str) -> Claim:
+        scope = hashlib.sha256(f"{api_key_id}:{endpoint_id}:{key}".encode()).hexdigest()
+        return cls(name=f"kvrun:idem:{scope}", request_id=request_id,
+                   body_digest=hashlib.sha256(body).hexdigest())
+
+    def running(self) -> bytes:
+        return orjson.dumps({"state": "running", "request_id": self.request_id,
+                             "body_digest": self.body_digest})
+
+    def renew(self, pipe: Pipeline) -> None:
+        """Queue on `pipe` the renewal of the running request's lease; a no-op once the
+        request has settled, whichever reaches Redis first."""
+        pipe.eval(RENEW, 1, self.name, self.running(), lease_ms())
+
+
 class Idempotency:
     def __init__(self, redis: Redis, *, ttl_seconds: int) -> None:
         self._redis = redis
-        self._ttl = ttl_seconds
+        self._ttl_seconds = ttl_seconds
 
-    async def reserve(self, *, organization_id: object, key: str, request_id: str) -> bytes | None:
-        """Reserve `key` for this request. Returns a stored answer to replay, or None when
-        the request should run; raises 409 while the first request runs or after a stream."""
-        name = _name(organization_id, key)
-        claim = orjson.dumps({"state": "running", "request_id": request_id})
-        if await self._redis.set(name, claim, nx=True, ex=self._ttl):
+    async def reserve(self, claim: Claim) -> bytes | None:
+        """Reserve the key for this request. Returns a kept answer to replay, or None when
+        the request should run; raises 409 while the first request runs or when its answer
+        was not kept, and 422 when the first request had another body."""
+        if await self._redis.set(claim.name, claim.running(), nx=True, px=lease_ms()):
             return None
-        held = await self._redis.get(name)
-        first = orjson.loads(held) if held else {"state": "running", "request_id": "unknown"}
-        if first["state"] == "done" and first.get("body") is not None:
+        held = await self._redis.get(claim.name)
+        if held is None:  # the first one ended and freed the key just now
+            return await self.reserve(claim)
+        first: dict[str, Any] = orjson.loads(held)
+        if first["body_digest"] != claim.body_digest:
+            raise GatewayError(422, f"This Idempotency-Key was used by request "
+                               f"{first['request_id']} with a different body; a key stands "
+                               "for one request. Send a new Idempotency-Key for a new request.",
+                               code="idempotency_key_reused", param="Idempotency-Key")
+        if first["state"] == "done" and first["body"] is not None:
             return first["body"].encode()
-        doing = "is still running" if first["state"] == "running" else "was streamed"
+        if first["state"] == "running":
+            doing = "is still running"
+        elif first["streamed"]:
+            doing = "was streamed, and a stream cannot be replayed"
+        else:
+            doing = f"answered more than {MAX_KEPT_BYTES // 1024} KiB, which is not kept"
         raise GatewayError(409, f"A request with this Idempotency-Key ({first['request_id']}) "
                            f"{doing}; it runs only once. Send a new Idempotency-Key to run "
                            "another request.", code="idempotency_key_reused",
                            param="Idempotency-Key")
 
-    async def settle(self, *, organization_id: object, key: str, request_id: str,
-                     succeeded: bool, body: bytes | None) -> None:
-        """Keep the outcome of a successful request; release the key of a failed one."""
-        name = _name(organization_id, key)
+    async def settle(self, claim: Claim, *, succeeded: bool, answer: bytes | None) -> None:
+        """Keep what a repeat will get: the answer of a successful request (None when it
+        was streamed), or the key freed when the request failed or never ran."""
         if not succeeded:
-            await self._redis.delete(name)
+            await self._redis.delete(claim.name)
             return
-        outcome = {"state": "done", "request_id": request_id,
-                   "body": body.decode() if body is not None else None}
-        await self._redis.set(name, orjson.dumps(outcome), ex=self._ttl)
+        kept = answer.decode() if answer is not None and len(answer) <= MAX_KEPT_BYTES else None
+        outcome = {"state": "done", "request_id": claim.request_id,
+                   "body_digest": claim.body_digest, "body": kept, "streamed": answer is None}
+        await self._redis.set(claim.name, orjson.dumps(outcome), ex=self._ttl_seconds)

@@ -124,7 +124,8 @@ class UsageSink:
             self.counts["redis"] += len(records)
             return True
         except (RedisError, OSError) as exc:
-            # Limit slots expire on their own; the records must not be lost.
+            # Limit slots and running Idempotency-Keys are leases that expire on their own;
+            # the records must not be lost.
             logger.warning("usage stream unreachable (%s); writing %d record(s) to PostgreSQL",
                            exc, len(records))
         if not records:
@@ -150,6 +151,8 @@ class UsageSink:
         for request_id, exchange in self._running.items():
             assert exchange.admission is not None
             exchange.admission.renew(pipe, now_ms=now_ms)
+            if exchange.idempotency is not None:
+                exchange.idempotency.renew(pipe)
             pipe.hset(usage_stream.ADMITTED, request_id,
                       exchange.interrupted_report().encode())
             pipe.zadd(usage_stream.ADMITTED_SEEN, {request_id: now_ms})

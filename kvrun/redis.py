@@ -11,4 +11,4 @@ from django.conf import settings
 
 @cache
 def redis_client() -> redis.Redis:
-    return redis.Redis.from_url(settings.REDIS_URL)
+    return redis.Redis.from_url(settings.REDIS_URL, **settings.REDIS_OPTIONS)

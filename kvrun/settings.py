@@ -88,11 +88,20 @@ DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env.str("REDIS_URL")
+# A Redis that hangs fails the requests that need it instead of hanging them: every client
+# gives up on a connection or a reply after this long.
+KVRUN_REDIS_TIMEOUT_SECONDS = env.float("KVRUN_REDIS_TIMEOUT_SECONDS", default=2.0)
+REDIS_OPTIONS = {
+    "socket_timeout": KVRUN_REDIS_TIMEOUT_SECONDS,
+    "socket_connect_timeout": KVRUN_REDIS_TIMEOUT_SECONDS,
+    "health_check_interval": 30,
+}
 CACHES = {
     "default": {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "kvrun",
+        "OPTIONS": {**REDIS_OPTIONS, "serializer": "kvrun.cache.JSONSerializer"},
     }
 }
 
@@ -230,6 +239,11 @@ SPECTACULAR_SETTINGS = {
 }
 
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)
+# The worker waits on its queue with BRPOP for a second at a time; its reads may take longer.
+CELERY_BROKER_TRANSPORT_OPTIONS = {
+    "socket_timeout": KVRUN_REDIS_TIMEOUT_SECONDS + 5,
+    "socket_connect_timeout": KVRUN_REDIS_TIMEOUT_SECONDS,
+}
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_DEFAULT_QUEUE = "control"
 CELERY_TASK_ROUTES = {

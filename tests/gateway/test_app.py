@@ -11,12 +11,15 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
+from redis.asyncio import Redis
 
 from accounts.models import APIKey, Organization
 from billing import usage_stream
 from billing.models import UsageRecord
 from endpoints.models import Endpoint, State
 from engine.processes import free_port
+from gateway.errors import GatewayError
+from gateway.idempotency import MAX_KEPT_BYTES, Claim, Idempotency
 from gateway.limits import in_flight_name
 from kvrun.digests import cache_salt, engine_api_key
 from kvrun.redis import redis_client
@@ -412,6 +415,98 @@ def test_an_idempotency_key_in_use_or_streamed_is_a_conflict(
     assert too_long.json()["error"]["param"] == "Idempotency-Key"
 
 
+def test_an_idempotency_key_belongs_to_the_api_key_and_the_endpoint_it_was_sent_with(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
+    stub_ports: list[int], stubs: list[httpx.Client]
+) -> None:
+    ready_endpoint(org, "second", stub_ports[1:])
+    _, other_secret = inference_key(org, endpoint_names=["chat"])
+    key = {"Idempotency-Key": "order-1"}
+    first = gateway.post(secret, {"model": "chat", "prompt": "hello"}, **key)
+
+    other_key = gateway.post(other_secret, {"model": "chat", "prompt": "hello"}, **key)
+    other_endpoint = gateway.post(secret, {"model": "second", "prompt": "hello"}, **key)
+
+    assert first.status_code == other_key.status_code == other_endpoint.status_code == 200
+    assert "x-kvrun-idempotent-replay" not in other_key.headers
+    assert "x-kvrun-idempotent-replay" not in other_endpoint.headers
+    assert len(received(stubs[0])) == 2 and len(received(stubs[1])) == 1
+
+
+def test_an_idempotency_key_sent_again_with_another_body_is_refused(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+) -> None:
+    key = {"Idempotency-Key": "order-1"}
+    first = gateway.post(secret, {"model": "chat", "prompt": "hello"}, **key)
+
+    changed = gateway.post(secret, {"model": "chat", "prompt": "goodbye"}, **key)
+
+    assert (first.status_code, changed.status_code) == (200, 422)
+    error = changed.json()["error"]
+    assert error["code"] == "idempotency_key_reused" and "different body" in error["message"]
+    assert first.headers["x-request-id"] in error["message"]
+    assert len(received(stubs[0])) == 1
+
+
+def test_a_request_refused_by_a_limit_or_left_by_its_client_frees_its_idempotency_key(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
+) -> None:
+    _, secret = inference_key(org, requests_per_minute=1)
+    _, other = inference_key(org)
+    assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200
+    body = {"model": "chat", "prompt": "slow"}
+
+    refused = [gateway.post(secret, body, **{"Idempotency-Key": "limited"}) for _ in range(2)]
+    gateway.run(raw_client(gateway, other, body, after_seconds=0.3,
+                           headers={"idempotency-key": "left"}))
+    retried = gateway.post(other, body, **{"Idempotency-Key": "left"})
+
+    # Refused twice by the limit, never by the key: the first refusal freed it.
+    assert [response.status_code for response in refused] == [429, 429]
+    assert retried.status_code == 200 and "x-kvrun-idempotent-replay" not in retried.headers
+    assert len(received(stubs[0])) == 3
+
+
+@override_settings(KVRUN_GATEWAY_LEASE_SECONDS=0.5)
+def test_the_idempotency_key_of_a_request_whose_gateway_died_is_free_within_its_lease(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+) -> None:
+    key = APIKey.objects.get(organization=org)
+    body = orjson.dumps({"model": "chat", "prompt": "hello"})
+    # What a gateway killed in the middle of the request left behind.
+    claim = Claim.of(api_key_id=key.id, endpoint_id=str(endpoint.id), key="order-1",
+                     body=body, request_id="req_dead")
+    redis_client().set(claim.name, claim.running(), px=500)
+
+    clash = gateway.post(secret, body, **{"Idempotency-Key": "order-1"})
+
+    assert clash.status_code == 409 and "req_dead" in clash.json()["error"]["message"]
+    assert wait_until(lambda: gateway.post(secret, body, **{"Idempotency-Key": "order-1"})
+                      .status_code == 200, 2, interval=0.1)
+
+
+def test_an_answer_too_large_to_keep_is_not_replayed() -> None:
+    claim = Claim.of(api_key_id="k", endpoint_id="e", key="order-1", body=b"{}",
+                     request_id="req_large")
+
+    async def settle_then_repeat() -> str:
+        redis = Redis.from_url(settings.REDIS_URL)
+        store = Idempotency(redis, ttl_seconds=60)
+        try:
+            assert await store.reserve(claim) is None
+            await store.settle(claim, succeeded=True, answer=b"x" * (MAX_KEPT_BYTES + 1))
+            with pytest.raises(GatewayError) as repeat:
+                await store.reserve(claim)
+            return f"{repeat.value.status} {repeat.value.message}"
+        finally:
+            await redis.delete(claim.name)
+            await redis.aclose()
+
+    assert asyncio.run(settle_then_repeat()).startswith("409 A request with this "
+                                                        "Idempotency-Key (req_large) answered "
+                                                        "more than 64 KiB")
+
+
 def test_a_key_revoked_through_kvrun_is_refused_at_once(
     gateway: InProcessGateway, endpoint: Endpoint, org: Organization, owner_api: object
 ) -> None:
@@ -443,7 +538,8 @@ def test_a_key_revoked_behind_kvrun_s_back_is_refused_within_the_cache_ttl(
 
 async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
                      after_frames: int | None = None, after_seconds: float | None = None,
-                     reading_seconds: float = 0.0) -> list[bytes]:
+                     reading_seconds: float = 0.0,
+                     headers: dict[str, str] | None = None) -> list[bytes]:
     """Call the app as a client that disconnects after `after_frames` body frames or
     `after_seconds`, and that takes `reading_seconds` to read each frame (a server's send
     blocks while its client does not read); returns the frames it got. httpx's transport
@@ -468,7 +564,9 @@ async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
                 gone.set()
 
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
-             "headers": [(b"authorization", f"Bearer {secret}".encode())]}
+             "headers": [(b"authorization", f"Bearer {secret}".encode()),
+                         *((name.encode(), value.encode())
+                           for name, value in (headers or {}).items())]}
     call = asyncio.ensure_future(gateway.app(scope, receive, send))
     if after_seconds is not None:
         await asyncio.sleep(after_seconds)
