@@ -160,6 +160,12 @@ KVRUN_INVITE_DAYS = env.int("KVRUN_INVITE_DAYS", default=7)
 KVRUN_KEY_REQUESTS_PER_MINUTE = env.int("KVRUN_KEY_REQUESTS_PER_MINUTE", default=600)
 KVRUN_KEY_TOKENS_PER_MINUTE = env.int("KVRUN_KEY_TOKENS_PER_MINUTE", default=1_000_000)
 KVRUN_ORG_MAX_CONCURRENT_REQUESTS = env.int("KVRUN_ORG_MAX_CONCURRENT_REQUESTS", default=64)
+# What one organisation may hold unless an operator sets its own quota in the admin. Sign-up
+# is self-service, so these bound what a stranger can take before anyone looks: room to try
+# several models and to run two full 8-GPU nodes, no more.
+KVRUN_ORG_MAX_ENDPOINTS = env.int("KVRUN_ORG_MAX_ENDPOINTS", default=10)
+KVRUN_ORG_MAX_GPUS = env.int("KVRUN_ORG_MAX_GPUS", default=16)
+KVRUN_ORG_MAX_REPLICAS = env.int("KVRUN_ORG_MAX_REPLICAS", default=16)
 # How long the gateway serves an endpoint's ready replicas from memory before asking again.
 KVRUN_GATEWAY_ROUTE_CACHE_SECONDS = env.float("KVRUN_GATEWAY_ROUTE_CACHE_SECONDS", default=2.0)
 # Longest wait for an engine's next byte; generation of long answers can take minutes.
