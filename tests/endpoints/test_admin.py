@@ -303,3 +303,17 @@ def test_an_operator_raises_an_organisations_quota(operator: Client, org: Organi
     org.refresh_from_db()
     assert (org.max_endpoints, org.max_gpus, org.memberships.count()) == (2, None, 1)
     assert endpoint_on(node, org, name="two").name == "two"
+
+
+def test_an_endpoint_past_its_quota_is_not_started_and_the_operator_is_told(
+        operator: Client, org: Organization, settings: object) -> None:
+    endpoint = endpoint_on(h100_node("gpu-1"), org)
+    Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.STOPPED)
+    settings.KVRUN_ORG_MAX_GPUS = 1
+
+    response = operator.post("/admin/endpoints/endpoint/", {
+        "action": "start", "_selected_action": [str(endpoint.id)]}, follow=True)
+
+    assert response.status_code == 200
+    assert b"may hold 1 GPU(s)" in response.content
+    assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.STOPPED
