@@ -1,6 +1,7 @@
 import logging
 
 import pytest
+from django.test import Client
 from rest_framework.test import APIClient
 
 from accounts.models import Invite, Membership, Organization, Role, User
@@ -170,3 +171,17 @@ def test_no_invite_link_reaches_the_log(owner_api: APIClient, org: Organization)
 
     assert lines, "the invite's creation is logged"
     assert not [line for line in lines if token in line]
+
+
+def test_the_invite_page_says_whom_the_invite_is_for(owner_api: APIClient, org: Organization,
+                                                     client: Client) -> None:
+    token = owner_api.post(invites_url(org), {"email": "ada@acme.test"},
+                           format="json").json()["token"]
+    client.force_login(UserFactory(email="eve@evil.test"))
+
+    response = client.post(f"/invite/{token}/")
+
+    assert response.status_code == 400
+    assert b"This invite is for ada@acme.test" in response.content
+    assert Invite.objects.get().state == "pending"
+    assert Membership.objects.filter(organization=org).count() == 1

@@ -198,18 +198,20 @@ def test_an_endpoint_past_the_quota_is_refused_saying_how_to_raise_it(
 
 def test_gpus_past_the_quota_are_refused_at_the_endpoints_most_replicas(
         owner_api: APIClient, org: Organization, settings: object) -> None:
-    settings.KVRUN_ORG_MAX_GPUS = 4
+    settings.KVRUN_ORG_MAX_GPUS = 5
     big = {"name": "big", "model": "llama-3.1-8b-instruct", "context_length": 8192,
-           "concurrency": 8, "gpu_type": "h100-80gb", "gpu_count": 2, "max_replicas": 3}
+           "concurrency": 8, "gpu_type": "h100-80gb", "gpu_count": 2}
+    assert owner_api.post(url(org), big, format="json").status_code == 201
 
-    response = owner_api.post(url(org), big, format="json")
+    response = owner_api.post(url(org), {**big, "name": "wider", "max_replicas": 2},
+                              format="json")
 
     assert response.status_code == 400
     message = response.json()["error"]["message"]
-    assert "may hold 4 GPU(s)" in message
-    assert "this needs 6 (3 × 2)" in message
+    assert "may hold 5 GPU(s) at their most replicas; they hold 2 and this needs 4 (2 × 2)" \
+        in message
     assert RAISE_IT in message
-    assert not Endpoint.objects.exists()
+    assert list(Endpoint.objects.values_list("name", flat=True)) == ["big"]
 
 
 def test_replicas_past_the_quota_are_refused(owner_api: APIClient, org: Organization,
