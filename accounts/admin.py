@@ -33,9 +33,16 @@ class MembershipInline(admin.TabularInline):
 
 @admin.register(Organization)
 class OrganizationAdmin(admin.ModelAdmin):
-    list_display = ["name", "slug", "max_concurrent_requests", "created_at"]
+    list_display = ["name", "slug", "max_concurrent_requests", "max_endpoints", "max_gpus",
+                    "max_replicas", "created_at"]
     list_filter = ["created_at"]
     search_fields = ["name", "slug"]
+    fieldsets = [
+        (None, {"fields": ["name", "slug", "created_at"]}),
+        # Raised here when a customer asks; the services refuse past them with a 400.
+        ("Limits and quotas (empty: the deployment's default)",
+         {"fields": ["max_concurrent_requests", "max_endpoints", "max_gpus", "max_replicas"]}),
+    ]
     inlines = [MembershipInline]
 
 

@@ -8,21 +8,23 @@ from rest_framework.decorators import api_view, permission_classes, throttle_cla
 from rest_framework.permissions import AllowAny, IsAuthenticated
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.throttling import AnonRateThrottle
 
 from accounts import selectors, serializers, services
 from accounts.models import APIKey, Invite, Membership, Organization, User
 from accounts.permissions import SignedInUser
 from accounts.principals import KeyPrincipal
 from accounts.scoping import OrganizationScoped
-from kvrun.api import validated
+from kvrun.api import AddressRateThrottle, validated
 
 
 def _creator(request: Request) -> User | None:
     return request.user if isinstance(request.user, User) else None
 
 
-class SignUpThrottle(AnonRateThrottle):
+class SignUpThrottle(AddressRateThrottle):
+    """Sign-ups per client address, through the API and the dashboard together."""
+
+    scope = "signup"
     rate = "20/hour"
 
 

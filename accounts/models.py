@@ -62,6 +62,19 @@ class Organization(models.Model):
     max_concurrent_requests = models.PositiveIntegerField(
         null=True, blank=True,
         help_text="Inference requests in flight at once; empty means the deployment's default.")
+    # Quotas; empty means the deployment's default (KVRUN_ORG_MAX_*). Operators raise them.
+    max_endpoints = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Endpoints it may have, running or stopped; empty means the deployment's "
+                  "default.")
+    max_gpus = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="GPUs its running endpoints may hold at their most replicas (CPU engines "
+                  "count as replicas only); empty means the deployment's default.")
+    max_replicas = models.PositiveIntegerField(
+        null=True, blank=True,
+        help_text="Replicas its running endpoints may scale to, all together; empty means the "
+                  "deployment's default.")
 
     def __str__(self) -> str:
         return self.name

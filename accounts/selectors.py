@@ -1,5 +1,6 @@
 """Reads for accounts: who may see what. Another organisation's objects are never found."""
 
+from dataclasses import dataclass
 from datetime import timedelta
 
 from django.conf import settings
@@ -65,6 +66,24 @@ def key_identity_from_database(*, digest: str) -> KeyIdentity | None:
 
 def _or_default(value: int | None, default: int) -> int:
     return default if value is None else value
+
+
+@dataclass(frozen=True)
+class Quota:
+    """What an organisation may hold (or, from endpoints.selectors, what it holds)."""
+
+    endpoints: int
+    gpus: int
+    replicas: int
+
+
+def quota_of(*, organization: Organization) -> Quota:
+    """The organisation's quotas: its own where an operator set one, else the deployment's."""
+    return Quota(
+        endpoints=_or_default(organization.max_endpoints, settings.KVRUN_ORG_MAX_ENDPOINTS),
+        gpus=_or_default(organization.max_gpus, settings.KVRUN_ORG_MAX_GPUS),
+        replicas=_or_default(organization.max_replicas, settings.KVRUN_ORG_MAX_REPLICAS),
+    )
 
 
 def organizations_visible_to(*, principal: Principal) -> QuerySet[Organization]:

@@ -83,7 +83,10 @@ class MemberRoleInput(StrictSerializer):
 
 
 class InviteInput(StrictSerializer):
-    email = serializers.EmailField(required=False, allow_blank=True)
+    email = serializers.EmailField(
+        required=False, allow_blank=True,
+        help_text="Only a user signed in with this address can accept; empty: anyone with the "
+                  "link.")
     role = serializers.ChoiceField(choices=Role.choices, default=Role.MEMBER)
 
 

@@ -118,8 +118,8 @@ def do_create_invite(
         created_by=created_by,
         expires_at=timezone.now() + timedelta(days=settings.KVRUN_INVITE_DAYS),
     )
-    # No mail server in development: the link goes to the log.
-    logger.info("invite link for %s: %s", organization.slug, invite_url(token))
+    # Never the link: whoever reads the log could join with it. It is shown once, to its maker.
+    logger.info("invite %s to %s created", invite.id, organization.slug)
     return invite, token
 
 
@@ -128,7 +128,8 @@ def invite_url(token: str) -> str:
 
 
 def do_accept_invite(*, token: str, user: User) -> Membership:
-    """Use an invite once: the first acceptance wins, a second one is refused."""
+    """Use an invite once: the first acceptance wins, a second one is refused. An invite made
+    for an email address is refused to anyone signed in with another, and stays usable."""
     now = timezone.now()
     unusable = ValidationError(
         {"token": ["This invite link is invalid, used, revoked or expired; ask for a new one."]}
@@ -136,6 +137,10 @@ def do_accept_invite(*, token: str, user: User) -> Membership:
     invite = Invite.objects.filter(token_digest=secret_digest(token or "")).first()
     if invite is None:
         raise unusable
+    if invite.email and invite.email != user.email:
+        raise ValidationError({"token": [
+            f"This invite is for {invite.email}; sign in as {invite.email} to accept it, or ask "
+            f"for an invite to {user.email}."]})
     try:
         with transaction.atomic():
             claimed = Invite.objects.filter(

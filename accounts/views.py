@@ -15,8 +15,10 @@ from django.shortcuts import redirect, render
 from django.utils.http import url_has_allowed_host_and_scheme
 
 from accounts import services
+from accounts.api import SignUpThrottle
 from accounts.forms import SignUpForm
 from accounts.models import Invite
+from kvrun.clients import client_address
 from kvrun.digests import secret_digest
 from kvrun.forms import add_service_errors
 
@@ -37,6 +39,10 @@ def lockout(request: HttpRequest, credentials: dict | None = None, *args: object
 def sign_up(request: HttpRequest) -> HttpResponse:
     form = SignUpForm(request.POST or None)
     next_url = request.POST.get("next") or request.GET.get("next", "")
+    if request.method == "POST" and not SignUpThrottle().allow_request(request, None):
+        form.add_error(None, "Too many sign-ups from your address; wait an hour, then try again.")
+        return render(request, "accounts/signup.html", {"form": form, "next": next_url},
+                      status=429)
     if request.method == "POST" and form.is_valid():
         try:
             user = services.do_sign_up(**form.cleaned_data)
@@ -64,7 +70,7 @@ class PasswordResetView(auth_views.PasswordResetView):
 
     def form_valid(self, form: PasswordResetForm) -> HttpResponse:
         senders = (f"password-reset:email:{form.cleaned_data['email'].lower()}",
-                   f"password-reset:ip:{self.request.META.get('REMOTE_ADDR', '')}")
+                   f"password-reset:ip:{client_address(self.request)}")
         if not all([_within_hourly_limit(name) for name in senders]):
             form.add_error("email", "Too many reset requests; wait an hour, then try again.")
             return self.render_to_response(self.get_context_data(form=form), status=429)

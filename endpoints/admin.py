@@ -192,9 +192,15 @@ class EndpointAdmin(ReadOnlyAdmin):
     def start(self, request: HttpRequest, queryset: QuerySet[Endpoint]) -> None:
         # A deleted endpoint stays stopped: the reconciler never runs one.
         endpoints = list(queryset.filter(deleted_at=None))
+        started = 0
         for endpoint in endpoints:
-            do_start_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
-        self.message_user(request, f"Starting {len(endpoints)} endpoint(s)"
+            try:
+                do_start_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
+            except ValidationError as exc:  # past its organisation's quota
+                self.refused(request, endpoint, exc)
+                continue
+            started += 1
+        self.message_user(request, f"Starting {started} endpoint(s)"
                                    f"{skipped_deleted(queryset, len(endpoints))}.",
                           messages.SUCCESS)
 
@@ -202,15 +208,21 @@ class EndpointAdmin(ReadOnlyAdmin):
                   permissions=["change"])
     def restart(self, request: HttpRequest, queryset: QuerySet[Endpoint]) -> None:
         restarted = replaced = 0
-        for endpoint in queryset:
+        endpoints = list(queryset.filter(deleted_at=None))
+        for endpoint in endpoints:
             try:
                 replaced += do_restart_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
-            except ValidationError:
+            except ValidationError as exc:  # deleted meanwhile, or past its quota
+                self.refused(request, endpoint, exc)
                 continue
             restarted += 1
         self.message_user(request, f"Restarting {restarted} endpoint(s); {replaced} replica(s) "
-                                   f"are being replaced{skipped_deleted(queryset, restarted)}.",
+                                   f"are being replaced{skipped_deleted(queryset, len(endpoints))}.",
                           messages.SUCCESS)
+
+    def refused(self, request: HttpRequest, endpoint: Endpoint, error: ValidationError) -> None:
+        self.message_user(request, f"{endpoint.name} ({endpoint.organization}): "
+                                   f"{' '.join(error.messages)}", messages.ERROR)
 
 
 def skipped_deleted(queryset: QuerySet[Endpoint], acted_on: int) -> str:

@@ -1,8 +1,20 @@
 import uuid
 
 from django.contrib.postgres.fields import ArrayField
+from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
+
+# A hard cap, whatever an organisation's quota: a reconcile pass over one endpoint costs the
+# square of its replicas, on the queue that also carries usage ingestion.
+MAX_REPLICAS_PER_ENDPOINT = 16
+
+# Engines get the name as --served-model-name, so one that starts with "-" would be read as
+# another flag (such as --trust-remote-code): a name starts with a letter.
+validate_endpoint_name = RegexValidator(
+    r"^[A-Za-z][A-Za-z0-9_-]*\Z",
+    message="Start the name with a letter, then use letters, digits and hyphens only, such as "
+            "support-chat.")
 
 
 class AttentionKind(models.TextChoices):
@@ -140,7 +152,7 @@ class Endpoint(models.Model):
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
     organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE,
                                      related_name="endpoints")
-    name = models.SlugField(max_length=63)
+    name = models.SlugField(max_length=63, validators=[validate_endpoint_name])
     model = models.ForeignKey(ModelSpec, on_delete=models.PROTECT, related_name="endpoints")
     context_length = models.PositiveIntegerField()
     concurrency = models.PositiveIntegerField()

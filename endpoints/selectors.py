@@ -1,9 +1,11 @@
 import statistics
 from collections.abc import Iterable
 
-from django.db.models import Prefetch, QuerySet
+from django.db.models import F, Prefetch, Q, QuerySet, Sum
 
-from endpoints.models import Endpoint, GPUType, ModelSpec, Replica, State
+from accounts.selectors import Quota
+from endpoints.models import DesiredState, Endpoint, GPUType, ModelSpec, Replica, State
+from engine.sizing import CPU
 
 
 def model_catalog() -> QuerySet[ModelSpec]:
@@ -33,6 +35,20 @@ def endpoints_of(*, organization: object) -> QuerySet[Endpoint]:
     return (Endpoint.objects.filter(organization=organization, deleted_at=None)
             .select_related("model", "gpu_type")
             .prefetch_related(Prefetch("replicas", queryset=live)))
+
+
+def quota_used_by(*, organization_id: object, excluding: object = None) -> Quota:
+    """What an organisation's endpoints (but `excluding`, an endpoint id) hold against its
+    quotas: every endpoint not deleted; and of those that should run, their replicas and GPUs
+    at their most replicas, so that scaling within max_replicas never passes a quota. A CPU
+    engine holds no GPU."""
+    kept = Endpoint.objects.filter(organization_id=organization_id, deleted_at=None).exclude(
+        id=excluding)
+    running = kept.filter(desired_state=DesiredState.RUNNING)
+    held = running.aggregate(
+        replicas=Sum("max_replicas", default=0),
+        gpus=Sum(F("gpu_count") * F("max_replicas"), default=0, filter=~Q(gpu_type__slug=CPU)))
+    return Quota(endpoints=kept.count(), gpus=held["gpus"], replicas=held["replicas"])
 
 
 def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str, object]:

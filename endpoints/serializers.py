@@ -2,6 +2,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from endpoints.models import (
+    MAX_REPLICAS_PER_ENDPOINT,
     Endpoint,
     EndpointEvent,
     GPUType,
@@ -94,8 +95,9 @@ class SizingInput(StrictSerializer):
 
 class EndpointInput(SizingInput):
     name = serializers.SlugField(max_length=63)
-    min_replicas = serializers.IntegerField(default=1)
-    max_replicas = serializers.IntegerField(required=False, allow_null=True)
+    min_replicas = serializers.IntegerField(default=1, max_value=MAX_REPLICAS_PER_ENDPOINT)
+    max_replicas = serializers.IntegerField(required=False, allow_null=True,
+                                            max_value=MAX_REPLICAS_PER_ENDPOINT)
     prefix_caching = serializers.BooleanField(default=True)
 
 

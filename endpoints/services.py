@@ -11,8 +11,10 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from accounts.models import Organization, User
+from accounts.selectors import quota_of
 from accounts.services import require_manager
 from endpoints.models import (
+    MAX_REPLICAS_PER_ENDPOINT,
     DesiredState,
     Endpoint,
     EndpointEvent,
@@ -22,10 +24,13 @@ from endpoints.models import (
     NodeState,
     Replica,
     State,
+    validate_endpoint_name,
 )
 from endpoints.planning import plan
 from endpoints.reconciler import LIVE, ON_NODE, do_stop_replica
+from endpoints.selectors import quota_used_by
 from engine import hf_checkpoint
+from engine.sizing import CPU
 
 CATALOG_DIR = Path(__file__).resolve().parent / "catalog"
 # Names the dashboard's URLs use beside endpoint names (/orgs/<slug>/endpoints/new/).
@@ -109,12 +114,20 @@ def do_create_endpoint(
 ) -> Endpoint:
     """Size and create an endpoint that should run; the reconciler starts its replicas.
 
-    Raises ValidationError naming the field to change: a context above the model's maximum,
-    replicas out of range, a duplicate name, or a request that fits no GPU (saying what does).
+    Raises ValidationError naming the field to change: a name that does not start with a
+    letter, a context above the model's maximum, replicas out of range (at most
+    MAX_REPLICAS_PER_ENDPOINT), a duplicate name, or a request that fits no GPU (saying what
+    does); and one naming the quota when the organisation's endpoints, GPUs or replicas would
+    pass it. The organisation row is held while its quota is checked, so that two creates
+    at once cannot both take its last room.
     """
     require_manager(actor_role, "create endpoints")
     max_replicas = max_replicas or min_replicas
     errors: dict[str, list[str]] = {}
+    try:
+        validate_endpoint_name(name)
+    except ValidationError as exc:
+        errors["name"] = exc.messages
     if name in RESERVED_NAMES:
         errors["name"] = [f"{name!r} is reserved; choose another name."]
     if context_length > model.max_context:
@@ -125,12 +138,19 @@ def do_create_endpoint(
         errors["min_replicas"] = ["Run at least one replica."]
     if max_replicas < min_replicas:
         errors["max_replicas"] = [f"Must be at least min_replicas ({min_replicas})."]
+    elif max_replicas > MAX_REPLICAS_PER_ENDPOINT:
+        errors["max_replicas"] = [
+            f"An endpoint runs at most {MAX_REPLICAS_PER_ENDPOINT} replicas; for more, create "
+            "another endpoint."]
     if errors:
         raise ValidationError(errors)
     decided = plan(model=model, context_length=context_length, concurrency=concurrency,
                    kv_cache_dtype=kv_cache_dtype, gpu_type=gpu_type, gpu_count=gpu_count)
     try:
         with transaction.atomic():
+            _hold_quota(organization_id=organization.id, new_endpoint=True,
+                        gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
+                        replicas=max_replicas)
             endpoint = Endpoint.objects.create(
                 organization=organization, name=name, model=model,
                 context_length=context_length, concurrency=concurrency,
@@ -149,6 +169,34 @@ def do_create_endpoint(
                       "choose another name."]}) from None
     _reconcile_after_commit(endpoint)
     return endpoint
+
+
+def _hold_quota(*, organization_id: object, gpu_type: GPUType, gpu_count: int, replicas: int,
+                new_endpoint: bool = False, excluding: object = None) -> None:
+    """Lock the organisation's row until the transaction ends, then refuse, saying which quota
+    and how to raise it, when the organisation's endpoints (but `excluding`) together with one
+    of `replicas` replicas on `gpu_count` GPUs each would pass a quota (a CPU engine holds no
+    GPU). Call it inside the transaction that writes the change: a second caller waits for
+    the row and then counts what the first one wrote."""
+    gpus = 0 if gpu_type.slug == CPU else gpu_count
+    organization = Organization.objects.select_for_update().get(id=organization_id)
+    quota = quota_of(organization=organization)
+    used = quota_used_by(organization_id=organization_id, excluding=excluding)
+    raise_it = "ask an operator to raise the organisation's quota"
+    if new_endpoint and used.endpoints + 1 > quota.endpoints:
+        raise ValidationError(
+            f"This organisation may have {quota.endpoints} endpoint(s) and has "
+            f"{used.endpoints}; delete one, or {raise_it}.")
+    if used.replicas + replicas > quota.replicas:
+        raise ValidationError(
+            f"This organisation's running endpoints may have {quota.replicas} replica(s) at "
+            f"most, all together; they have {used.replicas} and this needs {replicas}. Lower "
+            f"max_replicas, stop or delete an endpoint, or {raise_it}.")
+    if used.gpus + gpus * replicas > quota.gpus:
+        raise ValidationError(
+            f"This organisation's running endpoints may hold {quota.gpus} GPU(s) at their most "
+            f"replicas; they hold {used.gpus} and this needs {gpus * replicas} ({replicas} × "
+            f"{gpus}). Lower max_replicas, stop or delete an endpoint, or {raise_it}.")
 
 
 def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: int) -> Endpoint:
@@ -174,9 +222,16 @@ def do_stop_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint:
 
 
 def do_start_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint:
-    """Run a stopped or failed endpoint again, with a fresh failure count."""
+    """Run a stopped or failed endpoint again, with a fresh failure count.
+
+    Raises ValidationError naming the quota when the organisation's other running endpoints
+    and this one would pass its GPU or replica quota (a stopped endpoint holds neither).
+    """
     require_manager(actor_role, "start endpoints")
     with transaction.atomic():
+        _hold_quota(organization_id=endpoint.organization_id, excluding=endpoint.id,
+                    gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count,
+                    replicas=endpoint.max_replicas)
         Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.RUNNING,
                                                        state=State.PENDING, failure_reason="")
         Replica.objects.filter(endpoint=endpoint, state=State.FAILED).update(

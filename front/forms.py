@@ -5,7 +5,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
 from accounts.models import Role, Scope
-from endpoints.models import Endpoint, GPUType, KVCacheDtype, ModelSpec
+from endpoints.models import MAX_REPLICAS_PER_ENDPOINT, Endpoint, GPUType, KVCacheDtype, ModelSpec
 
 
 class APIKeyForm(forms.Form):
@@ -39,7 +39,8 @@ class APIKeyForm(forms.Form):
 
 class InviteForm(forms.Form):
     email = forms.EmailField(required=False, label="Email (optional)",
-                             help_text="A note of whom the link is for; kvrun sends no mail.")
+                             help_text="Only someone signed in with this address can accept the link "
+                                       "(kvrun sends no mail); empty: anyone who has it.")
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 
@@ -70,8 +71,10 @@ class EndpointForm(SizingForm):
                            help_text="Clients send it as \"model\" in their requests.",
                            error_messages={"invalid": "Use letters, digits and hyphens only, "
                                                       "such as support-chat."})
-    min_replicas = forms.IntegerField(min_value=1, max_value=16, initial=1, label="Replicas")
-    max_replicas = forms.IntegerField(min_value=1, max_value=16, required=False,
+    min_replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS_PER_ENDPOINT, initial=1,
+                                      label="Replicas")
+    max_replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS_PER_ENDPOINT,
+                                      required=False,
                                       label="Most replicas (for scaling)")
 
 

@@ -8,9 +8,13 @@ from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
 from rest_framework import exceptions, serializers, status
 from rest_framework.pagination import PageNumberPagination
+from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
+from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
+from kvrun.clients import client_address
 from kvrun.middleware import body_too_large_error
 
 
@@ -18,6 +22,14 @@ class Pagination(PageNumberPagination):
     page_size = 50
     page_size_query_param = "page_size"
     max_page_size = 200
+
+
+class AddressRateThrottle(SimpleRateThrottle):
+    """A throttle per client address (kvrun.clients), signed in or not; subclasses set `scope`
+    and `rate`. DRF's own would key on a whole X-Forwarded-For the client writes itself."""
+
+    def get_cache_key(self, request: Request, view: APIView | None) -> str:
+        return self.cache_format % {"scope": self.scope, "ident": client_address(request)}
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:

@@ -137,13 +137,21 @@ EMAIL_HOST_PASSWORD = env.str("EMAIL_HOST_PASSWORD", default="")
 EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="kvrun <noreply@localhost>")
 
-# Failed logins: locked per account and, separately, per client address.
+# Reverse proxies in front of the web processes, each appending to X-Forwarded-For; every
+# throttle and lockout keys on the client address this implies (kvrun.clients). 0: REMOTE_ADDR.
+KVRUN_TRUSTED_PROXIES = env.int("KVRUN_TRUSTED_PROXIES", default=0)
+
+# Failed sign-ins lock the account for the address they came from, never the account from
+# everywhere: otherwise anyone could lock anyone out by guessing wrong on purpose.
 AXES_FAILURE_LIMIT = env.int("AXES_FAILURE_LIMIT", default=5)
 AXES_COOLOFF_TIME = env.float("AXES_COOLOFF_HOURS", default=0.25)
-AXES_LOCKOUT_PARAMETERS = ["username", "ip_address"]
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# What Django's sign-in form passes to authenticate(); axes would look for "email" (the user
+# model's USERNAME_FIELD), find nothing, and lock the address for every account instead.
+AXES_USERNAME_FORM_FIELD = "username"
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "accounts.views.lockout"
-AXES_IPWARE_PROXY_COUNT = env.int("AXES_PROXY_COUNT", default=0)
+AXES_CLIENT_IP_CALLABLE = "kvrun.clients.client_address"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -169,6 +177,12 @@ KVRUN_INVITE_DAYS = env.int("KVRUN_INVITE_DAYS", default=7)
 KVRUN_KEY_REQUESTS_PER_MINUTE = env.int("KVRUN_KEY_REQUESTS_PER_MINUTE", default=600)
 KVRUN_KEY_TOKENS_PER_MINUTE = env.int("KVRUN_KEY_TOKENS_PER_MINUTE", default=1_000_000)
 KVRUN_ORG_MAX_CONCURRENT_REQUESTS = env.int("KVRUN_ORG_MAX_CONCURRENT_REQUESTS", default=64)
+# What one organisation may hold unless an operator sets its own quota in the admin. Sign-up
+# is self-service, so these bound what a stranger can take before anyone looks: room to try
+# several models and to run two full 8-GPU nodes, no more.
+KVRUN_ORG_MAX_ENDPOINTS = env.int("KVRUN_ORG_MAX_ENDPOINTS", default=10)
+KVRUN_ORG_MAX_GPUS = env.int("KVRUN_ORG_MAX_GPUS", default=16)
+KVRUN_ORG_MAX_REPLICAS = env.int("KVRUN_ORG_MAX_REPLICAS", default=16)
 # How long the gateway serves an endpoint's ready replicas from memory before asking again.
 KVRUN_GATEWAY_ROUTE_CACHE_SECONDS = env.float("KVRUN_GATEWAY_ROUTE_CACHE_SECONDS", default=2.0)
 # Longest wait for an engine's next byte; generation of long answers can take minutes.

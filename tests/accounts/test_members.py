@@ -1,4 +1,7 @@
+import logging
+
 import pytest
+from django.test import Client
 from rest_framework.test import APIClient
 
 from accounts.models import Invite, Membership, Organization, Role, User
@@ -136,3 +139,49 @@ def test_a_key_cannot_create_organisations(manage_secret: str) -> None:
 
     assert response.status_code == 403
     assert not Organization.objects.filter(name="Sneaky").exists()
+
+
+def test_an_invite_for_an_email_is_refused_to_anyone_else(owner_api: APIClient,
+                                                          org: Organization) -> None:
+    token = owner_api.post(invites_url(org), {"email": "ada@acme.test"},
+                           format="json").json()["token"]
+    stranger, ada = APIClient(), APIClient()
+    stranger.force_authenticate(UserFactory(email="eve@evil.test"))
+    ada.force_authenticate(UserFactory(email="ada@acme.test"))
+
+    refused = stranger.post("/api/v1/invites/accept/", {"token": token}, format="json")
+
+    assert refused.status_code == 400
+    assert "This invite is for ada@acme.test" in refused.json()["error"]["message"]
+    assert not Membership.objects.filter(user__email="eve@evil.test").exists()
+    assert Invite.objects.get().state == "pending"
+    assert ada.post("/api/v1/invites/accept/", {"token": token}, format="json").status_code == 201
+
+
+def test_no_invite_link_reaches_the_log(owner_api: APIClient, org: Organization) -> None:
+    lines: list[str] = []
+    handler = logging.Handler(level=logging.DEBUG)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    root = logging.getLogger()
+    root.addHandler(handler)
+    try:
+        token = owner_api.post(invites_url(org), {}, format="json").json()["token"]
+    finally:
+        root.removeHandler(handler)
+
+    assert lines, "the invite's creation is logged"
+    assert not [line for line in lines if token in line]
+
+
+def test_the_invite_page_says_whom_the_invite_is_for(owner_api: APIClient, org: Organization,
+                                                     client: Client) -> None:
+    token = owner_api.post(invites_url(org), {"email": "ada@acme.test"},
+                           format="json").json()["token"]
+    client.force_login(UserFactory(email="eve@evil.test"))
+
+    response = client.post(f"/invite/{token}/")
+
+    assert response.status_code == 400
+    assert b"This invite is for ada@acme.test" in response.content
+    assert Invite.objects.get().state == "pending"
+    assert Membership.objects.filter(organization=org).count() == 1

@@ -58,19 +58,42 @@ def test_failed_logins_lock_the_account(client: Client, settings: object) -> Non
     assert b"Too many failed sign-in attempts" in locked.content
 
 
-def test_failed_logins_lock_the_address_across_accounts(settings: object) -> None:
+def test_failed_logins_lock_the_account_only_for_the_address_they_came_from(
+        settings: object) -> None:
     settings.AXES_FAILURE_LIMIT = 3
     UserFactory(email="innocent@example.com")
-    client = Client(REMOTE_ADDR="203.0.113.9")
-    for n in range(3):
-        client.post("/login/", {"username": f"guess{n}@example.com", "password": "wrong guess"})
+    UserFactory(email="attacker@example.com")
+    attacker = Client(REMOTE_ADDR="203.0.113.9")
+    for _ in range(3):
+        attacker.post("/login/", {"username": "innocent@example.com", "password": "wrong"})
 
-    locked = client.post("/login/", {"username": "innocent@example.com", "password": PASSWORD})
-    elsewhere = Client(REMOTE_ADDR="198.51.100.7").post(
+    locked = attacker.post("/login/", {"username": "innocent@example.com", "password": PASSWORD})
+    owner = Client(REMOTE_ADDR="198.51.100.7").post(
+        "/login/", {"username": "innocent@example.com", "password": PASSWORD})
+    own_account = attacker.post("/login/", {"username": "attacker@example.com",
+                                            "password": PASSWORD})
+
+    assert locked.status_code == 429
+    assert owner.status_code == 302
+    assert own_account.status_code == 302
+
+
+def test_behind_a_trusted_proxy_lockouts_key_on_the_forwarded_client(settings: object) -> None:
+    settings.AXES_FAILURE_LIMIT = 3
+    settings.KVRUN_TRUSTED_PROXIES = 1
+    UserFactory(email="innocent@example.com")
+    proxy = {"REMOTE_ADDR": "10.1.1.1"}
+    attacker = Client(HTTP_X_FORWARDED_FOR="203.0.113.9", **proxy)
+    for n in range(3):  # a spoofed address on the left changes nothing
+        attacker.post("/login/", {"username": "innocent@example.com", "password": "wrong"},
+                      HTTP_X_FORWARDED_FOR=f"192.0.2.{n}, 203.0.113.9")
+
+    locked = attacker.post("/login/", {"username": "innocent@example.com", "password": PASSWORD})
+    owner = Client(HTTP_X_FORWARDED_FOR="198.51.100.7", **proxy).post(
         "/login/", {"username": "innocent@example.com", "password": PASSWORD})
 
     assert locked.status_code == 429
-    assert elsewhere.status_code == 302
+    assert owner.status_code == 302
 
 
 def test_a_forgotten_password_is_reset_through_the_mailed_link(client: Client) -> None:
@@ -105,6 +128,35 @@ def test_reset_mail_is_limited_per_address(client: Client) -> None:
 
     assert answers == [302] * 5 + [429]
     assert len(mail.outbox) == 5
+
+
+def test_reset_mail_is_limited_per_client_behind_a_trusted_proxy(settings: object) -> None:
+    settings.KVRUN_TRUSTED_PROXIES = 1
+    for n in range(5):
+        UserFactory(email=f"user{n}@example.com")
+    proxy = {"REMOTE_ADDR": "10.1.1.1"}
+    client = Client(HTTP_X_FORWARDED_FOR="203.0.113.9", **proxy)
+    for n in range(5):
+        client.post("/password/reset/", {"email": f"user{n}@example.com"})
+
+    spent = client.post("/password/reset/", {"email": "user0@example.com"})
+    other = Client(HTTP_X_FORWARDED_FOR="198.51.100.7", **proxy).post(
+        "/password/reset/", {"email": "user1@example.com"})
+
+    assert spent.status_code == 429
+    assert other.status_code == 302
+
+
+def test_dashboard_sign_ups_are_throttled_per_client_address(client: Client) -> None:
+    answers = [client.post("/signup/", {"email": "not an email"}, REMOTE_ADDR="203.0.113.9",
+                           HTTP_X_FORWARDED_FOR=f"10.0.0.{n}").status_code for n in range(21)]
+    refused = client.post("/signup/", {"email": "ada@example.com", "password": PASSWORD,
+                                       "organization_name": "Ada"}, REMOTE_ADDR="203.0.113.9")
+
+    assert answers == [400] * 20 + [429]
+    assert refused.status_code == 429
+    assert b"Too many sign-ups from your address" in refused.content
+    assert not get_user_model().objects.exists()
 
 
 def test_sign_up_goes_on_to_where_sign_in_was_asked_for(client: Client) -> None:

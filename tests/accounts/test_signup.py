@@ -98,3 +98,26 @@ def test_slugs_stay_unique_for_equal_names(api: APIClient) -> None:
     slugs = sorted(Organization.objects.values_list("slug", flat=True))
     assert slugs[0] == "same-name"
     assert slugs[1].startswith("same-name-") and len(set(slugs)) == 2
+
+
+def test_a_new_x_forwarded_for_per_request_does_not_escape_the_throttle(api: APIClient) -> None:
+    answers = [api.post(URL, {}, format="json", REMOTE_ADDR="203.0.113.9",
+                        HTTP_X_FORWARDED_FOR=f"10.0.0.{n}").status_code for n in range(21)]
+
+    assert answers == [400] * 20 + [429]
+    assert not User.objects.exists()
+
+
+def test_behind_trusted_proxies_each_client_has_its_own_allowance(api: APIClient,
+                                                                  settings: object) -> None:
+    settings.KVRUN_TRUSTED_PROXIES = 1
+    proxy = {"REMOTE_ADDR": "10.1.1.1"}
+    for n in range(20):  # what the client writes further left proves nothing
+        api.post(URL, {}, format="json", HTTP_X_FORWARDED_FOR=f"192.0.2.{n}, 203.0.113.9",
+                 **proxy)
+
+    spent = api.post(URL, {}, format="json", HTTP_X_FORWARDED_FOR="203.0.113.9", **proxy)
+    other = api.post(URL, {}, format="json", HTTP_X_FORWARDED_FOR="198.51.100.7", **proxy)
+
+    assert spent.status_code == 429
+    assert other.status_code == 400

@@ -284,3 +284,36 @@ def test_it_stops_and_starts_endpoints(operator: Client, org: Organization) -> N
     started = post_action(operator, "/admin/endpoints/endpoint/", "start", endpoint.id)
     assert started == 302
     assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.RUNNING
+
+
+def test_an_operator_raises_an_organisations_quota(operator: Client, org: Organization,
+                                                  settings: object) -> None:
+    settings.KVRUN_ORG_MAX_ENDPOINTS = 1
+    node = h100_node("gpu-1")
+    endpoint_on(node, org, name="one")
+    with pytest.raises(ValidationError, match="ask an operator to raise"):
+        endpoint_on(node, org, name="two")
+
+    response = operator.post(f"/admin/accounts/organization/{org.id}/change/", {
+        "name": org.name, "slug": org.slug, "created_at_0": "2026-01-01",
+        "created_at_1": "00:00:00", "max_endpoints": "2",
+        "memberships-TOTAL_FORMS": "0", "memberships-INITIAL_FORMS": "0"})
+
+    assert response.status_code == 302, response.content
+    org.refresh_from_db()
+    assert (org.max_endpoints, org.max_gpus, org.memberships.count()) == (2, None, 1)
+    assert endpoint_on(node, org, name="two").name == "two"
+
+
+def test_an_endpoint_past_its_quota_is_not_started_and_the_operator_is_told(
+        operator: Client, org: Organization, settings: object) -> None:
+    endpoint = endpoint_on(h100_node("gpu-1"), org)
+    Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.STOPPED)
+    settings.KVRUN_ORG_MAX_GPUS = 1
+
+    response = operator.post("/admin/endpoints/endpoint/", {
+        "action": "start", "_selected_action": [str(endpoint.id)]}, follow=True)
+
+    assert response.status_code == 200
+    assert b"may hold 1 GPU(s)" in response.content
+    assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.STOPPED

@@ -1,9 +1,15 @@
+import threading
+
 import pytest
+from django.core.exceptions import ValidationError
+from django.db import connection
 from rest_framework.test import APIClient
 
-from accounts.models import Organization
-from endpoints.models import Endpoint, EndpointEvent, Node, Replica, State
-from endpoints.services import do_load_catalogs
+from accounts.models import Organization, Role
+from endpoints import services
+from endpoints.models import DesiredState, Endpoint, EndpointEvent, ModelSpec, Node, Replica, State
+from endpoints.services import do_create_endpoint, do_load_catalogs
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db
 
@@ -60,6 +66,11 @@ def test_without_nodes_it_sizes_against_the_gpu_catalog(owner_api: APIClient,
         ({"concurrency": 0}, "concurrency", "greater than or equal to 1"),
         ({"gpu_type": "tpu-v9"}, "gpu_type", "Unknown GPU type"),
         ({"name": "Not A Slug!"}, "name", "letters"),
+        # An engine would read it as one of its own flags.
+        ({"name": "--trust-remote-code"}, "name", "Start the name with a letter"),
+        ({"name": "7b-chat"}, "name", "Start the name with a letter"),
+        ({"max_replicas": 32767}, "max_replicas", "less than or equal to 16"),
+        ({"min_replicas": 17}, "min_replicas", "less than or equal to 16"),
         ({"colour": "blue"}, "colour", "Unknown field"),
     ],
 )
@@ -154,3 +165,132 @@ def test_sizing_preview_creates_nothing(owner_api: APIClient, cpu_node: Node) ->
     assert response.json()["kv_bytes_per_token"] * response.json()["gpu_count"] >= 131_072
     assert not Endpoint.objects.exists()
     assert not Replica.objects.exists()
+
+
+def test_the_service_caps_replicas_per_endpoint_whatever_the_caller(org: Organization,
+                                                                    cpu_node: Node) -> None:
+    with pytest.raises(ValidationError) as refused:
+        do_create_endpoint(organization=org, actor_role=Role.OWNER, created_by=None,
+                           name="wide", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+                           context_length=2048, concurrency=4, min_replicas=1,
+                           max_replicas=32767)
+
+    assert "at most 16 replicas" in " ".join(refused.value.message_dict["max_replicas"])
+    assert not Endpoint.objects.exists()
+
+
+RAISE_IT = "ask an operator to raise the organisation's quota"
+
+
+def test_an_endpoint_past_the_quota_is_refused_saying_how_to_raise_it(
+        owner_api: APIClient, org: Organization, cpu_node: Node, settings: object) -> None:
+    settings.KVRUN_ORG_MAX_ENDPOINTS = 1
+    assert owner_api.post(url(org), DEMO, format="json").status_code == 201
+
+    response = owner_api.post(url(org), {**DEMO, "name": "second"}, format="json")
+
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "may have 1 endpoint(s) and has 1" in message
+    assert RAISE_IT in message
+    assert list(Endpoint.objects.values_list("name", flat=True)) == ["demo"]
+
+
+def test_gpus_past_the_quota_are_refused_at_the_endpoints_most_replicas(
+        owner_api: APIClient, org: Organization, settings: object) -> None:
+    settings.KVRUN_ORG_MAX_GPUS = 5
+    big = {"name": "big", "model": "llama-3.1-8b-instruct", "context_length": 8192,
+           "concurrency": 8, "gpu_type": "h100-80gb", "gpu_count": 2}
+    assert owner_api.post(url(org), big, format="json").status_code == 201
+
+    response = owner_api.post(url(org), {**big, "name": "wider", "max_replicas": 2},
+                              format="json")
+
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "may hold 5 GPU(s) at their most replicas; they hold 2 and this needs 4 (2 × 2)" \
+        in message
+    assert RAISE_IT in message
+    assert list(Endpoint.objects.values_list("name", flat=True)) == ["big"]
+
+
+def test_replicas_past_the_quota_are_refused(owner_api: APIClient, org: Organization,
+                                             cpu_node: Node, settings: object) -> None:
+    settings.KVRUN_ORG_MAX_REPLICAS = 3
+    assert owner_api.post(url(org), {**DEMO, "max_replicas": 2}, format="json").status_code == 201
+
+    response = owner_api.post(url(org), {**DEMO, "name": "more", "max_replicas": 2},
+                              format="json")
+
+    assert response.status_code == 400
+    assert "may have 3 replica(s) at most" in response.json()["error"]["message"]
+    assert Endpoint.objects.count() == 1
+
+
+def test_a_stopped_endpoint_holds_no_replicas_and_cannot_start_past_the_quota(
+        owner_api: APIClient, org: Organization, cpu_node: Node, settings: object) -> None:
+    settings.KVRUN_ORG_MAX_REPLICAS = 2
+    owner_api.post(url(org), {**DEMO, "max_replicas": 2}, format="json")
+    assert owner_api.post(url(org, "demo/stop/")).status_code == 200
+    assert owner_api.post(url(org), {**DEMO, "name": "other", "max_replicas": 2},
+                          format="json").status_code == 201
+
+    response = owner_api.post(url(org, "demo/start/"))
+
+    assert response.status_code == 400
+    assert RAISE_IT in response.json()["error"]["message"]
+    assert Endpoint.objects.get(name="demo").desired_state == DesiredState.STOPPED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_creates_at_once_cannot_both_take_the_last_room(
+        org: Organization, cpu_node: Node, settings: object,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first create stops right after its quota check, inside its transaction, until the
+    second has either finished (nothing held the first one's room) or waits for a lock."""
+    settings.KVRUN_ORG_MAX_ENDPOINTS = 1
+    checked, second_done = threading.Event(), threading.Event()
+    outcomes: dict[str, str] = {}
+    hold_quota = services._hold_quota
+
+    def second_waits_for_a_lock() -> bool:
+        with connection.cursor() as cursor:
+            # Asked from inside a transaction, which would otherwise see its first snapshot.
+            cursor.execute("SELECT pg_stat_clear_snapshot()")
+            cursor.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                           "current_database() AND wait_event_type = 'Lock'")
+            return cursor.fetchone()[0] > 0
+
+    def hold_then_let_the_second_in(**kwargs: object) -> None:
+        hold_quota(**kwargs)
+        if threading.current_thread().name == "first":
+            checked.set()
+            assert wait_until(lambda: second_done.is_set() or second_waits_for_a_lock(),
+                              timeout=10, interval=0.05)
+
+    def create(name: str) -> None:
+        if name == "second":
+            checked.wait(timeout=10)
+        try:
+            do_create_endpoint(organization=org, actor_role=Role.OWNER, created_by=None,
+                               name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+                               context_length=2048, concurrency=4)
+            outcomes[name] = "created"
+        except ValidationError as exc:
+            outcomes[name] = " ".join(exc.messages)
+        finally:
+            if name == "second":
+                second_done.set()
+            connection.close()
+
+    monkeypatch.setattr(services, "_hold_quota", hold_then_let_the_second_in)
+    threads = [threading.Thread(target=create, args=(name,), name=name)
+               for name in ("first", "second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+
+    assert outcomes["first"] == "created"
+    assert RAISE_IT in outcomes["second"]
+    assert list(Endpoint.objects.values_list("name", flat=True)) == ["first"]

@@ -132,3 +132,28 @@ def test_alternatives_are_other_hardware_never_the_same_gpu_at_a_higher_count(
         more = alt["max_concurrency_at_context"] > response.context["summary"][
             "max_concurrency_at_context"]
         assert cheaper or more
+
+
+def test_a_launch_past_the_quota_says_so_above_the_form(owner_client: Client, org: Organization,
+                                                        cpu_node: Node, settings: object) -> None:
+    settings.KVRUN_ORG_MAX_ENDPOINTS = 0
+
+    response = owner_client.post(f"/orgs/{org.slug}/endpoints/new/",
+                                 {**DEMO, "name": "chat", "min_replicas": "1"})
+
+    assert response.status_code == 400
+    assert b"may have 0 endpoint(s) and has 0" in response.content
+    assert b"ask an operator to raise the organisation" in response.content
+    assert not Endpoint.objects.exists()
+
+
+def test_a_name_that_does_not_start_with_a_letter_is_refused(owner_client: Client,
+                                                             org: Organization,
+                                                             cpu_node: Node) -> None:
+    response = owner_client.post(f"/orgs/{org.slug}/endpoints/new/",
+                                 {**DEMO, "name": "--trust-remote-code", "min_replicas": "1"})
+
+    assert response.status_code == 400
+    assert b'id="id_name_error"' in response.content
+    assert b"Start the name with a letter" in response.content
+    assert not Endpoint.objects.exists()
