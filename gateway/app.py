@@ -42,6 +42,7 @@ from gateway.asgi import (
 from gateway.directory import Directory, Route
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
+from gateway.guard import AuthFailures
 from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     OPERATIONS,
@@ -52,6 +53,7 @@ from gateway.protocol import (
 )
 from gateway.proxy import Proxy
 from gateway.sink import UsageSink
+from kvrun.clients import client_address_from
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +87,8 @@ class Gateway:
             self.directory = Directory(key_seconds=settings.KVRUN_API_KEY_CACHE_SECONDS,
                                        route_seconds=settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS)
             self.limiter = Limiter(self.redis)
+            self.auth_failures = AuthFailures(
+                per_minute=settings.KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE)
             self.idempotency = idempotency.Idempotency(
                 self.redis, ttl_seconds=settings.KVRUN_IDEMPOTENCY_HOURS * 3600)
             self.sink = UsageSink(self.redis)
@@ -161,8 +165,17 @@ class Gateway:
                                "kvr_…' with an inference key from the dashboard.",
                                code="invalid_api_key")
         secret = secret.strip()
+        client = scope.get("client") or ("", 0)
+        address = client_address_from(remote_addr=client[0],
+                                      forwarded_for=header(scope, b"x-forwarded-for"))
+        if wait := self.auth_failures.seconds_blocked(address):
+            raise GatewayError(429, "Too many requests with unknown, revoked or expired API keys "
+                               f"came from your address; retry in {wait} s with a valid key.",
+                               code="rate_limit_exceeded", kind="requests",
+                               headers=[(b"retry-after", str(wait).encode())])
         identity = await self.directory.identity(secret)
         if identity is None:
+            self.auth_failures.record(address)
             shown = f"{secret[:8]}…{secret[-4:]}" if len(secret) > 12 else "…"
             raise GatewayError(401, f"Incorrect API key provided: {shown}. It is unknown, "
                                "revoked or expired; create a key in the dashboard.",

@@ -183,6 +183,10 @@ KVRUN_ORG_MAX_CONCURRENT_REQUESTS = env.int("KVRUN_ORG_MAX_CONCURRENT_REQUESTS",
 KVRUN_ORG_MAX_ENDPOINTS = env.int("KVRUN_ORG_MAX_ENDPOINTS", default=10)
 KVRUN_ORG_MAX_GPUS = env.int("KVRUN_ORG_MAX_GPUS", default=16)
 KVRUN_ORG_MAX_REPLICAS = env.int("KVRUN_ORG_MAX_REPLICAS", default=16)
+# Requests with unknown keys an address may send a minute (per web process) before the
+# gateway refuses it without looking its keys up.
+KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE = env.int(
+    "KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE", default=30)
 # How long the gateway serves an endpoint's ready replicas from memory before asking again.
 KVRUN_GATEWAY_ROUTE_CACHE_SECONDS = env.float("KVRUN_GATEWAY_ROUTE_CACHE_SECONDS", default=2.0)
 # Longest wait for an engine's next byte; generation of long answers can take minutes.

@@ -1,11 +1,17 @@
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
+import orjson
 import pytest
 from django.db import connection
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from accounts.models import APIKey, Organization, Scope, User
+from accounts.selectors import get_key_identity, key_cache_name
+from kvrun.digests import secret_digest
+from kvrun.redis import redis_client
 from tests.factories import api_key
 from tests.helpers import wait_until
 
@@ -170,3 +176,26 @@ def test_the_me_endpoint_answers_for_users_and_keys(owner_api: APIClient, owner:
     as_key = bearer(manage_secret).get("/api/v1/me/").json()
     assert as_key["organization"]["slug"] == org.slug
     assert as_key["api_key"]["scope"] == "manage"
+
+
+def test_an_unknown_key_is_remembered_as_unknown_for_a_few_seconds(
+    db: None, django_assert_num_queries: Callable[..., Any]
+) -> None:
+    made_up = f"kvr_{'x' * 40}"
+    assert get_key_identity(secret=made_up) is None
+
+    with django_assert_num_queries(0):
+        assert get_key_identity(secret=made_up) is None
+
+
+def test_the_key_cache_holds_json_that_no_one_can_smuggle_code_into(
+    org: Organization, django_assert_num_queries: Callable[..., Any]
+) -> None:
+    key, secret = api_key(org)
+    identity = get_key_identity(secret=secret)
+
+    stored = redis_client().get(f"kvrun:1:{key_cache_name(secret_digest(secret))}")
+
+    assert orjson.loads(stored)["id"] == str(key.id)  # JSON, where Django would pickle
+    with django_assert_num_queries(0):
+        assert get_key_identity(secret=secret) == identity

@@ -4,6 +4,7 @@ test_web_process.py; the same behaviour against a real vLLM engine is in tests/e
 
 import asyncio
 import time
+from uuid import uuid4
 
 import httpx
 import orjson
@@ -144,6 +145,25 @@ def test_it_refuses_missing_wrong_and_misused_keys(
     assert received(stubs[0]) == []
     gateway.stop()  # every report the gateway had is written
     assert not stored(1, timeout=0)
+
+
+@override_settings(KVRUN_TRUSTED_PROXIES=1)
+def test_an_address_that_keeps_sending_unknown_keys_is_refused_before_they_are_looked_up(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    body = {"model": "chat", "prompt": "hello"}
+    allowed = settings.KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE
+    flood = [gateway.post(f"kvr_{uuid4().hex}", body, **{"X-Forwarded-For": "203.0.113.9"})
+             for _ in range(allowed + 2)]
+
+    valid_from_flooder = gateway.post(secret, body, **{"X-Forwarded-For": "203.0.113.9"})
+    valid_elsewhere = gateway.post(secret, body, **{"X-Forwarded-For": "198.51.100.7"})
+
+    assert [r.status_code for r in flood] == [401] * allowed + [429, 429]
+    assert "from your address; retry in" in flood[-1].json()["error"]["message"]
+    assert 1 <= int(flood[-1].headers["retry-after"]) <= 60
+    assert valid_from_flooder.status_code == 429
+    assert valid_elsewhere.status_code == 200
 
 
 def test_it_refuses_bad_input_without_reaching_an_engine(
