@@ -2,13 +2,15 @@
 organisation's endpoints with their ready replicas, held in memory for a few seconds.
 
 A miss reads through the same selectors the REST API uses (on Django's thread, via
-sync_to_async); concurrent misses for one entry share one read.
+sync_to_async); concurrent misses for one entry share one read. While the database cannot be
+reached, what was known is served on (a restart of PostgreSQL does not stop inference).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -16,18 +18,24 @@ from typing import Any
 from uuid import UUID
 
 from asgiref.sync import sync_to_async
-from django.db import close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections
 
 from accounts import tokens
 from accounts.principals import KeyIdentity
 from accounts.selectors import key_identity_from_database
 from endpoints.selectors import endpoints_for_gateway, progress_of
+from gateway.errors import GatewayError
 from kvrun.digests import engine_api_key, secret_digest
+
+logger = logging.getLogger(__name__)
 
 # Bound on remembered keys, so that a flood of made-up keys cannot grow memory without end.
 MAX_REMEMBERED_KEYS = 100_000
 # Replicas come and go; past this many remembered upstreams the memory is started afresh.
 MAX_REMEMBERED_UPSTREAMS = 10_000
+# While the database cannot be reached, what was known before is served, and asked for again
+# this often.
+STALE_RETRY_SECONDS = 1.0
 # A replica that refused a connection is tried last for this long.
 DOWN_SECONDS = 5.0
 
@@ -107,11 +115,15 @@ class Directory:
         digest = secret_digest(secret)
         entry = self._keys.get(digest)
         if entry is None or entry[0] <= time.monotonic():
-            identity = await self._once(("key", digest),
-                                        lambda: sync_to_async(_read_key)(digest))
+            try:
+                identity = await self._once(("key", digest),
+                                            lambda: sync_to_async(_read_key)(digest))
+                seconds = self._key_seconds
+            except (OperationalError, InterfaceError) as exc:
+                identity, seconds = _stale(entry, exc), STALE_RETRY_SECONDS
             if len(self._keys) >= MAX_REMEMBERED_KEYS:
                 self._keys.clear()
-            self._keys[digest] = (time.monotonic() + self._key_seconds, identity)
+            self._keys[digest] = (time.monotonic() + seconds, identity)
         else:
             identity = entry[1]
         return identity if identity is not None and identity.is_usable() else None
@@ -124,8 +136,13 @@ class Directory:
         entry = self._routes.get(organization_id)
         if entry is not None and entry[0] > time.monotonic():
             return entry[1]
-        rows = await self._once(("routes", organization_id),
-                                lambda: sync_to_async(_read_endpoints)(organization_id))
+        try:
+            rows = await self._once(("routes", organization_id),
+                                    lambda: sync_to_async(_read_endpoints)(organization_id))
+        except (OperationalError, InterfaceError) as exc:
+            routes = _stale(entry, exc)
+            self._routes[organization_id] = (time.monotonic() + STALE_RETRY_SECONDS, routes)
+            return routes
         routes = {route.name: self._with_upstreams(route, replicas) for route, replicas in rows}
         self._routes[organization_id] = (time.monotonic() + self._route_seconds, routes)
         return routes
@@ -152,6 +169,16 @@ class Directory:
             self._loading[key] = pending
             pending.add_done_callback(lambda _: self._loading.pop(key, None))
         return await asyncio.shield(pending)
+
+
+def _stale(entry: tuple[float, Any] | None, error: Exception) -> Any:
+    """What was known before the database became unreachable, or a 503 if nothing was."""
+    if entry is None:
+        raise GatewayError(503, "kvrun cannot reach its database right now; retry in a few "
+                           "seconds.", code="service_unavailable",
+                           headers=[(b"retry-after", b"5")]) from error
+    logger.warning("database unreachable (%s); serving what was known before", error)
+    return entry[1]
 
 
 def choose_upstream(route: Route, *, tried: set[Upstream]) -> Upstream | None:

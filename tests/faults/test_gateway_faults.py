@@ -1,16 +1,20 @@
-"""Faults under load at the gateway: the web process killed outright, Redis restarted. Every
-request admitted must end up in the ledger, once.
+"""Faults under load at the gateway: the web process killed outright, Redis or PostgreSQL
+restarted. Every request admitted must end up in the ledger, once.
 
 The stand-in engine keeps the gateway's request id of every request it was sent, which is
 the set of requests that were admitted and reached an engine."""
 
+import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import httpx
 import orjson
 import pytest
+from django.conf import settings
+from django.db import connection
 from django.test import override_settings
 
 from billing.models import UsageRecord
@@ -138,3 +142,67 @@ def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(
     assert records.count() == len(admitted)
     assert load.transport_errors == 0
     assert set(load.statuses) == {200}
+
+
+def test_a_restart_of_postgresql_under_load_fails_no_request_and_loses_no_record(
+    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
+) -> None:
+    def served() -> int:
+        return len(received(stubs[0]))
+
+    port = free_port()
+    web = start_web(port)
+    try:
+        with Load(f"http://127.0.0.1:{port}", secret, "hello") as load:
+            assert wait_until(lambda: served() >= 100, 30)
+            postgres = SuitePostgres()
+            postgres.stop()
+            stopped_at, stopped_for = served(), time.monotonic()
+            # Longer than the gateway keeps keys and routes: it serves what it knew.
+            assert wait_until(lambda: served() >= stopped_at + 100 and time.monotonic()
+                              - stopped_for > settings.KVRUN_API_KEY_CACHE_SECONDS + 1, 30)
+            postgres.start()
+            started_at = served()
+            assert wait_until(lambda: served() >= started_at + 100, 30)
+        web.send_signal(signal.SIGTERM)
+        web.wait(30)
+    finally:
+        stop(web)
+    admitted = {request["request_id"] for request in received(stubs[0])}
+
+    assert wait_until(lambda: do_ingest_usage() == 0 and admitted <= set(
+        UsageRecord.objects.values_list("request_id", flat=True)), 30, interval=0.5)
+    records = UsageRecord.objects.filter(request_id__in=admitted)
+    figures(sent=len(load.statuses) + load.transport_errors, admitted=len(admitted),
+            stored=records.count(), without_record=len(admitted) - records.count(),
+            server_errors=sum(status >= 500 for status in load.statuses),
+            served_while_postgres_was_down=started_at - stopped_at)
+    assert records.count() == len(admitted)
+    assert load.transport_errors == 0
+    assert set(load.statuses) == {200}
+
+
+class SuitePostgres:
+    """The suite's PostgreSQL, stopped and started again as its supervisor would (a fast
+    shutdown ends its sessions); this process then connects afresh."""
+
+    def __init__(self) -> None:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT current_setting('data_directory'), "
+                           "current_setting('unix_socket_directories')")
+            self._data_directory, self._socket_directory = cursor.fetchone()
+        # pgserver runs the server as a user of its own when started by root.
+        self._user = "pgserver" if os.geteuid() == 0 else None
+
+    def stop(self) -> None:
+        connection.close()
+        self._pg_ctl(["stop", "-m", "fast", "-w"])
+
+    def start(self) -> None:
+        self._pg_ctl(["start", "-w", "-o", f"-h '' -k {self._socket_directory}",
+                      "-l", f"{self._data_directory}/restarted.log"])
+
+    def _pg_ctl(self, args: list[str]) -> None:
+        import pgserver
+
+        pgserver.pg_ctl(args, pgdata=self._data_directory, user=self._user)
