@@ -17,6 +17,9 @@ from kvrun.redis import redis_client
 logger = logging.getLogger(__name__)
 
 INGEST_LOCK = "kvrun:usage:ingest-lock"
+# Held while a run lasts, renewed after every batch: a worker killed mid-run holds up
+# ingestion for at most this long.
+INGEST_LOCK_SECONDS = 15
 # An entry another consumer read but did not acknowledge for this long is taken over.
 CLAIM_IDLE_MS = 60_000
 
@@ -78,7 +81,7 @@ def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
     handled.
     """
     redis = redis_client()
-    lock = redis.lock(INGEST_LOCK, timeout=120, blocking=False)
+    lock = redis.lock(INGEST_LOCK, timeout=INGEST_LOCK_SECONDS, blocking=False)
     if not lock.acquire():
         return 0
     try:
@@ -95,6 +98,7 @@ def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
             redis.xack(usage_stream.STREAM, usage_stream.GROUP, *ids)
             redis.xdel(usage_stream.STREAM, *ids)
             handled += len(ids)
+            lock.extend(INGEST_LOCK_SECONDS, replace_ttl=True)
         return handled + _store_interrupted(redis, batch=batch,
                                             now_ms=time.time_ns() // 1_000_000)
     finally:

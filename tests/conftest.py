@@ -1,5 +1,3 @@
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -32,9 +30,9 @@ from tests.helpers import (
     ENGINE_TIMINGS,
     NODE_LOST_AFTER_SECONDS,
     ROOT,
-    process_env,
     start_agent,
     start_web,
+    start_worker,
     stop,
     wait_until,
 )
@@ -142,19 +140,8 @@ def manage_secret(org: Organization) -> str:
 @pytest.fixture(scope="session")
 def celery_worker(django_db_setup: None, django_db_blocker: object) -> Iterator[subprocess.Popen]:
     """A real Celery worker on the control queue, against the test database and Redis."""
-    name = f"test-control-{os.getpid()}@{socket.gethostname()}"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q", "control",
-         "-n", name, "--pool", "solo", "--loglevel", "WARNING"],
-        cwd=ROOT, env=process_env(KVRUN_NODE_LOST_AFTER_SECONDS=str(NODE_LOST_AFTER_SECONDS),
-                                  **ENGINE_TIMINGS),
-    )
-    from kvrun.celery import app
-
-    deadline = time.monotonic() + 60
-    while not app.control.ping(destination=[name], timeout=1.0):
-        assert process.poll() is None, "the Celery worker exited during start-up"
-        assert time.monotonic() < deadline, "the Celery worker did not answer a ping in 60 s"
+    process = start_worker("control", KVRUN_NODE_LOST_AFTER_SECONDS=str(NODE_LOST_AFTER_SECONDS),
+                           **ENGINE_TIMINGS)
     yield process
     stop(process)
 

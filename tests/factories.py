@@ -1,5 +1,7 @@
 import functools
-from datetime import datetime
+from datetime import UTC, datetime
+from decimal import Decimal
+from uuid import uuid4
 
 import factory
 from django.contrib.auth.hashers import make_password
@@ -7,6 +9,7 @@ from django.utils import timezone
 
 from accounts.models import APIKey, Organization, Role, Scope, User
 from accounts.services import do_create_api_key, do_create_organization
+from billing.usage_stream import UsageReport
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from endpoints.services import do_load_catalogs
 
@@ -62,3 +65,19 @@ def ready_endpoint(organization: Organization, name: str, ports: list[int],
         Replica.objects.create(endpoint=endpoint, node=node, state=state, port=port,
                                ready_at=timezone.now())
     return endpoint
+
+
+USAGE_STARTED = datetime(2026, 12, 2, 12, 0, 0, 123000, tzinfo=UTC)
+
+
+def usage_report(endpoint: Endpoint, key: APIKey, **fields: object) -> UsageReport:
+    """A finished request's report, as a gateway sends it, with `fields` changed."""
+    return UsageReport(**{
+        "request_id": f"req_{uuid4().hex}", "idempotency_key": "",
+        "organization_id": str(endpoint.organization_id), "endpoint_id": str(endpoint.id),
+        "replica_id": str(endpoint.replicas.get().id), "api_key_id": str(key.id),
+        "operation": "completions", "stream": False, "prompt_tokens": 7, "completion_tokens": 4,
+        "cached_tokens": 0, "status_code": 200, "error_code": "", "client_disconnected": False,
+        "started_at": USAGE_STARTED,
+        "time_to_first_token_ms": None, "duration_ms": 12,
+        "gateway_overhead_ms": Decimal("0.412"), **fields})

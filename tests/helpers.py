@@ -3,6 +3,7 @@ on them. Fixtures live in the conftest files; this module is imported like any o
 
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -70,6 +71,21 @@ def start_web(port: int, **env: str) -> subprocess.Popen:
                                                               port=port)],
                                cwd=ROOT, env=process_env(**env))
     wait_until_listening(process, port)
+    return process
+
+
+def start_worker(queue: str, **env: str) -> subprocess.Popen:
+    """A Celery worker on `queue` against the test database and Redis, once it answers."""
+    from kvrun.celery import app
+
+    name = f"test-{queue}-{os.getpid()}@{socket.gethostname()}"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q", queue, "-n", name,
+         "--pool", "solo", "--loglevel", "WARNING"], cwd=ROOT, env=process_env(**env))
+    deadline = time.monotonic() + 60
+    while not app.control.ping(destination=[name], timeout=1.0):
+        assert process.poll() is None, "the Celery worker exited during start-up"
+        assert time.monotonic() < deadline, "the Celery worker did not answer a ping in 60 s"
     return process
 
 

@@ -2,7 +2,7 @@
 
 import dataclasses
 import time
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from decimal import Decimal
 from uuid import uuid4
 
@@ -16,9 +16,9 @@ from billing.services import do_ingest_usage, do_record_usage
 from billing.usage_stream import UsageReport
 from endpoints.models import Endpoint
 from kvrun.redis import redis_client
+from tests.factories import USAGE_STARTED as STARTED
 from tests.factories import inference_key, ready_endpoint
-
-STARTED = datetime(2026, 12, 2, 12, 0, 0, 123000, tzinfo=UTC)
+from tests.factories import usage_report as record
 
 
 @pytest.fixture
@@ -29,17 +29,6 @@ def endpoint(org: Organization) -> Endpoint:
 @pytest.fixture
 def key(org: Organization) -> APIKey:
     return inference_key(org)[0]
-
-
-def record(endpoint: Endpoint, key: APIKey, **fields: object) -> UsageReport:
-    return UsageReport(**{
-        "request_id": f"req_{uuid4().hex}", "idempotency_key": "",
-        "organization_id": str(endpoint.organization_id), "endpoint_id": str(endpoint.id),
-        "replica_id": str(endpoint.replicas.get().id), "api_key_id": str(key.id),
-        "operation": "completions", "stream": False, "prompt_tokens": 7, "completion_tokens": 4,
-        "cached_tokens": 0, "status_code": 200, "error_code": "", "client_disconnected": False,
-        "started_at": STARTED, "time_to_first_token_ms": None, "duration_ms": 12,
-        "gateway_overhead_ms": Decimal("0.412"), **fields})
 
 
 def append(*reports: UsageReport) -> None:
