@@ -203,6 +203,11 @@ REST_FRAMEWORK = {
         "accounts.permissions.ManageScopeForKeys",
     ],
     "DEFAULT_PAGINATION_CLASS": "kvrun.api.Pagination",
+    "DEFAULT_PARSER_CLASSES": [
+        "kvrun.api.JSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
