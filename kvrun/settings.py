@@ -165,6 +165,12 @@ KVRUN_GATEWAY_ROUTE_CACHE_SECONDS = env.float("KVRUN_GATEWAY_ROUTE_CACHE_SECONDS
 # Longest wait for an engine's next byte; generation of long answers can take minutes.
 KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS",
                                                    default=600.0)
+# The most the gateway holds in memory of one engine answer that is not streamed, or of one
+# event of a stream; past it the request is a 502. A whole 128k-token context of text is under
+# 1 MiB of JSON, so this leaves room for several choices and logprobs, while 64 requests of an
+# organisation in flight hold 1 GiB at most. Longer answers can be streamed.
+KVRUN_GATEWAY_MAX_ANSWER_BYTES = env.int("KVRUN_GATEWAY_MAX_ANSWER_BYTES",
+                                         default=16 * 1024 * 1024)
 # An Idempotency-Key is remembered this long; a repeat within it does not run again.
 KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
 # What a web process holds for a request (its in-flight slot, its trace for the usage ledger)

@@ -23,6 +23,7 @@ from kvrun.redis import redis_client
 from tests.factories import api_key, inference_key, organization_with_owner, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, received, stored
 from tests.helpers import wait_until
+from tests.stub_upstream import LONG_EVENT_TEXT_BYTES
 
 # e2e: the stand-in engines are processes of their own.
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -256,6 +257,54 @@ def test_a_stream_that_breaks_ends_with_an_error_frame_and_done(
     record = UsageRecord.objects.get()
     assert (record.status_code, record.error_code, record.completion_tokens) == (
         502, "engine_error", 2)
+
+
+@override_settings(KVRUN_GATEWAY_MAX_ANSWER_BYTES=256 * 1024)
+def test_an_answer_over_the_limit_is_a_502_with_its_prompt_recorded(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "huge"})
+
+    assert response.status_code == 502
+    error = response.json()["error"]
+    assert error["code"] == "answer_too_large"
+    assert "limit of 262144 bytes" in error["message"] and '"stream": true' in error["message"]
+    assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200
+    assert stored(2)
+    record = UsageRecord.objects.get(status_code=502)
+    # The engine's tokenizer counted the prompt ("huge": one word).
+    assert (record.error_code, record.prompt_tokens) == ("answer_too_large", 1)
+
+
+@override_settings(KVRUN_GATEWAY_MAX_ANSWER_BYTES=64 * 1024)
+def test_a_stream_event_over_the_limit_ends_the_stream_with_an_error_frame(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "long", "stream": True})
+
+    frames = events(response)
+    assert orjson.loads(frames[0])["choices"][0]["text"] == " t0"
+    assert orjson.loads(frames[1])["error"]["code"] == "answer_too_large"
+    assert frames[2:] == ["[DONE]"]
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.error_code, record.completion_tokens) == (
+        502, "answer_too_large", 1)
+
+
+def test_stream_events_longer_than_aiohttp_s_line_limit_are_relayed_whole(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "long", "stream": True})
+
+    frames = events(response)
+    assert response.status_code == 200
+    texts = [orjson.loads(frame)["choices"][0]["text"] for frame in frames[:-1]]
+    assert texts == [" t0", "x" * LONG_EVENT_TEXT_BYTES, " t2", " t3"]
+    assert frames[-1] == "[DONE]"
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.completion_tokens) == (200, 4)
 
 
 def test_engine_errors_reach_the_client_in_openai_shape(
