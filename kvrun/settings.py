@@ -177,6 +177,10 @@ KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
 # lasts this long unless renewed: a process killed outright frees it, and has its requests
 # recorded as interrupted, this long after.
 KVRUN_GATEWAY_LEASE_SECONDS = env.float("KVRUN_GATEWAY_LEASE_SECONDS", default=30.0)
+# A usage write waits this long for more records to join it (gateway.sink): one pipeline then
+# carries several requests even at low concurrency, and its cost stays off the next request's
+# path.
+KVRUN_GATEWAY_GATHER_SECONDS = env.float("KVRUN_GATEWAY_GATHER_SECONDS", default=0.005)
 # How often beat moves usage records from the gateway's stream into PostgreSQL.
 KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0)
 
