@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import hmac
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 import orjson
@@ -526,12 +527,13 @@ def test_a_key_revoked_behind_kvrun_s_back_is_refused_within_the_cache_ttl(
 
 
 async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
-                     after_frames: int | None = None, after_seconds: float | None = None,
+                     after_frames: int | None = None,
+                     leave_when: Callable[[], Awaitable[bool]] | None = None,
                      reading_seconds: float = 0.0) -> list[bytes]:
-    """Call the app as a client that disconnects after `after_frames` body frames or
-    `after_seconds`, and that takes `reading_seconds` to read each frame (a server's send
-    blocks while its client does not read); returns the frames it got. httpx's transport
-    can do neither."""
+    """Call the app as a client that disconnects after `after_frames` body frames or once
+    `leave_when()` is true, and that takes `reading_seconds` to read each frame (a server's
+    send blocks while its client does not read); returns the frames it got. httpx's
+    transport can do neither."""
     gone = asyncio.Event()
     frames: list[bytes] = []
     request = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
@@ -554,8 +556,9 @@ async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
     scope = {"type": "http", "method": "POST", "path": "/v1/completions",
              "headers": [(b"authorization", f"Bearer {secret}".encode())]}
     call = asyncio.ensure_future(gateway.app(scope, receive, send))
-    if after_seconds is not None:
-        await asyncio.sleep(after_seconds)
+    if leave_when is not None:
+        while not await leave_when():
+            await asyncio.sleep(0.01)
         gone.set()
     await call
     return frames
@@ -598,10 +601,15 @@ def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
 
 
 def test_a_client_that_leaves_before_any_usage_is_billed_for_its_prompt(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
+    stub_ports: list[int], stubs: list[httpx.Client]
 ) -> None:
+    async def at_the_engine() -> bool:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{stub_ports[0]}") as stub:
+            return bool((await stub.get("/_requests")).json())
+
     frames = gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "slow"},
-                                     after_seconds=0.3))
+                                     leave_when=at_the_engine))
 
     assert frames == []  # gone before the slow answer was ready
     assert stored(1)
