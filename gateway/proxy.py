@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -65,9 +66,10 @@ class Proxy:
                         wants_usage=bool(client_options.get("include_usage")),
                         wants_running=bool(client_options.get("continuous_usage_stats")))
                     return None
+                limit = settings.KVRUN_GATEWAY_MAX_ANSWER_BYTES
                 waited = time.perf_counter()
                 try:
-                    body = await response.read()
+                    body = await _read_within(response.content, limit)
                 except aiohttp.ClientError:
                     if exchange.disconnected:
                         return None
@@ -75,6 +77,14 @@ class Proxy:
                                        "answered; retry.", code="engine_error") from None
                 finally:
                     exchange.upstream_seconds += time.perf_counter() - waited
+                if body is None:
+                    # Closed, not read to its end: the engine stops sending. Its work is
+                    # recorded as far as it can be known without the answer: the prompt.
+                    response.close()
+                    exchange.take_usage(
+                        {"prompt_tokens": await self.count_prompt_tokens(exchange, payload)})
+                    raise _too_large(limit, "answer", 'stream it ("stream": true) or ask for '
+                                     "less (max_tokens, n, logprobs)")
                 if response.status != 200:
                     raise from_engine(response.status, body)
                 exchange.take_usage(orjson.loads(body).get("usage"))
@@ -158,7 +168,8 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
                 "headers": response_headers(exchange, [EVENT_STREAM,
                                                        (b"cache-control", b"no-cache")])})
     failure: GatewayError | None = None
-    lines = response.content.__aiter__()
+    limit = settings.KVRUN_GATEWAY_MAX_ANSWER_BYTES
+    lines = _lines(response.content, limit)
     while True:
         waited = time.perf_counter()
         try:
@@ -167,6 +178,11 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
             if not exchange.disconnected:
                 failure = GatewayError(502, "The engine ended the stream early.",
                                        code="engine_error")
+            break
+        except AnswerTooLarge:
+            response.close()
+            failure = _too_large(limit, "stream has an event that", "ask for less in each "
+                                 "chunk (n, logprobs)")
             break
         except (aiohttp.ClientError, TimeoutError):
             if not exchange.disconnected:
@@ -197,6 +213,42 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
         await send({"type": "http.response.body", "more_body": True,
                     "body": b"data: " + orjson.dumps({"error": failure.as_dict()}) + b"\n\n"})
     await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+
+class AnswerTooLarge(Exception):
+    """One line of an engine's stream is longer than the gateway holds in memory."""
+
+
+async def _read_within(content: aiohttp.StreamReader, limit: int) -> bytes | None:
+    """The whole body; None as soon as it is longer than `limit` bytes."""
+    parts, size = [], 0
+    async for part in content.iter_any():
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _lines(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[bytes]:
+    """The stream's lines, each as long as it is up to `limit` bytes (aiohttp's own readline
+    gives up at 128 KiB, which one event of a long answer with logprobs can pass)."""
+    pending = bytearray()
+    async for part in content.iter_any():
+        pending += part
+        if b"\n" in part:
+            *complete, pending = pending.split(b"\n")
+            for line in complete:
+                yield bytes(line)
+        if len(pending) > limit:
+            raise AnswerTooLarge
+    if pending:
+        yield bytes(pending)
+
+
+def _too_large(limit: int, what: str, advice: str) -> GatewayError:
+    return GatewayError(502, f"The engine's {what} is larger than the gateway's limit of "
+                        f"{limit} bytes; {advice}.", code="answer_too_large")
 
 
 def _client_chunk(exchange: Exchange, chunk: dict[str, Any], data: bytes, *, wants_usage: bool,

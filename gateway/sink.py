@@ -17,6 +17,7 @@ import logging
 import time
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import close_old_connections
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -30,9 +31,6 @@ from gateway.limits import Admission
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 1.0
-# A write waits this long for more records to join it: one pipeline then carries several
-# requests even at low concurrency, and its cost stays off the next request's path.
-GATHER_SECONDS = 0.005
 
 
 def _store_directly(payloads: list[bytes]) -> list[bytes]:
@@ -95,7 +93,7 @@ class UsageSink:
             except TimeoutError:
                 pass
             if not self._closing:
-                await asyncio.sleep(GATHER_SECONDS)
+                await asyncio.sleep(settings.KVRUN_GATEWAY_GATHER_SECONDS)
             self._wake.clear()
             if not await self._flush():
                 await asyncio.sleep(RETRY_SECONDS)

@@ -8,9 +8,11 @@ import os
 
 from django.core.asgi import get_asgi_application
 
+from kvrun.middleware import limit_body
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
 
-django_application = get_asgi_application()
+django_application = limit_body(get_asgi_application())
 
 from gateway.app import Gateway  # noqa: E402  (needs the apps loaded above)
 

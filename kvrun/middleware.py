@@ -1,13 +1,18 @@
-from collections.abc import Callable
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
+ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
 
 class BodySizeLimitMiddleware:
-    """Refuse a declared body above DATA_UPLOAD_MAX_MEMORY_SIZE with 413 before it is read.
+    """Refuse a declared body above DATA_UPLOAD_MAX_MEMORY_SIZE with 413 before a view reads it.
 
     Django would otherwise answer 400 (RequestDataTooBig) only once a view reads the body.
+    Under ASGI, limit_body (below) has refused such a body before Django read any of it.
     """
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
@@ -22,6 +27,48 @@ class BodySizeLimitMiddleware:
         if limit is not None and length > limit:
             return body_too_large_response(limit)
         return self.get_response(request)
+
+
+def limit_body(app: ASGIApp) -> ASGIApp:
+    """`app` (Django's ASGI handler) behind the body limit: 413 as soon as a body is known to be
+    over DATA_UPLOAD_MAX_MEMORY_SIZE, from its declared length or, for a chunked upload, from
+    the bytes received so far.
+
+    Django's handler reads the whole body into a temporary file (on disk past
+    FILE_UPLOAD_MAX_MEMORY_SIZE) before any middleware runs, so a check in middleware comes
+    after an upload of any size has been stored.
+    """
+    async def limited(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        if scope["type"] != "http" or limit is None:
+            await app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await _send_too_large(send, limit)
+            return
+        received = 0
+
+        async def counted() -> dict[str, Any]:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received <= limit:
+                return message
+            await _send_too_large(send, limit)
+            # Django stops reading at a disconnect and answers nothing more.
+            return {"type": "http.disconnect"}
+
+        await app(scope, counted, send)
+    return limited
+
+
+async def _send_too_large(send: Any, limit: int) -> None:
+    body = json.dumps({"error": body_too_large_error(limit)}).encode()
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def body_too_large_message(limit: int) -> str:

@@ -192,12 +192,22 @@ KVRUN_GATEWAY_ROUTE_CACHE_SECONDS = env.float("KVRUN_GATEWAY_ROUTE_CACHE_SECONDS
 # Longest wait for an engine's next byte; generation of long answers can take minutes.
 KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS",
                                                    default=600.0)
+# The most the gateway holds in memory of one engine answer that is not streamed, or of one
+# event of a stream; past it the request is a 502. A whole 128k-token context of text is under
+# 1 MiB of JSON, so this leaves room for several choices and logprobs, while 64 requests of an
+# organisation in flight hold 1 GiB at most. Longer answers can be streamed.
+KVRUN_GATEWAY_MAX_ANSWER_BYTES = env.int("KVRUN_GATEWAY_MAX_ANSWER_BYTES",
+                                         default=16 * 1024 * 1024)
 # An Idempotency-Key is remembered this long; a repeat within it does not run again.
 KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
 # What a web process holds for a request (its in-flight slot, its trace for the usage ledger)
 # lasts this long unless renewed: a process killed outright frees it, and has its requests
 # recorded as interrupted, this long after.
 KVRUN_GATEWAY_LEASE_SECONDS = env.float("KVRUN_GATEWAY_LEASE_SECONDS", default=30.0)
+# A usage write waits this long for more records to join it (gateway.sink): one pipeline then
+# carries several requests even at low concurrency, and its cost stays off the next request's
+# path.
+KVRUN_GATEWAY_GATHER_SECONDS = env.float("KVRUN_GATEWAY_GATHER_SECONDS", default=0.005)
 # How often beat moves usage records from the gateway's stream into PostgreSQL.
 KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0)
 
@@ -230,6 +240,11 @@ REST_FRAMEWORK = {
         "accounts.permissions.ManageScopeForKeys",
     ],
     "DEFAULT_PAGINATION_CLASS": "kvrun.api.Pagination",
+    "DEFAULT_PARSER_CLASSES": [
+        "kvrun.api.JSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",

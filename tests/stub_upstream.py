@@ -5,8 +5,11 @@
 It keeps every completion request it was sent (GET /_requests), with the gateway's request
 id; counts a prompt's words as its tokens (POST /tokenize); and behaves by the prompt (or the
 last chat message): "context" answers vLLM's context-length 400, "slow" takes its time
-(a second, or a chunk every 0.2 s), "drop" dies after two chunks of a stream; anything else
-is answered at once with usage. Streams carry running usage when asked, as vLLM's do.
+(a second, or a chunk every 0.2 s), "drop" dies after two chunks of a stream, "huge"
+answers 1 MiB of text (in pieces, with no declared length), "long" streams one event of
+640 KiB, past aiohttp's line limit (twice its read buffer: 512 KiB in aiohttp 3.14);
+anything else is answered at once with usage. Streams carry running usage when asked, as
+vLLM's do.
 """
 
 import asyncio
@@ -14,6 +17,8 @@ import asyncio
 import orjson
 
 RECEIVED: list[dict] = []
+HUGE_TEXT_BYTES = 1024 * 1024
+LONG_EVENT_TEXT_BYTES = 640 * 1024
 CONTEXT_ERROR = orjson.dumps({"error": {
     "message": "This model's maximum context length is 2048 tokens. However, your prompt "
                "contains 3000 input tokens. Please reduce the length of the input prompt.",
@@ -26,10 +31,10 @@ def _prompt(request: dict) -> str:
     return str(request.get("prompt", ""))
 
 
-def _chunk(index: int, usage: dict | None) -> bytes:
+def _chunk(index: int, usage: dict | None, text: str = "") -> bytes:
     return b"data: " + orjson.dumps({
         "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
-        "choices": [{"index": 0, "text": f" t{index}", "finish_reason": None}],
+        "choices": [{"index": 0, "text": text or f" t{index}", "finish_reason": None}],
         "usage": usage}) + b"\n\n"
 
 
@@ -70,11 +75,18 @@ async def app(scope: dict, receive: object, send: object) -> None:
     if not request.get("stream"):
         if slow:
             await asyncio.sleep(1.0)
-        await _respond(send, 200, orjson.dumps({
+        answer = orjson.dumps({
             "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
-            "choices": [{"index": 0, "text": " t0 t1 t2 t3", "finish_reason": "length"}],
+            "choices": [{"index": 0, "finish_reason": "length",
+                         "text": "x" * HUGE_TEXT_BYTES if prompt == "huge" else " t0 t1 t2 t3"}],
             "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
-                      "prompt_tokens_details": {"cached_tokens": 3}}}))
+                      "prompt_tokens_details": {"cached_tokens": 3}}})
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json")]})
+        piece = 64 * 1024
+        for start in range(0, len(answer), piece):
+            await send({"type": "http.response.body", "body": answer[start:start + piece],
+                        "more_body": start + piece < len(answer)})
         return
     options = request.get("stream_options") or {}
     await send({"type": "http.response.start", "status": 200,
@@ -84,7 +96,8 @@ async def app(scope: dict, receive: object, send: object) -> None:
             raise ConnectionAbortedError("the stub engine dies in mid-stream")
         usage = ({"prompt_tokens": 7, "completion_tokens": index + 1,
                   "total_tokens": 8 + index} if options.get("continuous_usage_stats") else None)
-        await send({"type": "http.response.body", "body": _chunk(index, usage),
+        text = "x" * LONG_EVENT_TEXT_BYTES if prompt == "long" and index == 1 else ""
+        await send({"type": "http.response.body", "body": _chunk(index, usage, text),
                     "more_body": True})
         if slow:
             await asyncio.sleep(0.2)

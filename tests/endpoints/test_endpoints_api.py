@@ -5,10 +5,11 @@ from django.core.exceptions import ValidationError
 from django.db import connection
 from rest_framework.test import APIClient
 
-from accounts.models import Organization, Role
+from accounts.models import Membership, Organization, Role, Scope
 from endpoints import services
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, ModelSpec, Node, Replica, State
 from endpoints.services import do_create_endpoint, do_load_catalogs
+from tests.factories import UserFactory, api_key
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -129,6 +130,34 @@ def test_scale_stop_start_and_delete(owner_api: APIClient, org: Organization,
     assert Endpoint.objects.get().deleted_at is not None
     # The name is free again once the endpoint is deleted.
     assert owner_api.post(url(org), DEMO, format="json").status_code == 201
+
+
+@pytest.mark.parametrize("who", ["member", "inference key"])
+def test_members_and_inference_keys_cannot_create_scale_stop_or_delete_endpoints(
+    owner_api: APIClient, org: Organization, cpu_node: Node, who: str
+) -> None:
+    owner_api.post(url(org), DEMO, format="json")
+    client = APIClient()
+    if who == "member":
+        member = UserFactory(email="member@acme.test")
+        Membership.objects.create(organization=org, user=member, role=Role.MEMBER)
+        client.force_authenticate(member)
+        refusal = "Only owners and admins can"
+        assert client.get(url(org, "demo/")).status_code == 200  # members read
+    else:
+        client.credentials(HTTP_AUTHORIZATION=f"Bearer {api_key(org, scope=Scope.INFERENCE)[1]}")
+        refusal = "inference scope"
+
+    for response in (client.post(url(org), {**DEMO, "name": "another"}, format="json"),
+                     client.post(url(org, "demo/scale/"), {"replicas": 1}, format="json"),
+                     client.post(url(org, "demo/stop/")),
+                     client.delete(url(org, "demo/"))):
+        assert response.status_code == 403, response.content
+        assert refusal in response.json()["error"]["message"]
+
+    endpoint = Endpoint.objects.get()
+    assert (endpoint.name, endpoint.desired_state, endpoint.deleted_at) == (
+        "demo", "running", None)
 
 
 def test_events_list_the_lifecycle(owner_api: APIClient, org: Organization,

@@ -15,6 +15,7 @@ from accounts.revocations import KEY_REVOKED_CHANNEL
 from billing.models import UsageRecord
 from billing.services import do_ingest_usage
 from gateway.app import Gateway
+from gateway.directory import Upstream
 from kvrun.redis import redis_client
 from tests.helpers import wait_until
 
@@ -60,11 +61,16 @@ class InProcessGateway:
             self.run(self.app.stop())
             gc.unfreeze()  # the app froze the test process's heap, as it does a web process's
 
+    def upstreams(self, organization_id: object) -> dict[str, Upstream]:
+        """Each ready replica as this gateway sees it (its requests in flight, its tries)."""
+        routes = self.run(self.app.directory.routes(organization_id))
+        return {upstream.replica_id: upstream
+                for route in routes.values() for upstream in route.upstreams}
+
     def upstreams_in_flight(self, organization_id: object) -> dict[str, int]:
         """Each ready replica's requests in flight, as this gateway counts them."""
-        routes = self.run(self.app.directory.routes(organization_id))
-        return {upstream.replica_id: upstream.in_flight
-                for route in routes.values() for upstream in route.upstreams}
+        return {replica_id: upstream.in_flight
+                for replica_id, upstream in self.upstreams(organization_id).items()}
 
 
 def _revocation_subscribers() -> int:

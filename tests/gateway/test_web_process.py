@@ -3,7 +3,6 @@ SIGTERM, and the control worker's ingestion task."""
 
 import signal
 import threading
-import time
 from collections.abc import Callable
 
 import httpx
@@ -13,7 +12,8 @@ import pytest
 from billing.models import UsageRecord
 from endpoints.models import Endpoint
 from engine.processes import free_port
-from tests.helpers import start_web, stop
+from tests.gateway.helpers import received
+from tests.helpers import start_web, stop, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -35,25 +35,28 @@ def test_only_v1_reaches_the_gateway_and_no_engine_path_is_exposed(
 
 
 def test_usage_survives_a_web_process_told_to_stop(
-    endpoint: Endpoint, secret: str, ingested: Callable[..., bool]
+    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], ingested: Callable[..., bool]
 ) -> None:
+    # Records wait 3 s in memory for others to join their write: only the flush at shutdown
+    # can store those of the requests that end while the process stops.
     port = free_port()
-    web = start_web(port)
+    web = start_web(port, KVRUN_GATEWAY_GATHER_SECONDS="3")
     base = f"http://127.0.0.1:{port}"
-    answered: list[int] = []
+    answered: dict[str, int] = {}  # request id: status, for every request that was answered
 
     def send() -> None:
         try:
-            answered.append(call(base, secret, {"model": "chat", "prompt": "slow"}).status_code)
+            response = call(base, secret, {"model": "chat", "prompt": "slow"})
         except httpx.TransportError:
-            pass  # the server had stopped taking connections; nothing was admitted
+            return  # the server had stopped taking connections; the engine's list tells
+        answered[response.headers["x-request-id"]] = response.status_code
 
     threads = [threading.Thread(target=send) for _ in range(12)]
     try:
         for thread in threads[:8]:
             thread.start()
-        time.sleep(0.5)
-        web.send_signal(signal.SIGTERM)  # 8 requests in flight
+        assert wait_until(lambda: len(received(stubs[0])) == 8, 10, interval=0.02)
+        web.send_signal(signal.SIGTERM)  # 8 requests in flight at the engine
         for thread in threads[8:]:
             thread.start()
         for thread in threads:
@@ -62,6 +65,10 @@ def test_usage_survives_a_web_process_told_to_stop(
     finally:
         stop(web)
 
-    assert answered.count(200) >= 8
-    assert ingested(len(answered))
-    assert UsageRecord.objects.count() == len(answered) == answered.count(200)
+    # Every request the engine was sent, whatever its client saw, has its record.
+    at_engine = {sent["request_id"] for sent in received(stubs[0])}
+    assert len(at_engine) >= 8 and set(answered) <= at_engine
+    assert ingested(len(at_engine))
+    stored = dict(UsageRecord.objects.values_list("request_id", "status_code"))
+    assert stored == {request_id: 200 for request_id in at_engine}
+    assert set(answered.values()) == {200}

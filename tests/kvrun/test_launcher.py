@@ -17,7 +17,7 @@ import redis
 
 from engine.processes import free_port
 from kvrun import launcher
-from tests.helpers import ROOT, process_alive
+from tests.helpers import ROOT, process_alive, wait_until
 
 
 def descendants(pid: int) -> set[int]:
@@ -125,6 +125,31 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
     assert second.interrupt() == 0
     time.sleep(1)
     assert not [pid for pid in processes if process_alive(pid)]
+
+
+@pytest.mark.e2e
+def test_a_sigkilled_launcher_leaves_only_the_embedded_postgresql(state_dir: Path) -> None:
+    port = free_port()
+    launch = Launch(state_dir, port)
+    launch.read_until("Ctrl-C stops every process")
+    wait_ready(f"http://127.0.0.1:{port}")
+    processes = descendants(launch.process.pid)
+    postmaster = int((state_dir / "postgres" / "postmaster.pid").read_text().split()[0])
+    assert len(processes) >= 5  # web, worker (+ its pool), beat, node agent, redis
+    try:
+        launch.process.kill()
+        launch.process.wait(30)
+
+        # Each child is told to die with the launcher; they are all gone once they have
+        # shut down, and the PostgreSQL daemon, which the next run reuses, is left.
+        assert wait_until(lambda: not any(process_alive(pid) for pid in processes), 30), [
+            pid for pid in processes if process_alive(pid)]
+        assert process_alive(postmaster)
+    finally:
+        for pid in processes | {postmaster}:
+            if process_alive(pid):
+                os.kill(pid, signal.SIGINT)  # PostgreSQL's fast shutdown; others stop too
+    assert wait_until(lambda: not process_alive(postmaster), 30)
 
 
 def test_secrets_missing_from_an_older_state_directory_are_added_and_kept_private(
