@@ -6,7 +6,7 @@ from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404
-from rest_framework import exceptions, parsers, serializers, status
+from rest_framework import exceptions, serializers, status
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -30,19 +30,6 @@ class AddressRateThrottle(SimpleRateThrottle):
 
     def get_cache_key(self, request: Request, view: APIView | None) -> str:
         return self.cache_format % {"scope": self.scope, "ident": client_address(request)}
-
-
-class JSONParser(parsers.JSONParser):
-    """DRF's JSON parser, with a body nested past the interpreter's recursion limit refused as
-    malformed (400) instead of failing the request (500)."""
-
-    def parse(self, stream: Any, media_type: str | None = None,
-              parser_context: dict[str, Any] | None = None) -> Any:
-        try:
-            return super().parse(stream, media_type, parser_context)
-        except RecursionError:
-            raise exceptions.ParseError(
-                "arrays or objects nested too deeply; nest them a few levels at most") from None
 
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:

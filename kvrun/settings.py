@@ -241,7 +241,7 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PAGINATION_CLASS": "kvrun.api.Pagination",
     "DEFAULT_PARSER_CLASSES": [
-        "kvrun.api.JSONParser",
+        "kvrun.parsers.JSONParser",
         "rest_framework.parsers.FormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
