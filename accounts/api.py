@@ -2,7 +2,7 @@
 
 from django.db.models import QuerySet
 from django_filters import rest_framework as filters
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import PolymorphicProxySerializer, extend_schema
 from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import api_view, permission_classes, throttle_classes
 from rest_framework.permissions import AllowAny, IsAuthenticated
@@ -41,18 +41,16 @@ def sign_up(request: Request) -> Response:
     return Response(output.data, status=status.HTTP_201_CREATED)
 
 
-@extend_schema(responses=serializers.UserSerializer)
+@extend_schema(responses=PolymorphicProxySerializer(
+    component_name="Caller", resource_type_field_name=None,
+    serializers=[serializers.UserSerializer, serializers.KeyCallerSerializer]))
 @api_view(["GET"])
 def me(request: Request) -> Response:
-    """The signed-in user, or for an API key the organisation it belongs to."""
+    """The signed-in user, or for an API key the key and the organisation it belongs to."""
     if isinstance(request.user, KeyPrincipal):
         organization = Organization.objects.get(id=request.user.key.organization_id)
-        return Response(
-            {
-                "api_key": {"id": str(request.user.key.id), "scope": request.user.key.scope},
-                "organization": serializers.OrganizationSerializer(organization).data,
-            }
-        )
+        return Response(serializers.KeyCallerSerializer(
+            {"api_key": request.user.key, "organization": organization}).data)
     return Response(serializers.UserSerializer(request.user).data)
 
 

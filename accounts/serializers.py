@@ -17,6 +17,18 @@ class OrganizationSerializer(serializers.ModelSerializer):
         read_only_fields = ["max_concurrent_requests"]
 
 
+class CallingKeySerializer(serializers.Serializer):
+    id = serializers.UUIDField()
+    scope = serializers.CharField()
+
+
+class KeyCallerSerializer(serializers.Serializer):
+    """Who is calling, when it is an API key: the key and its organisation."""
+
+    api_key = CallingKeySerializer()
+    organization = OrganizationSerializer()
+
+
 class MembershipSerializer(serializers.ModelSerializer):
     user = UserSerializer(read_only=True)
 
@@ -43,7 +55,8 @@ class CreatedInviteSerializer(InviteSerializer):
 
 class APIKeySerializer(serializers.ModelSerializer):
     state = serializers.CharField(read_only=True)
-    created_by = serializers.EmailField(source="created_by.email", read_only=True, default=None)
+    created_by = serializers.EmailField(source="created_by.email", read_only=True, default=None,
+                                        allow_null=True)
 
     class Meta:
         model = APIKey

@@ -5,7 +5,8 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.http import Http404
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.views.defaults import page_not_found
 from rest_framework import exceptions, serializers, status
 from rest_framework.pagination import PageNumberPagination
 from rest_framework.request import Request
@@ -19,9 +20,28 @@ from kvrun.middleware import body_too_large_error
 
 
 class Pagination(PageNumberPagination):
+    """Pages of 50 (page_size up to 200); a page_size that is not one is a 400, not ignored."""
+
     page_size = 50
     page_size_query_param = "page_size"
     max_page_size = 200
+
+    def get_page_size(self, request: Request) -> int:
+        asked = request.query_params.get(self.page_size_query_param)
+        if asked is None:
+            return self.page_size
+        if not asked.isdigit() or not 1 <= int(asked) <= self.max_page_size:
+            raise exceptions.ValidationError(
+                {"page_size": [f"A whole number from 1 to {self.max_page_size}."]})
+        return int(asked)
+
+    def get_schema_operation_parameters(self, view: APIView) -> list[dict[str, Any]]:
+        parameters = super().get_schema_operation_parameters(view)
+        bounds = {self.page_query_param: {"minimum": 1},
+                  self.page_size_query_param: {"minimum": 1, "maximum": self.max_page_size}}
+        for parameter in parameters:
+            parameter["schema"] |= bounds.get(parameter["name"], {})
+        return parameters
 
 
 class AddressRateThrottle(SimpleRateThrottle):
@@ -58,7 +78,8 @@ def _error_body(exc: Exception, data: Any) -> dict[str, Any]:
     if isinstance(exc, exceptions.ValidationError):
         fields = _flatten(data) if isinstance(data, dict) else {"non_field_errors": _flatten(data)}
         general = fields.pop("non_field_errors", [])
-        parts = [*general] + [f"{name}: {' '.join(msgs)}" for name, msgs in fields.items()]
+        parts = [*_sentences(general)] + [f"{name}: {' '.join(_sentences(msgs))}"
+                                          for name, msgs in fields.items()]
         return {
             "type": "invalid_request",
             "message": " ".join(parts) or "The request is invalid.",
@@ -69,6 +90,17 @@ def _error_body(exc: Exception, data: Any) -> dict[str, Any]:
         return {"type": "malformed_request", "message": message, "fields": {}}
     detail = data.get("detail", "") if isinstance(data, dict) else data
     return {"type": _type_of(exc), "message": str(detail), "fields": {}}
+
+
+def _sentences(messages: Any) -> list[str]:
+    """The messages of one field as sentences; a list's items say which item they are about
+    (DRF keys them by index)."""
+    if isinstance(messages, dict):
+        return [f"item {key + 1}: {sentence}" if isinstance(key, int) else f"{key}: {sentence}"
+                for key, value in messages.items() for sentence in _sentences(value)]
+    if isinstance(messages, list):
+        return [sentence for message in messages for sentence in _sentences(message)]
+    return [str(messages)]
 
 
 def _flatten(data: Any) -> Any:
@@ -111,3 +143,13 @@ class StrictSerializer(serializers.Serializer):
                     {name: ["Unknown field; remove it from the request."] for name in unknown}
                 )
         return super().to_internal_value(data)
+
+
+def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """A URL no route matches (Django's handler404): under /api/ in the API's error envelope,
+    so that API clients never get an HTML page; elsewhere Django's page."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"error": {"type": "not_found", "fields": {},
+                                       "message": "No such API path; /api/docs/ lists them."}},
+                            status=404)
+    return page_not_found(request, exception)

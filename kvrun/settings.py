@@ -240,11 +240,8 @@ REST_FRAMEWORK = {
         "accounts.permissions.ManageScopeForKeys",
     ],
     "DEFAULT_PAGINATION_CLASS": "kvrun.api.Pagination",
-    "DEFAULT_PARSER_CLASSES": [
-        "kvrun.parsers.JSONParser",
-        "rest_framework.parsers.FormParser",
-        "rest_framework.parsers.MultiPartParser",
-    ],
+    # The API takes JSON only, and its schema says so.
+    "DEFAULT_PARSER_CLASSES": ["kvrun.parsers.JSONParser"],
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
@@ -269,6 +266,8 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
+                             "kvrun.schema.document_errors"],
 }
 
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)

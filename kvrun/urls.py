@@ -6,6 +6,8 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from kvrun import health
 
+handler404 = "kvrun.api.not_found"
+
 admin.site.site_header = admin.site.site_title = "kvrun console"
 admin.site.index_title = "Nodes, endpoints, usage and accounts"
 
