@@ -64,10 +64,12 @@ def _release_replicas_on_lost_nodes(endpoint: Endpoint) -> None:
     Their engines may still run there: if the node comes back, its heartbeats keep it
     recovering (no replica is placed on it) until its agent has stopped them
     (nodes.services.do_record_node_heartbeat). The node rows are held while this settles, so
-    a heartbeat that brings one back waits and then sees these replicas settled."""
+    a heartbeat that brings one back waits and then sees these replicas settled; a node row
+    a heartbeat holds is skipped until the next pass (an agent frozen mid-heartbeat must not
+    stall every pass)."""
     lost = endpoint.replicas.filter(state__in=ON_NODE + (State.STOPPING,),
                                     node__state=NodeState.LOST)
-    for replica in lost.select_related("node").select_for_update(of=("node",)):
+    for replica in lost.select_related("node").select_for_update(of=("node",), skip_locked=True):
         do_transition_replica(
             replica_id=replica.id, from_states=ON_NODE + (State.STOPPING,),
             to_state=State.STOPPED, stopped_at=timezone.now(),

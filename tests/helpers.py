@@ -102,3 +102,10 @@ def api_servers(name: str) -> list[int]:
         if b"vllm.entrypoints.openai.api_server" in argv and name.encode() in argv:
             found.append(int(cmdline.parent.name))
     return [pid for pid in found if process_alive(pid)]
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the running processes of process group `pgid`."""
+    from engine.processes import live_processes
+
+    return [pid for pid, group in live_processes() if group == pgid]
