@@ -25,12 +25,19 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
     is no longer in one of them. Records an event and refreshes the endpoint's state."""
     fields.setdefault("stage", message[:80])
     fields.setdefault("progress_percent", PROGRESS[to_state])
+    endpoint_id = (Replica.objects.filter(id=replica_id).values_list("endpoint_id", flat=True)
+                   .first())
+    if endpoint_id is None:
+        return False
     with transaction.atomic():
+        # The endpoint's row before the replica's, the order a reconciler pass takes them in:
+        # the other way round, an agent's transition and a pass each held what the other
+        # waited for, and PostgreSQL aborted one of them.
+        Endpoint.objects.select_for_update().filter(id=endpoint_id).values_list("id").first()
         moved = Replica.objects.filter(id=replica_id, state__in=list(from_states)).update(
             state=to_state, **fields)
         if moved != 1:
             return False
-        endpoint_id = Replica.objects.values_list("endpoint_id", flat=True).get(id=replica_id)
         EndpointEvent.objects.create(endpoint_id=endpoint_id, replica_id=replica_id,
                                      state=to_state, message=message)
         do_refresh_endpoint_state(endpoint_id=endpoint_id)

@@ -84,6 +84,10 @@ class GPUType(models.Model):
 class NodeState(models.TextChoices):
     ONLINE = "online"
     LOST = "lost"
+    # Heartbeats again (back from lost, or registered anew) while its agent still runs
+    # engines kvrun no longer expects there: it takes no replicas until the agent has stopped
+    # them, or their memory would still be taken when a new engine loads on the same devices.
+    RECOVERING = "recovering"
 
 
 class Node(models.Model):

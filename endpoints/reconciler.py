@@ -25,6 +25,8 @@ from endpoints.scheduling import do_place_replica
 
 LIVE = (State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
 ON_NODE = (State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
+# What an agent's stop may take beyond its grace period (the process reaped, the port freed).
+QUIET_MARGIN_SECONDS = 30
 
 
 def endpoints_to_reconcile() -> list[UUID]:
@@ -44,6 +46,7 @@ def reconcile_endpoint(*, endpoint_id: UUID) -> None:
         if endpoint is None:  # deleted for good, or another pass is on it
             return
         _release_replicas_on_lost_nodes(endpoint)
+        _retry_quiet_transitions(endpoint)
         if endpoint.desired_state == DesiredState.RUNNING and endpoint.deleted_at is None:
             if endpoint.state != State.FAILED:
                 _retry_failed(endpoint)
@@ -57,10 +60,16 @@ def reconcile_endpoint(*, endpoint_id: UUID) -> None:
 
 
 def _release_replicas_on_lost_nodes(endpoint: Endpoint) -> None:
-    """A lost node's engines are gone with it: settle those replicas; fresh ones replace them."""
+    """Settle a lost node's replicas without waiting for it; fresh ones replace them elsewhere.
+    Their engines may still run there: if the node comes back, its heartbeats keep it
+    recovering (no replica is placed on it) until its agent has stopped them
+    (nodes.services.do_record_node_heartbeat). The node rows are held while this settles, so
+    a heartbeat that brings one back waits and then sees these replicas settled; a node row
+    a heartbeat holds is skipped until the next pass (an agent frozen mid-heartbeat must not
+    stall every pass)."""
     lost = endpoint.replicas.filter(state__in=ON_NODE + (State.STOPPING,),
                                     node__state=NodeState.LOST)
-    for replica in lost.select_related("node"):
+    for replica in lost.select_related("node").select_for_update(of=("node",), skip_locked=True):
         do_transition_replica(
             replica_id=replica.id, from_states=ON_NODE + (State.STOPPING,),
             to_state=State.STOPPED, stopped_at=timezone.now(),
@@ -111,12 +120,36 @@ def _schedule_pending(endpoint: Endpoint) -> None:
 
 def _fail_stuck(endpoint: Endpoint) -> None:
     """A start that no node agent picked up in time (agent down, queue lost) counts as a failure."""
-    cutoff = timezone.now() - timedelta(seconds=settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS)
     for replica in endpoint.replicas.filter(state__in=[State.SCHEDULING, State.STARTING]):
-        last = replica.events.order_by("-at").values_list("at", flat=True).first()
-        if last is not None and last < cutoff:
+        if _quiet_for(replica, settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS):
             do_fail_replica(replica_id=replica.id, from_states=[State.SCHEDULING, State.STARTING],
                             reason="no node agent started the engine in time")
+
+
+def _retry_quiet_transitions(endpoint: Endpoint) -> None:
+    """Starts and stops whose agent went quiet (its transition hit a database error or a
+    deadlock, its stop timed out, its task was lost) would hold a replica, and its devices,
+    forever. A replica still loading after the agent's own start timeout, and the stop that
+    would have followed it, is stopped; a stop that nothing confirmed is sent again. Either
+    way the replica keeps its devices until its agent confirms that the engine is gone."""
+    grace = settings.KVRUN_ENGINE_STOP_GRACE_SECONDS + QUIET_MARGIN_SECONDS
+    for replica in endpoint.replicas.filter(state=State.LOADING).select_related("node"):
+        if _quiet_for(replica, settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS + grace):
+            do_stop_replica(replica=replica, reason="the engine was not ready in time and its "
+                                                    "node agent did not say why; stopping it")
+    for replica in endpoint.replicas.filter(state=State.STOPPING).select_related("node"):
+        if replica.node is not None and _quiet_for(replica, grace):
+            moved = do_transition_replica(
+                replica_id=replica.id, from_states=[State.STOPPING], to_state=State.STOPPING,
+                message=f"no stop confirmed in {grace} s; sending it again")
+            if moved:
+                send_stop_after_commit(replica=replica, node=replica.node)
+
+
+def _quiet_for(replica: Replica, seconds: float) -> bool:
+    """Whether the replica's last event is more than `seconds` old."""
+    last = replica.events.order_by("-at").values_list("at", flat=True).first()
+    return last is not None and last < timezone.now() - timedelta(seconds=seconds)
 
 
 def do_stop_replica(*, replica: Replica, reason: str) -> bool:

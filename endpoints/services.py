@@ -60,9 +60,10 @@ def _upsert(model: type, rows: list[dict]) -> None:
 
 
 def do_mark_lost_nodes() -> int:
-    """Mark online nodes whose heartbeats stopped as lost. Returns how many."""
+    """Mark online or recovering nodes whose heartbeats stopped as lost. Returns how many."""
     cutoff = timezone.now() - timedelta(seconds=settings.KVRUN_NODE_LOST_AFTER_SECONDS)
-    return Node.objects.filter(state=NodeState.ONLINE, last_heartbeat_at__lt=cutoff).update(
+    return Node.objects.filter(state__in=[NodeState.ONLINE, NodeState.RECOVERING],
+                               last_heartbeat_at__lt=cutoff).update(
         state=NodeState.LOST
     )
 

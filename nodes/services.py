@@ -1,8 +1,12 @@
 """Writes a node agent makes about its own node: registering it and its heartbeats."""
 
+from collections.abc import Collection
+
+from django.db import transaction
 from django.utils import timezone
 
-from endpoints.models import GPUType, Node, NodeState
+from endpoints.models import GPUType, Node, NodeState, Replica, State
+from endpoints.reconciler import ON_NODE
 from endpoints.selectors import gpu_type_for_device
 from engine.devices import HostResources
 from engine.sizing import CPU
@@ -10,7 +14,8 @@ from engine.sizing import CPU
 
 def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1") -> Node:
     """Insert or refresh the node `name` with what its agent detected; it is online again.
-    `address` is where its engines listen for the gateway."""
+    `address` is where its engines listen for the gateway. The agent has stopped whatever
+    engines its previous run left (nodes.agent.stop_engines_left_behind) before it calls this."""
     if resources.devices:
         first = resources.devices[0]
         gpu_type = gpu_type_for_device(device_name=first.name, memory_bytes=first.memory_bytes)
@@ -33,9 +38,25 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
     return Node.objects.get(name=name)
 
 
-def do_record_node_heartbeat(*, name: str) -> bool:
-    """Note that the node's agent is alive. Returns False when the node is not registered or
-    has no catalog GPU type yet (the catalog came later): the agent then registers again."""
-    return Node.objects.filter(name=name, gpu_type__isnull=False).update(
-        last_heartbeat_at=timezone.now(), state=NodeState.ONLINE
-    ) == 1
+def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str] | None:
+    """Note that the node's agent is alive and runs engines for the replica ids `engines`.
+
+    Returns those kvrun no longer expects on the node (replicas settled while it was lost,
+    or that failed or stopped while their engine stayed up), which the agent must stop; or
+    None when the node is not registered or has no catalog GPU type yet (the catalog came
+    later): the agent then registers again. The node is online, and takes replicas, only
+    while it reports no such engine; until then it is recovering. Its row is held while its
+    replicas are read, as a reconciler pass holds it while it settles a lost node's replicas,
+    so the two never cross: the node is never online with an engine of a replica just settled.
+    """
+    with transaction.atomic():
+        node = Node.objects.select_for_update().filter(name=name, gpu_type__isnull=False).first()
+        if node is None:
+            return None
+        expected = {str(replica_id) for replica_id in Replica.objects.filter(
+            node=node, state__in=ON_NODE + (State.STOPPING,)).values_list("id", flat=True)}
+        unexpected = set(engines) - expected
+        Node.objects.filter(id=node.id).update(
+            last_heartbeat_at=timezone.now(),
+            state=NodeState.RECOVERING if unexpected else NodeState.ONLINE)
+    return unexpected

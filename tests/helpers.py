@@ -153,3 +153,10 @@ class RestartableRedis:
         if self._process is not None and self._process.poll() is None:
             self._process.terminate()
             self._process.wait(10)
+
+
+def group_members(pgid: int) -> list[int]:
+    """PIDs of the running processes of process group `pgid`."""
+    from engine.processes import live_processes
+
+    return [pid for pid, group in live_processes() if group == pgid]

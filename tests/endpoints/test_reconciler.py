@@ -1,11 +1,22 @@
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
 
 from accounts.models import Organization, Role
-from endpoints.models import Endpoint, GPUType, ModelSpec, Node, NodeState, Replica, State
-from endpoints.reconciler import reconcile_endpoint
+from endpoints.models import (
+    Endpoint,
+    EndpointEvent,
+    GPUType,
+    ModelSpec,
+    Node,
+    NodeState,
+    Replica,
+    State,
+)
+from endpoints.reconciler import QUIET_MARGIN_SECONDS, reconcile_endpoint
+from endpoints.scheduling import free_devices
 from endpoints.services import do_create_endpoint, do_load_catalogs
 from engine.devices import Device, HostResources
 from nodes.services import do_register_node
@@ -159,3 +170,63 @@ def test_scaling_down_stops_the_newest_replicas() -> None:
 
     assert sorted(endpoint.replicas.values_list("state", flat=True)) == [
         State.STARTING, State.STOPPING]
+
+
+def quiet_for(replica: Replica, seconds: float) -> None:
+    """As if nothing had happened to the replica for `seconds`."""
+    EndpointEvent.objects.filter(replica=replica).update(
+        at=timezone.now() - timedelta(seconds=seconds))
+
+
+def test_a_replica_stuck_loading_is_stopped_and_keeps_its_devices_until_stopped(
+        settings: object, django_capture_on_commit_callbacks: Callable) -> None:
+    node = h100_node("n")
+    endpoint = make_endpoint(node.gpu_type)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    replica = endpoint.replicas.get()
+    # The agent moved it to loading, then its last transition failed (a database error).
+    Replica.objects.filter(id=replica.id).update(state=State.LOADING)
+    quiet_for(replica, settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS - 1)
+
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    assert Replica.objects.get(id=replica.id).state == State.LOADING  # its agent may still try
+
+    quiet_for(replica, settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS
+              + settings.KVRUN_ENGINE_STOP_GRACE_SECONDS + QUIET_MARGIN_SECONDS + 1)
+    with django_capture_on_commit_callbacks() as sent:
+        reconcile_endpoint(endpoint_id=endpoint.id)
+
+    replica.refresh_from_db()
+    assert replica.state == State.STOPPING
+    assert "not ready in time" in replica.events.order_by("-at", "-id").first().message
+    assert len(sent) == 2  # the stop to the node's agent, and the start of its replacement
+    # Its engine may still hold its devices: its replacement is placed on others.
+    replacement = endpoint.replicas.exclude(id=replica.id).get()
+    assert (replica.device_indices, replacement.device_indices) == ([0, 1], [2, 3])
+    assert free_devices(node) == [4, 5, 6, 7]
+
+
+def test_a_stop_nobody_confirmed_is_sent_again_and_keeps_its_devices(
+        settings: object, django_capture_on_commit_callbacks: Callable) -> None:
+    node = h100_node("n")
+    endpoint = make_endpoint(node.gpu_type)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    replica = endpoint.replicas.get()
+    Replica.objects.filter(id=replica.id).update(state=State.READY)
+    Endpoint.objects.filter(id=endpoint.id).update(desired_state="stopped")
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    assert Replica.objects.get(id=replica.id).state == State.STOPPING
+    # Its agent's stop timed out, or its transition to stopped hit a deadlock.
+    quiet_for(replica, settings.KVRUN_ENGINE_STOP_GRACE_SECONDS + QUIET_MARGIN_SECONDS + 1)
+
+    with django_capture_on_commit_callbacks() as sent:
+        reconcile_endpoint(endpoint_id=endpoint.id)
+
+    assert Replica.objects.get(id=replica.id).state == State.STOPPING
+    assert "sending it again" in replica.events.order_by("-at", "-id").first().message
+    assert len(sent) == 1
+    assert free_devices(node) == [2, 3, 4, 5, 6, 7]
+
+    with django_capture_on_commit_callbacks() as sent_again:
+        reconcile_endpoint(endpoint_id=endpoint.id)
+    assert sent_again == []  # once per quiet period, not at every pass

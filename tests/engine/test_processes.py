@@ -3,7 +3,15 @@ import subprocess
 import sys
 import time
 
-from engine.processes import port_is_free, stop_group
+from engine.processes import (
+    OWNER_VARIABLE,
+    REPLICA_VARIABLE,
+    owner_of,
+    port_is_free,
+    running_engines,
+    stop_group,
+    stop_groups,
+)
 from tests.helpers import process_alive
 
 
@@ -27,3 +35,25 @@ def test_port_is_free() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         assert not port_is_free(sock.getsockname()[1])
+
+
+def test_engines_are_found_by_their_owner_s_marker_not_by_a_pid() -> None:
+    def started(owner: str, replica: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
+            env={OWNER_VARIABLE: owner, REPLICA_VARIABLE: replica}, start_new_session=True,
+            stdout=subprocess.PIPE, text=True)
+
+    mine = owner_of("node-1", "/srv/kvrun")
+    ours, theirs = started(mine, "r-1"), started(owner_of("node-2", "/srv/kvrun"), "r-2")
+    try:
+        assert ours.stdout.readline() == theirs.stdout.readline() == "up\n"
+
+        assert running_engines(mine) == {"r-1": {ours.pid}}
+        stop_groups({ours.pid}, grace=1.0)
+        ours.wait(5)
+        assert running_engines(mine) == {}
+    finally:
+        for process in (ours, theirs):
+            process.kill()
+            process.wait()

@@ -15,9 +15,9 @@ import httpx
 import pytest
 import redis
 
-from engine.processes import free_port
+from engine.processes import free_port, owner_of, running_engines
 from kvrun import launcher
-from tests.helpers import ROOT, process_alive, wait_until
+from tests.helpers import ROOT, api_servers, group_members, process_alive, wait_until
 
 
 def descendants(pid: int) -> set[int]:
@@ -192,3 +192,27 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
+
+
+@pytest.mark.e2e
+def test_ctrl_c_while_an_engine_loads_leaves_no_engine(state_dir: Path) -> None:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    launch = Launch(state_dir, port)
+    output = launch.read_until("Ctrl-C stops every process")
+    wait_ready(base)
+    secret = re.search(r"Bearer (kvr_\w+)", output).group(1)
+    slug = re.search(r"Quickstart key for (\S+),", output).group(1)
+    created = httpx.post(f"{base}/api/v1/organizations/{slug}/endpoints/",
+                         headers={"Authorization": f"Bearer {secret}"},
+                         json={"name": "interrupted", "model": "kvrun-demo-tiny",
+                               "context_length": 2048, "concurrency": 4})
+    assert created.status_code == 201, created.text
+
+    # Its engine has started its workers and loads: it puts off SIGTERM until it has loaded.
+    assert wait_until(lambda: any(len(group_members(pid)) > 1
+                                  for pid in api_servers("interrupted")), 180)
+    assert launch.interrupt() == 0
+
+    assert not api_servers("interrupted"), "the engine outlived `make run`"
+    assert not running_engines(owner_of("launch-test", state_dir))

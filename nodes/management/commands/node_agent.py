@@ -1,14 +1,20 @@
 import socket
 import threading
 
+from celery.signals import worker_shutting_down
 from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import close_old_connections
 
 from engine import devices
 from kvrun.celery import app
-from nodes.agent import check_engines, do_fail_replicas_of_previous_agent
-from nodes.services import do_record_node_heartbeat, do_register_node
+from nodes.agent import (
+    beat,
+    do_fail_replicas_of_previous_agent,
+    stop_all_engines,
+    stop_engines_left_behind,
+)
+from nodes.services import do_register_node
 
 
 class Command(BaseCommand):
@@ -25,6 +31,11 @@ class Command(BaseCommand):
 
     def handle(self, *args: object, name: str, concurrency: int, address: str,
                **options: object) -> None:
+        # Before the node is online again: none of its devices may be handed out while an
+        # engine of the previous run still holds them.
+        left = stop_engines_left_behind(name=name)
+        if left:
+            self.stdout.write(f"stopped {left} engine(s) left by this node's previous run")
         resources = devices.detect()
         node = do_register_node(name=name, resources=resources, address=address)
         gpu = node.gpu_type.name if node.gpu_type else "no catalog match"
@@ -39,6 +50,13 @@ class Command(BaseCommand):
         heartbeat = threading.Thread(target=self._beat, args=(name, resources, address, stop),
                                      daemon=True)
         heartbeat.start()
+
+        # Celery's warm shutdown waits for running tasks, and a start waits for its engine:
+        # stop the engines as the shutdown begins, so the starts end with them.
+        def on_shutdown(**kwargs: object) -> None:
+            stop_all_engines(name=name)
+
+        worker_shutting_down.connect(on_shutdown, weak=False)
         try:
             # Threads, not processes: node tasks wait on engines, they do not compute.
             app.Worker(
@@ -47,14 +65,16 @@ class Command(BaseCommand):
             ).start()
         finally:
             stop.set()
+            stop_all_engines(name=name)
 
     def _beat(self, name: str, resources: devices.HostResources, address: str,
               stop: threading.Event) -> None:
+        # A thread of its own: the heartbeat never waits behind a task or an engine's stop.
         while not stop.wait(settings.KVRUN_NODE_HEARTBEAT_SECONDS):
             try:
-                if not do_record_node_heartbeat(name=name):  # row removed, or catalog type missing
+                if not beat(name=name):  # row removed, or catalog type missing
                     do_register_node(name=name, resources=resources, address=address)
-                check_engines()
+                    beat(name=name)
             except Exception:  # a database blip must not kill the agent; the next beat retries
                 self.stderr.write("heartbeat failed; retrying at the next interval")
             finally:

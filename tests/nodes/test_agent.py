@@ -1,0 +1,59 @@
+"""The node agent's functions in this process, against engines' stand-ins."""
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from accounts.models import Role
+from endpoints.models import ModelSpec, Node, Replica, State
+from endpoints.services import do_create_endpoint
+from nodes import agent
+from tests.factories import organization_with_owner
+from tests.helpers import process_alive, wait_until
+
+# An API server that exited, leaving a worker of its group that ignores SIGTERM, as a
+# loading engine's does: stopping its group takes the whole grace period.
+EXITED_WITH_A_STUBBORN_WORKER = """
+import subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
+print(worker.pid, flush=True)
+"""
+
+
+@pytest.fixture
+def engines() -> Iterator[dict[str, subprocess.Popen]]:
+    yield agent._engines
+    agent._engines.clear()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_heartbeat_never_waits_for_an_engine_to_stop(
+        cpu_node: Node, engines: dict[str, subprocess.Popen], settings: object,
+        tmp_path: Path) -> None:
+    settings.KVRUN_ENGINE_STOP_GRACE_SECONDS = 3
+    settings.KVRUN_ENGINE_LOG_DIR = tmp_path
+    endpoint = do_create_endpoint(
+        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
+        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
+        concurrency=4)
+    replica = Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.READY)
+    server = subprocess.Popen([sys.executable, "-c", EXITED_WITH_A_STUBBORN_WORKER],
+                              start_new_session=True, stdout=subprocess.PIPE, text=True)
+    worker = int(server.stdout.readline())
+    server.wait(10)
+    engines[str(replica.id)] = server
+
+    started = time.monotonic()
+    assert agent.beat(name=cpu_node.name)
+    assert time.monotonic() - started < settings.KVRUN_ENGINE_STOP_GRACE_SECONDS / 2
+
+    # Its devices stay held until the group is gone; then the replica fails and restarts.
+    assert process_alive(worker) and Replica.objects.get(id=replica.id).state == State.READY
+    assert wait_until(lambda: Replica.objects.get(id=replica.id).state == State.FAILED, 15)
+    assert not process_alive(worker)
+    assert "exited with status 0" in Replica.objects.get(id=replica.id).failure_reason

@@ -1,0 +1,83 @@
+"""What a node's heartbeat reports (the engines its agent runs) and what kvrun makes of it."""
+
+import pytest
+
+from accounts.models import Role
+from endpoints.models import ModelSpec, Node, NodeState, Replica, State
+from endpoints.reconciler import reconcile_endpoint
+from endpoints.services import do_create_endpoint, do_load_catalogs, do_mark_lost_nodes
+from engine.devices import Device, HostResources
+from nodes.services import do_record_node_heartbeat, do_register_node
+from tests.factories import organization_with_owner
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def node(db: None) -> Node:
+    do_load_catalogs()
+    devices = [Device(index=i, name="NVIDIA H100 80GB HBM3", memory_bytes=81559 * 2**20)
+               for i in range(2)]
+    return do_register_node(name="gpu-1", resources=HostResources(
+        devices=devices, cpu_count=64, memory_bytes=2**40))
+
+
+def test_a_node_back_from_lost_takes_no_replica_until_its_old_engines_are_gone(
+        node: Node) -> None:
+    endpoint = do_create_endpoint(
+        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
+        name="chat", model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"),
+        context_length=8192, concurrency=8, gpu_type=node.gpu_type, gpu_count=2)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    old = endpoint.replicas.get()
+    Replica.objects.filter(id=old.id).update(state=State.READY)
+    Node.objects.filter(id=node.id).update(state=NodeState.LOST)
+    reconcile_endpoint(endpoint_id=endpoint.id)  # settles the old replica; its engine may run on
+    assert Replica.objects.get(id=old.id).state == State.STOPPED
+
+    # Back: its agent still runs the old replica's engine, on the devices the new one wants.
+    assert do_record_node_heartbeat(name="gpu-1", engines=[str(old.id)]) == {str(old.id)}
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    assert Node.objects.get(id=node.id).state == NodeState.RECOVERING
+    new = endpoint.replicas.exclude(id=old.id).get()
+    assert (new.state, new.node) == (State.PENDING, None)
+
+    # The agent stopped it; the next heartbeat says so, and the devices are handed out again.
+    assert do_record_node_heartbeat(name="gpu-1", engines=[]) == set()
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    assert Node.objects.get(id=node.id).state == NodeState.ONLINE
+    new.refresh_from_db()
+    assert (new.state, new.node_id, new.device_indices) == (State.STARTING, node.id, [0, 1])
+
+
+def test_engines_kvrun_expects_keep_a_node_online(node: Node) -> None:
+    endpoint = do_create_endpoint(
+        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
+        name="chat", model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"),
+        context_length=8192, concurrency=8, gpu_type=node.gpu_type, gpu_count=2)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    replica = endpoint.replicas.get()
+    for state in [State.LOADING, State.READY, State.STOPPING]:
+        Replica.objects.filter(id=replica.id).update(state=state)
+
+        assert do_record_node_heartbeat(name="gpu-1", engines=[str(replica.id)]) == set()
+        assert Node.objects.get(id=node.id).state == NodeState.ONLINE
+
+    # A failed replica whose engine still runs is not expected: the agent must stop it.
+    Replica.objects.filter(id=replica.id).update(state=State.FAILED)
+    assert do_record_node_heartbeat(name="gpu-1", engines=[str(replica.id)]) == {str(replica.id)}
+    assert Node.objects.get(id=node.id).state == NodeState.RECOVERING
+
+
+def test_a_recovering_node_that_goes_quiet_is_lost_again(node: Node, settings: object) -> None:
+    settings.KVRUN_NODE_LOST_AFTER_SECONDS = 0
+    do_record_node_heartbeat(name="gpu-1", engines=["00000000-0000-0000-0000-000000000001"])
+
+    assert do_mark_lost_nodes() == 1
+    assert Node.objects.get(id=node.id).state == NodeState.LOST
+
+
+def test_an_unregistered_node_is_told_to_register(db: None) -> None:
+    assert do_record_node_heartbeat(name="nobody", engines=[]) is None
