@@ -1,10 +1,12 @@
 import threading
+from datetime import timedelta
 
 import pytest
 from django.db import connection, transaction
+from django.utils import timezone
 
 from accounts.models import Role
-from endpoints.lifecycle import do_transition_replica
+from endpoints.lifecycle import backoff_until, do_transition_replica
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.services import do_create_endpoint
 from tests.factories import organization_with_owner
@@ -65,3 +67,17 @@ def test_an_agent_s_transition_and_a_reconciler_pass_never_deadlock(cpu_node: No
     assert errors == []  # PostgreSQL aborted neither side as a deadlock
     assert agent_moved == [False]  # the pass came first; the agent's transition is refused
     assert Replica.objects.get(id=replica.id).state == State.STOPPING
+
+
+@pytest.mark.parametrize(("failures", "seconds"), [
+    (1, 5), (2, 10), (3, 20), (4, 40), (6, 160), (7, 300), (12, 300),
+])
+def test_restart_backoff_doubles_from_its_first_delay_up_to_five_minutes(
+    failures: int, seconds: int, settings: object
+) -> None:
+    settings.KVRUN_ENGINE_BACKOFF_SECONDS = 5
+    before = timezone.now()
+
+    until = backoff_until(failures)
+
+    assert timedelta(seconds=seconds) <= until - before <= timedelta(seconds=seconds + 1)

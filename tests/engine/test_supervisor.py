@@ -1,6 +1,18 @@
+import time
 from pathlib import Path
 
-from engine.supervisor import EngineSpec, build_command, engine_environment, read_kv_capacity, tail
+import pytest
+
+from engine.processes import free_port
+from engine.supervisor import (
+    EngineFailed,
+    EngineSpec,
+    build_command,
+    engine_environment,
+    read_kv_capacity,
+    tail,
+    wait_ready,
+)
 
 
 def spec(**overrides: object) -> EngineSpec:
@@ -76,3 +88,23 @@ def test_an_engine_with_a_key_demands_it_on_every_path() -> None:
     argv, _ = build_command(spec(device="cpu"))
 
     assert argv[argv.index("--middleware") + 1] == "engine.key_guard.RequireEngineKey"
+
+
+def test_an_engine_not_ready_within_the_start_timeout_has_failed() -> None:
+    started = time.monotonic()
+
+    with pytest.raises(EngineFailed, match="not ready within 1 s"):
+        wait_ready(port=free_port(), served_model_name="chat", api_key="k", alive=lambda: True,
+                   timeout=1.0)
+
+    assert 1.0 <= time.monotonic() - started < 5
+
+
+def test_an_engine_that_exits_while_starting_has_failed_at_once() -> None:
+    started = time.monotonic()
+
+    with pytest.raises(EngineFailed, match="exited during start-up"):
+        wait_ready(port=free_port(), served_model_name="chat", api_key="k",
+                   alive=lambda: False, timeout=60)
+
+    assert time.monotonic() - started < 1

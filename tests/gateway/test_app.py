@@ -398,6 +398,26 @@ def test_a_key_has_a_request_limit_per_minute(
     assert UsageRecord.objects.count() == 2  # the refused one ran nowhere and is not billed
 
 
+def test_limits_hold_across_two_gateways_under_concurrent_requests(
+    gateway: InProcessGateway, gateway_loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
+    org: Organization, stubs: list[httpx.Client]
+) -> None:
+    _, secret = inference_key(org, requests_per_minute=10)
+    second = InProcessGateway(gateway_loop)  # another web process: its own memory and Redis
+    body = {"model": "chat", "prompt": "hello"}
+
+    async def burst() -> list[httpx.Response]:
+        return await asyncio.gather(*(app.send(secret, body) for app in (gateway, second)
+                                      for _ in range(15)))
+    try:
+        statuses = [response.status_code for response in gateway.run(burst())]
+    finally:
+        second.stop()
+
+    assert (statuses.count(200), statuses.count(429)) == (10, 20)
+    assert len(received(stubs[0])) == 10
+
+
 def test_a_key_has_a_token_limit_per_minute(
     gateway: InProcessGateway, endpoint: Endpoint, org: Organization
 ) -> None:

@@ -2,11 +2,13 @@
 
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from django.db import connection
 
 from accounts.models import Role
 from endpoints.models import ModelSpec, Node, Replica, State
@@ -57,3 +59,43 @@ def test_a_heartbeat_never_waits_for_an_engine_to_stop(
     assert wait_until(lambda: Replica.objects.get(id=replica.id).state == State.FAILED, 15)
     assert not process_alive(worker)
     assert "exited with status 0" in Replica.objects.get(id=replica.id).failure_reason
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_start_delivered_twice_while_starting_starts_one_engine(
+        cpu_node: Node, engines: dict[str, subprocess.Popen], monkeypatch: pytest.MonkeyPatch,
+        settings: object, tmp_path: Path) -> None:
+    settings.KVRUN_ENGINE_LOG_DIR = tmp_path
+    endpoint = do_create_endpoint(
+        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
+        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
+        concurrency=4)
+    replica = Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.STARTING)
+    spawned: list[object] = []
+    both_in = threading.Barrier(2)
+
+    def spawn(spec: object, log: Path) -> subprocess.Popen:
+        spawned.append(spec)
+        raise OSError("no engine in this test")  # recorded as the start's failure
+    monkeypatch.setattr(agent.supervisor, "start", spawn)
+    real_free_port = agent.processes.free_port
+
+    def free_port_once_both_arrived(address: str) -> int:
+        both_in.wait(10)  # both deliveries are past their read of the replica
+        return real_free_port(address)
+    monkeypatch.setattr(agent.processes, "free_port", free_port_once_both_arrived)
+
+    def deliver() -> None:
+        try:
+            agent.start_replica(str(replica.id))
+        finally:
+            connection.close()  # this thread's own
+
+    deliveries = [threading.Thread(target=deliver) for _ in range(2)]
+    for delivery in deliveries:
+        delivery.start()
+    for delivery in deliveries:
+        delivery.join(30)
+
+    assert len(spawned) == 1
+    assert Replica.objects.get(id=replica.id).state == State.FAILED
