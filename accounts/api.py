@@ -14,7 +14,7 @@ from accounts.models import APIKey, Invite, Membership, Organization, User
 from accounts.permissions import SignedInUser
 from accounts.principals import KeyPrincipal
 from accounts.scoping import OrganizationScoped
-from kvrun.api import AddressRateThrottle, validated
+from kvrun.api import AddressRateThrottle, BooleanFilter, validated
 
 
 def _creator(request: Request) -> User | None:
@@ -92,8 +92,10 @@ class OrganizationViewSet(
         organization = self.get_object()
         role = selectors.role_of(principal=request.user, organization=organization)
         services.require_manager(role, "rename the organisation")
-        data = validated(serializers.OrganizationInput, request)
-        organization = services.do_rename_organization(organization=organization, name=data["name"])
+        data = validated(serializers.OrganizationInput, request, partial=True)
+        if "name" in data:
+            organization = services.do_rename_organization(organization=organization,
+                                                           name=data["name"])
         return Response(self.get_serializer(organization).data)
 
 
@@ -158,7 +160,7 @@ class InviteViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
 
 
 class APIKeyFilter(filters.FilterSet):
-    revoked = filters.BooleanFilter(field_name="revoked_at", lookup_expr="isnull", exclude=True)
+    revoked = BooleanFilter(field_name="revoked_at", lookup_expr="isnull", exclude=True)
 
     class Meta:
         model = APIKey

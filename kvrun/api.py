@@ -2,6 +2,8 @@
 
 from typing import Any
 
+import django_filters
+from django import forms
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -20,11 +22,21 @@ from kvrun.middleware import body_too_large_error
 
 
 class Pagination(PageNumberPagination):
-    """Pages of 50 (page_size up to 200); a page_size that is not one is a 400, not ignored."""
+    """Pages of 50 (page_size up to 200); a page or page_size that is not a number in range
+    is a 400, not ignored (a page past the last is a 404)."""
 
     page_size = 50
     page_size_query_param = "page_size"
     max_page_size = 200
+    last_page_strings = ()  # page is a number, as the schema says
+
+    def get_page_number(self, request: Request, paginator: Any) -> str:
+        asked = request.query_params.get(self.page_query_param)
+        if asked is None:
+            return "1"
+        if not asked.isdigit() or int(asked) < 1:
+            raise exceptions.ValidationError({"page": ["A whole number from 1."]})
+        return asked
 
     def get_page_size(self, request: Request) -> int:
         asked = request.query_params.get(self.page_size_query_param)
@@ -125,15 +137,18 @@ def _type_of(exc: Exception) -> str:
     }.get(type(exc), "error")
 
 
-def validated(serializer_class: type[serializers.Serializer], request: Any) -> dict[str, Any]:
-    """The request body checked by `serializer_class`; a 400 with field messages otherwise."""
-    serializer = serializer_class(data=request.data)
+def validated(serializer_class: type[serializers.Serializer], request: Any, *,
+              partial: bool = False) -> dict[str, Any]:
+    """The request body checked by `serializer_class` (each field optional when `partial`);
+    a 400 with field messages otherwise."""
+    serializer = serializer_class(data=request.data, partial=partial)
     serializer.is_valid(raise_exception=True)
     return dict(serializer.validated_data)
 
 
 class StrictSerializer(serializers.Serializer):
-    """A serializer that refuses fields it does not know instead of ignoring them."""
+    """A serializer that refuses fields it does not know instead of ignoring them, and values
+    of another JSON type than its schema says (DRF would take 0 for "0" and "5" for 5)."""
 
     def to_internal_value(self, data: Any) -> Any:
         if isinstance(data, dict):
@@ -142,7 +157,45 @@ class StrictSerializer(serializers.Serializer):
                 raise serializers.ValidationError(
                     {name: ["Unknown field; remove it from the request."] for name in unknown}
                 )
+            mistyped = {name: [f"Must be {_json_type(self.fields[name])[1]}."]
+                        for name, value in data.items() if not _of_json_type(self.fields[name],
+                                                                             value)}
+            mistyped |= {name: ["Null characters are not allowed."]
+                         for name, value in data.items()
+                         if isinstance(value, str) and "\x00" in value}
+            if mistyped:
+                raise serializers.ValidationError(mistyped)
         return super().to_internal_value(data)
+
+
+def _json_type(field: serializers.Field) -> tuple[tuple[type, ...], str]:
+    """The JSON types a field takes, and how to say so; ((), "") for any."""
+    if isinstance(field, serializers.BooleanField):
+        return (bool,), "true or false"
+    if isinstance(field, serializers.IntegerField):
+        return (int,), "a whole number"
+    if isinstance(field, serializers.ListField):
+        return (list,), "a list"
+    if isinstance(field, serializers.ChoiceField):
+        kinds = {type(choice) for choice in field.choices}
+        return tuple(kinds), "one of " + ", ".join(map(str, field.choices))
+    if isinstance(field, serializers.CharField | serializers.DateTimeField
+                  | serializers.UUIDField | serializers.RelatedField):
+        return (str,), "a string"
+    return (), ""
+
+
+def _of_json_type(field: serializers.Field, value: Any) -> bool:
+    types, _ = _json_type(field)
+    if value is None or not types:
+        return True
+    if isinstance(value, bool) and bool not in types:
+        return False
+    if not isinstance(value, types):
+        return False
+    if isinstance(field, serializers.ListField):
+        return all(item is not None and _of_json_type(field.child, item) for item in value)
+    return True
 
 
 def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
@@ -153,3 +206,19 @@ def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
                                        "message": "No such API path; /api/docs/ lists them."}},
                             status=404)
     return page_not_found(request, exception)
+
+
+class TrueOrFalse(forms.Field):
+    """A query parameter that is `true` or `false`; anything else is refused, where
+    django-filter's boolean field would read it as no filter at all."""
+
+    def to_python(self, value: str | None) -> bool | None:
+        if value in (None, ""):
+            return None
+        if value not in ("true", "false"):
+            raise forms.ValidationError("Must be true or false.")
+        return value == "true"
+
+
+class BooleanFilter(django_filters.BooleanFilter):
+    field_class = TrueOrFalse

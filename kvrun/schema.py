@@ -32,10 +32,21 @@ WITH_BODY = {"413": "The request body is larger than the limit.",
 def document_errors(result: dict[str, Any], **_: Any) -> dict[str, Any]:
     """drf-spectacular postprocessing hook: the Error schema, and the error responses each
     operation may give, added where the view did not document its own."""
-    result.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    schemas["Error"] = ERROR
+    # Every input serializer is a kvrun.api.StrictSerializer: unknown fields are refused.
+    for name, schema in schemas.items():
+        if name.endswith("Request") and schema.get("type") == "object":
+            schema["additionalProperties"] = False
+            for field in schema.get("properties", {}).values():
+                _refuse_nul(field.get("items", field))
     error = {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}
     for path, operations in result["paths"].items():
         for operation in operations.values():
+            for parameter in operation.get("parameters", []):
+                # A filter left empty (`?state=`) filters nothing, as django-filter reads it.
+                if parameter["in"] == "query" and "enum" in parameter["schema"]:
+                    parameter["schema"]["enum"] = ["", *parameter["schema"]["enum"]]
             codes = dict(ALWAYS)
             if "{" in path:
                 codes |= WITH_PATH_PARAMETERS
@@ -49,3 +60,9 @@ def document_errors(result: dict[str, Any], **_: Any) -> dict[str, Any]:
                 operation["responses"].setdefault(code, {"description": description,
                                                          "content": error})
     return result
+
+
+def _refuse_nul(field: dict[str, Any]) -> None:
+    """DRF refuses text with NUL characters (PostgreSQL cannot store them); say so."""
+    if field.get("type") == "string" and not {"format", "enum", "pattern"} & set(field):
+        field["pattern"] = "^[^\\u0000]*$"

@@ -85,6 +85,10 @@ DATABASES = {"default": env.db("DATABASE_URL")}
 # Persistent connections are not safe under ASGI (Django docs); keep the default 0.
 DATABASES["default"]["CONN_MAX_AGE"] = env.int("DB_CONN_MAX_AGE", default=0)
 DATABASES["default"]["CONN_HEALTH_CHECKS"] = True
+# A PostgreSQL that does not answer fails a connection instead of hanging it: the gateway
+# reads keys and routes on one thread, and serves what it knew when a read fails.
+DATABASES["default"].setdefault("OPTIONS", {}).setdefault(
+    "connect_timeout", env.int("DB_CONNECT_TIMEOUT_SECONDS", default=3))
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 REDIS_URL = env.str("REDIS_URL")

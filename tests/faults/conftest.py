@@ -4,6 +4,8 @@ from pathlib import Path
 
 import pytest
 
+from accounts.models import Organization
+from tests.factories import inference_key
 from tests.helpers import ROOT, RestartableRedis
 
 FIGURES = ROOT / "artifacts" / "faults"
@@ -25,3 +27,10 @@ def own_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def secret(org: Organization) -> str:
+    """A key without per-minute limits: the load in these tests is the fault's, and a fast
+    machine would otherwise meet the default 600 requests a minute."""
+    return inference_key(org, requests_per_minute=0, tokens_per_minute=0)[1]
