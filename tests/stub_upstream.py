@@ -4,7 +4,8 @@
 
 It keeps every completion request it was sent (GET /_requests), with the gateway's request
 id; counts a prompt's words as its tokens (POST /tokenize); and behaves by the prompt (or the
-last chat message): "context" answers vLLM's context-length 400, "slow" takes its time
+last chat message): "context" answers vLLM's context-length 400, "crash" the 500 of an
+engine core that failed, "slow" takes its time
 (a second, or a chunk every 0.2 s), "drop" dies after two chunks of a stream, "huge"
 answers 1 MiB of text (in pieces, with no declared length), "long" streams one event of
 640 KiB, past aiohttp's line limit (twice its read buffer: 512 KiB in aiohttp 3.14);
@@ -17,6 +18,9 @@ import asyncio
 import orjson
 
 RECEIVED: list[dict] = []
+ENGINE_ERROR = orjson.dumps({"error": {"message": "EngineCore encountered an issue.",
+                                       "type": "InternalServerError", "param": None,
+                                       "code": 500}})
 HUGE_TEXT_BYTES = 1024 * 1024
 LONG_EVENT_TEXT_BYTES = 640 * 1024
 CONTEXT_ERROR = orjson.dumps({"error": {
@@ -69,6 +73,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
     prompt = _prompt(request)
     if prompt == "context":
         await _respond(send, 400, CONTEXT_ERROR)
+        return
+    if prompt == "crash":
+        await _respond(send, 500, ENGINE_ERROR)
         return
     slow = prompt == "slow"
     chunks = 20 if slow else 4

@@ -5,7 +5,6 @@ One engine serves the whole module, so its rows must outlive each test: the modu
 its own data (no test transaction, no flush between its tests) and flushes once at the end.
 """
 
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -184,10 +183,9 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_pays_for_what_it_g
             break
     assert record.client_disconnected, "every stream was over before the client could leave"
 
+    # Once the engine runs no request, what it generated is final.
     assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
     generated = served.metrics()["vllm:generation_tokens_total"] - before
-    time.sleep(0.5)
-    assert served.metrics()["vllm:generation_tokens_total"] - before == generated
     assert generated < max_tokens, "the engine kept generating for a client that had left"
     assert record.status_code == 499
     assert 3 <= record.completion_tokens <= generated

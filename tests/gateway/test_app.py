@@ -593,6 +593,19 @@ def test_a_request_refused_by_a_limit_or_left_by_its_client_frees_its_idempotenc
     assert len(received(stubs[0])) == 3
 
 
+def test_a_request_the_engine_failed_frees_its_idempotency_key_for_the_retry(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+) -> None:
+    body, key = {"model": "chat", "prompt": "crash"}, {"Idempotency-Key": "order-1"}
+
+    failed = gateway.post(secret, body, **key)
+    retried = gateway.post(secret, body, **key)
+
+    assert (failed.status_code, retried.status_code) == (502, 502)
+    assert retried.json()["error"]["code"] == "engine_error"  # ran again, not a 409
+    assert len(received(stubs[0])) == 2
+
+
 @override_settings(KVRUN_GATEWAY_LEASE_SECONDS=0.5)
 def test_the_idempotency_key_of_a_request_whose_gateway_died_is_free_within_its_lease(
     gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
