@@ -7,7 +7,8 @@ from collections.abc import Iterable
 
 from django.db import DataError, IntegrityError, transaction
 from redis import Redis
-from redis.exceptions import ResponseError
+from redis.exceptions import LockNotOwnedError, ResponseError
+from redis.lock import Lock
 
 from accounts.services import do_touch_api_key
 from billing import usage_stream
@@ -99,10 +100,13 @@ def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
             redis.xdel(usage_stream.STREAM, *ids)
             handled += len(ids)
             lock.extend(INGEST_LOCK_SECONDS, replace_ttl=True)
-        return handled + _store_interrupted(redis, batch=batch,
+        return handled + _store_interrupted(redis, lock, batch=batch,
                                             now_ms=time.time_ns() // 1_000_000)
     finally:
-        lock.release()
+        try:
+            lock.release()
+        except LockNotOwnedError:
+            logger.warning("the usage ingest lock lapsed during a run")
 
 
 def _store(redis: Redis, payloads: list[bytes]) -> None:
@@ -114,7 +118,7 @@ def _store(redis: Redis, payloads: list[bytes]) -> None:
                                                usage_stream.ERROR_FIELD: reason[:500]})
 
 
-def _store_interrupted(redis: Redis, *, batch: int, now_ms: int) -> int:
+def _store_interrupted(redis: Redis, lock: Lock, *, batch: int, now_ms: int) -> int:
     """Store, as interrupted, the requests whose gateway stopped renewing their trace."""
     handled = 0
     while request_ids := redis.zrangebyscore(usage_stream.ADMITTED_SEEN, "-inf",
@@ -130,6 +134,7 @@ def _store_interrupted(redis: Redis, *, batch: int, now_ms: int) -> int:
         pipe.zrem(usage_stream.ADMITTED_SEEN, *request_ids)
         pipe.execute()
         handled += len(request_ids)
+        lock.extend(INGEST_LOCK_SECONDS, replace_ttl=True)
     return handled
 
 

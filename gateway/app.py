@@ -168,7 +168,8 @@ class Gateway:
         client = scope.get("client") or ("", 0)
         address = client_address_from(remote_addr=client[0],
                                       forwarded_for=header(scope, b"x-forwarded-for"))
-        if wait := self.auth_failures.seconds_blocked(address):
+        if not self.directory.knows(secret) and (
+                wait := self.auth_failures.seconds_blocked(address)):
             raise GatewayError(429, "Too many requests with unknown, revoked or expired API keys "
                                f"came from your address; retry in {wait} s with a valid key.",
                                code="rate_limit_exceeded", kind="requests",
@@ -256,8 +257,10 @@ class Gateway:
         assert exchange.identity is not None and exchange.route is not None
         try:
             return await self.limiter.admit(
+                # Now, not when the request began: a body uploaded for minutes must not be
+                # counted in a minute long gone.
                 identity=exchange.identity, request_id=exchange.request_id,
-                now_ms=exchange.started_ms,
+                now_ms=time.time_ns() // 1_000_000,
                 tokens=tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
                                          context_length=exchange.route.context_length),
                 trace=exchange.interrupted_report().encode())
@@ -269,7 +272,7 @@ class Gateway:
             logger.warning("limits unreachable (%s); %s admitted without them", exc,
                            exchange.request_id)
             return Admission(request_id=exchange.request_id, identity=exchange.identity,
-                             headers=[], window=exchange.started_ms // WINDOW_MS,
+                             headers=[], window=time.time_ns() // 1_000_000 // WINDOW_MS,
                              reserved_tokens=0, in_flight_set=None)
 
     async def _route(self, identity: KeyIdentity, name: str) -> Route:

@@ -128,6 +128,14 @@ class Directory:
             identity = entry[1]
         return identity if identity is not None and identity.is_usable() else None
 
+    def knows(self, secret: str) -> bool:
+        """Whether `secret` is a usable key this process already holds: its address's failed
+        attempts with other keys (a shared NAT, a proxy) do not stop it."""
+        entry = self._keys.get(secret_digest(secret)) if secret.startswith(
+            tokens.API_KEY_PREFIX) else None
+        return (entry is not None and entry[0] > time.monotonic() and entry[1] is not None
+                and entry[1].is_usable())
+
     def forget_key(self, digest: str) -> None:
         self._keys.pop(digest, None)
 

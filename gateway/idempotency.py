@@ -32,6 +32,13 @@ RENEW = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
+# The outcome replaces the claim only while it is this request's: a request whose lease ran
+# out must not free (or answer for) the retry that took the key since.
+SETTLE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] == '' then return redis.call('DEL', KEYS[1]) end
+return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+"""
 
 
 def validate(key: str) -> str:
@@ -70,6 +77,7 @@ class Idempotency:
     def __init__(self, redis: Redis, *, ttl_seconds: int) -> None:
         self._redis = redis
         self._ttl_seconds = ttl_seconds
+        self._settle = redis.register_script(SETTLE)
 
     async def reserve(self, claim: Claim) -> bytes | None:
         """Reserve the key for this request. Returns a kept answer to replay, or None when
@@ -102,10 +110,12 @@ class Idempotency:
     async def settle(self, claim: Claim, *, succeeded: bool, answer: bytes | None) -> None:
         """Keep what a repeat will get: the answer of a successful request (None when it
         was streamed), or the key freed when the request failed or never ran."""
-        if not succeeded:
-            await self._redis.delete(claim.name)
-            return
-        kept = answer.decode() if answer is not None and len(answer) <= MAX_KEPT_BYTES else None
-        outcome = {"state": "done", "request_id": claim.request_id,
-                   "body_digest": claim.body_digest, "body": kept, "streamed": answer is None}
-        await self._redis.set(claim.name, orjson.dumps(outcome), ex=self._ttl_seconds)
+        outcome = b""
+        if succeeded:
+            kept = (answer.decode() if answer is not None and len(answer) <= MAX_KEPT_BYTES
+                    else None)
+            outcome = orjson.dumps({"state": "done", "request_id": claim.request_id,
+                                    "body_digest": claim.body_digest, "body": kept,
+                                    "streamed": answer is None})
+        await self._settle(keys=[claim.name],
+                           args=[claim.running(), outcome, self._ttl_seconds])

@@ -88,6 +88,9 @@ class Admission:
         """Queue on `pipe` the renewal of the request's in-flight lease."""
         if self.in_flight_set:
             pipe.zadd(self.in_flight_set, {self.request_id: now_ms}, xx=True)
+            # The set lives as long as a lease from its last renewal, or its slots would go
+            # with it while their requests still run.
+            pipe.pexpire(self.in_flight_set, lease_ms())
 
     def release(self, pipe: Pipeline, *, tokens: int, now_ms: int) -> None:
         """Queue on `pipe` the end of the request's hold: its in-flight slot given back, and

@@ -32,6 +32,12 @@ def parse_request(body: bytes) -> dict[str, Any]:
     if not isinstance(payload.get("model"), str) or not payload["model"]:
         raise GatewayError(400, "Say which endpoint to use: 'model' is the endpoint's name.",
                            code="invalid_request", param="model")
+    if not isinstance(payload.get("messages", []), list):
+        raise GatewayError(400, "'messages' must be a list of messages.",
+                           code="invalid_request", param="messages")
+    if not isinstance(payload.get("prompt", ""), str | list):
+        raise GatewayError(400, "'prompt' must be a string, or a list of strings or token ids.",
+                           code="invalid_request", param="prompt")
     if not isinstance(payload.get("stream", False), bool):
         raise GatewayError(400, "'stream' must be true or false.", code="invalid_request",
                            param="stream")

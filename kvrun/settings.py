@@ -105,6 +105,8 @@ CACHES = {
         "BACKEND": "django.core.cache.backends.redis.RedisCache",
         "LOCATION": REDIS_URL,
         "KEY_PREFIX": "kvrun",
+        # 2: JSON since; entries an older kvrun pickled are never read.
+        "VERSION": 2,
         "OPTIONS": {**REDIS_OPTIONS, "serializer": "kvrun.cache.JSONSerializer"},
     }
 }

@@ -194,7 +194,7 @@ def test_the_key_cache_holds_json_that_no_one_can_smuggle_code_into(
     key, secret = api_key(org)
     identity = get_key_identity(secret=secret)
 
-    stored = redis_client().get(f"kvrun:1:{key_cache_name(secret_digest(secret))}")
+    stored = redis_client().get(f"kvrun:2:{key_cache_name(secret_digest(secret))}")
 
     assert orjson.loads(stored)["id"] == str(key.id)  # JSON, where Django would pickle
     with django_assert_num_queries(0):

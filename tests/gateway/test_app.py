@@ -178,21 +178,56 @@ def test_it_refuses_missing_wrong_and_misused_keys(
 
 @override_settings(KVRUN_TRUSTED_PROXIES=1)
 def test_an_address_that_keeps_sending_unknown_keys_is_refused_before_they_are_looked_up(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     body = {"model": "chat", "prompt": "hello"}
+    flooder = {"X-Forwarded-For": "203.0.113.9"}
+    assert gateway.post(secret, body, **flooder).status_code == 200  # a key known here
+    _, unseen = inference_key(org)
     allowed = settings.KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE
-    flood = [gateway.post(f"kvr_{uuid4().hex}", body, **{"X-Forwarded-For": "203.0.113.9"})
-             for _ in range(allowed + 2)]
+    flood = [gateway.post(f"kvr_{uuid4().hex}", body, **flooder) for _ in range(allowed + 2)]
 
-    valid_from_flooder = gateway.post(secret, body, **{"X-Forwarded-For": "203.0.113.9"})
-    valid_elsewhere = gateway.post(secret, body, **{"X-Forwarded-For": "198.51.100.7"})
+    known_from_flooder = gateway.post(secret, body, **flooder)
+    unseen_from_flooder = gateway.post(unseen, body, **flooder)
+    unseen_elsewhere = gateway.post(unseen, body, **{"X-Forwarded-For": "198.51.100.7"})
 
     assert [r.status_code for r in flood] == [401] * allowed + [429, 429]
     assert "from your address; retry in" in flood[-1].json()["error"]["message"]
     assert 1 <= int(flood[-1].headers["retry-after"]) <= 60
-    assert valid_from_flooder.status_code == 429
-    assert valid_elsewhere.status_code == 200
+    # Keys this gateway already holds go on (clients behind one NAT or proxy); the address
+    # looks up no new key until its minute is over.
+    assert known_from_flooder.status_code == 200
+    assert unseen_from_flooder.status_code == 429
+    assert unseen_elsewhere.status_code == 200
+
+
+def test_messages_or_a_prompt_of_the_wrong_type_are_a_400(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    for body, param in (({"model": "chat", "messages": 1}, "messages"),
+                        ({"model": "chat", "prompt": {"text": "hi"}}, "prompt")):
+        response = gateway.post(secret, body, path="/v1/chat/completions")
+
+        assert response.status_code == 400, body
+        assert response.json()["error"]["param"] == param
+
+
+def test_a_request_is_admitted_when_its_body_has_arrived_not_when_it_began(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+) -> None:
+    admitted_at: list[float] = []
+
+    async def watch_the_slot() -> bool:
+        admitted_at.extend(score for _, score in await gateway.app.redis.zrange(
+            in_flight_name(org.id), 0, -1, withscores=True))
+        return bool(admitted_at)
+
+    gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "slow"},
+                           upload_seconds=1.0, leave_when=watch_the_slot))
+
+    assert stored(1)
+    began_ms = UsageRecord.objects.get().started_at.timestamp() * 1000
+    assert admitted_at[0] - began_ms >= 1000
 
 
 def test_it_refuses_bad_input_without_reaching_an_engine(
@@ -624,6 +659,28 @@ def test_the_idempotency_key_of_a_request_whose_gateway_died_is_free_within_its_
                       .status_code == 200, 2, interval=0.1)
 
 
+def test_a_request_whose_lease_lapsed_does_not_settle_the_retry_s_key() -> None:
+    first = Claim.of(api_key_id="k", endpoint_id="e", key="order-1", body=b"{}",
+                     request_id="req_first")
+    retry = Claim.of(api_key_id="k", endpoint_id="e", key="order-1", body=b"{}",
+                     request_id="req_retry")
+
+    async def lapse_then_settle() -> bytes | None:
+        redis = Redis.from_url(settings.REDIS_URL)
+        store = Idempotency(redis, ttl_seconds=60)
+        try:
+            assert await store.reserve(first) is None
+            await redis.delete(first.name)  # its lease ran out while it ran
+            assert await store.reserve(retry) is None
+            await store.settle(first, succeeded=False, answer=None)
+            return await redis.get(retry.name)
+        finally:
+            await redis.delete(retry.name)
+            await redis.aclose()
+
+    assert asyncio.run(lapse_then_settle()) == retry.running()
+
+
 def test_an_answer_too_large_to_keep_is_not_replayed() -> None:
     claim = Claim.of(api_key_id="k", endpoint_id="e", key="order-1", body=b"{}",
                      request_id="req_large")
@@ -687,18 +744,19 @@ def engine_received(port: int, count: int) -> Callable[[], Awaitable[bool]]:
 async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
                      after_frames: int | None = None,
                      leave_when: Callable[[], Awaitable[bool]] | None = None,
-                     reading_seconds: float = 0.0,
+                     reading_seconds: float = 0.0, upload_seconds: float = 0.0,
                      headers: dict[str, str] | None = None) -> list[bytes]:
-    """Call the app as a client that disconnects after `after_frames` body frames or once
-    `leave_when()` is true, and that takes `reading_seconds` to read each frame (a server's
-    send blocks while its client does not read); returns the frames it got. httpx's
-    transport can do neither."""
+    """Call the app as a client that takes `upload_seconds` to send its body, disconnects
+    after `after_frames` body frames or once `leave_when()` is true, and takes
+    `reading_seconds` to read each frame (a server's send blocks while its client does not
+    read); returns the frames it got. httpx's transport can do none of it."""
     gone = asyncio.Event()
     frames: list[bytes] = []
     request = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
 
     async def receive() -> dict:
         if request:
+            await asyncio.sleep(upload_seconds)
             return request.pop()
         await gone.wait()
         return {"type": "http.disconnect"}

@@ -132,6 +132,18 @@ def test_a_slot_its_gateway_renews_stays_taken() -> None:
     assert admit_all(key, 1, now + lease_ms() + 3) == [200]
 
 
+def test_a_renewal_keeps_the_in_flight_set_alive_as_long_as_its_slots() -> None:
+    key = identity(max_concurrent_requests=1)
+    now = int(time.time() * 1000)
+    running = admit(key, now)
+    name = in_flight_name(key.organization_id)
+    asyncio.run(with_redis(lambda redis: redis.pexpire(name, 100)))  # nearly gone
+
+    settle(running, renew=True, now_ms=now)
+
+    assert asyncio.run(with_redis(lambda redis: redis.pttl(name))) > lease_ms() - 1000
+
+
 def test_no_limit_means_no_counting() -> None:
     key = identity()
     assert admit_all(key, 3, int(time.time() * 1000)) == [200, 200, 200]
