@@ -107,6 +107,10 @@ class AcceptInviteInput(StrictSerializer):
     token = serializers.CharField(max_length=200)
 
 
+# The largest value the limits' columns hold (PostgreSQL's integer).
+LARGEST_LIMIT = 2**31 - 1
+
+
 class APIKeyInput(StrictSerializer):
     name = serializers.CharField(max_length=100)
     scope = serializers.ChoiceField(choices=Scope.choices, default=Scope.INFERENCE)
@@ -116,8 +120,8 @@ class APIKeyInput(StrictSerializer):
         help_text="Restrict the key to these endpoints; empty means every endpoint.",
     )
     requests_per_minute = serializers.IntegerField(
-        required=False, allow_null=True, default=None, min_value=1,
+        required=False, allow_null=True, default=None, min_value=1, max_value=LARGEST_LIMIT,
         help_text="Inference requests per minute; omit for the deployment's default.")
     tokens_per_minute = serializers.IntegerField(
-        required=False, allow_null=True, default=None, min_value=1,
+        required=False, allow_null=True, default=None, min_value=1, max_value=LARGEST_LIMIT,
         help_text="Prompt plus completion tokens per minute; omit for the default.")

@@ -83,7 +83,7 @@ def _model_field() -> serializers.SlugRelatedField:
 
 class SizingInput(StrictSerializer):
     model = _model_field()
-    context_length = serializers.IntegerField(min_value=1)
+    context_length = serializers.IntegerField(min_value=1, max_value=2**31 - 1)  # its column
     concurrency = serializers.IntegerField(min_value=1, max_value=4096)
     gpu_type = serializers.SlugRelatedField(
         slug_field="slug", queryset=GPUType.objects.all(), required=False, allow_null=True,

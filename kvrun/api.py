@@ -213,7 +213,7 @@ class TrueOrFalse(forms.Field):
     django-filter's boolean field would read it as no filter at all."""
 
     def to_python(self, value: str | None) -> bool | None:
-        if value in (None, ""):
+        if value is None:
             return None
         if value not in ("true", "false"):
             raise forms.ValidationError("Must be true or false.")

@@ -44,9 +44,12 @@ def document_errors(result: dict[str, Any], **_: Any) -> dict[str, Any]:
     for path, operations in result["paths"].items():
         for operation in operations.values():
             for parameter in operation.get("parameters", []):
+                if parameter["in"] != "query" or parameter["name"] == "ordering":
+                    continue  # an ordering it cannot read leaves the default order
                 # A filter left empty (`?state=`) filters nothing, as django-filter reads it.
-                if parameter["in"] == "query" and "enum" in parameter["schema"]:
+                if "enum" in parameter["schema"]:
                     parameter["schema"]["enum"] = ["", *parameter["schema"]["enum"]]
+                _refuse_nul(parameter["schema"])
             codes = dict(ALWAYS)
             if "{" in path:
                 codes |= WITH_PATH_PARAMETERS

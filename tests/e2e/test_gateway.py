@@ -170,47 +170,50 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_pays_for_what_it_g
                                 "stream": True, "max_tokens": max_tokens,
                                 "ignore_eos": True}) as response:
             request_id = response.headers["x-request-id"]
-            chunks = 0
             for line in response.iter_lines():
-                chunks += line.startswith("data: ")
-                if chunks == 3:
-                    break
+                if line.startswith("data: "):
+                    break  # gone at the first chunk
         [record] = records_for([request_id])
-        # On two busy cores the engine's API server can be starved until the engine has
-        # generated everything; then the whole stream was delivered before the client left,
-        # and there was nothing to abort. Only a real mid-stream departure tests the abort.
-        if record.client_disconnected:
+        # Once the engine runs no request, what it generated is final.
+        assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
+        generated = served.metrics()["vllm:generation_tokens_total"] - before
+        # On two busy cores the engine can generate everything before its API server has
+        # streamed the first chunk; then there was nothing left to abort. Only a departure
+        # while the engine still generated tests the abort, and one of five must be.
+        if record.client_disconnected and generated < max_tokens:
             break
-    assert record.client_disconnected, "every stream was over before the client could leave"
-
-    # Once the engine runs no request, what it generated is final.
-    assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
-    generated = served.metrics()["vllm:generation_tokens_total"] - before
-    assert generated < max_tokens, "the engine kept generating for a client that had left"
+    assert record.client_disconnected and generated < max_tokens, (
+        "the engine kept generating for a client that had left, five times")
     assert record.status_code == 499
-    assert 3 <= record.completion_tokens <= generated
+    assert 1 <= record.completion_tokens <= generated
     assert record.prompt_tokens > 0
 
 
 def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Served) -> None:
     key, secret = inference_key(served.first)
     max_tokens = 2000
-    before = served.metrics()["vllm:generation_tokens_total"]
-    with pytest.raises(httpx.ReadTimeout):  # a non-streamed answer comes only when it is done
-        httpx.post(f"{served.web}/v1/completions", timeout=0.5,
-                   headers={"Authorization": f"Bearer {secret}"},
-                   json={"model": "chat", "prompt": "Write a long story",
-                         "max_tokens": max_tokens, "ignore_eos": True})
-
-    assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
-    generated = served.metrics()["vllm:generation_tokens_total"] - before
+    attempts = 0
+    while attempts < 5:
+        attempts += 1
+        before = served.metrics()["vllm:generation_tokens_total"]
+        try:  # a non-streamed answer comes only when it is done: the client gives up first
+            httpx.post(f"{served.web}/v1/completions", timeout=httpx.Timeout(10, read=0.1),
+                       headers={"Authorization": f"Bearer {secret}"},
+                       json={"model": "chat", "prompt": "Write a long story",
+                             "max_tokens": max_tokens, "ignore_eos": True})
+        except httpx.ReadTimeout:
+            pass
+        assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
+        generated = served.metrics()["vllm:generation_tokens_total"] - before
+        if generated < max_tokens:  # the engine was still generating when the client left
+            break
     assert generated < max_tokens, "the engine kept generating for a client that had left"
 
     def recorded() -> bool:
         ingest_usage.delay()
-        return UsageRecord.objects.filter(api_key=key).exists()
+        return UsageRecord.objects.filter(api_key=key).count() == attempts
     assert wait_until(recorded, 30, interval=0.5)
-    record = UsageRecord.objects.get(api_key=key)
+    record = UsageRecord.objects.filter(api_key=key).latest("started_at")
     assert (record.status_code, record.client_disconnected) == (499, True)
     # No usage came back: the engine's own tokenizer counted the prompt.
     assert record.prompt_tokens == served.client(secret).completions.create(
