@@ -168,8 +168,9 @@ class Gateway:
         client = scope.get("client") or ("", 0)
         address = client_address_from(remote_addr=client[0],
                                       forwarded_for=header(scope, b"x-forwarded-for"))
-        if not self.directory.knows(secret) and (
-                wait := self.auth_failures.seconds_blocked(address)):
+        # The address first: it is rarely blocked, and a key's digest is work.
+        if (wait := self.auth_failures.seconds_blocked(address)) and not self.directory.knows(
+                secret):
             raise GatewayError(429, "Too many requests with unknown, revoked or expired API keys "
                                f"came from your address; retry in {wait} s with a valid key.",
                                code="rate_limit_exceeded", kind="requests",

@@ -15,6 +15,7 @@ import orjson
 import pytest
 from django.conf import settings
 from django.db import connection
+from django.db.models import QuerySet
 from django.test import override_settings
 
 from billing.models import UsageRecord
@@ -67,6 +68,27 @@ class Load:
                 self.transport_errors += 1
 
 
+def served(stub: httpx.Client) -> int:
+    """How many requests the stand-in engine has been sent."""
+    return len(received(stub))
+
+
+def every_admitted_request_recorded(stub: httpx.Client, load: Load, figures: Callable[..., None],
+                                    *, timeout: float, **measured: int) -> QuerySet[UsageRecord]:
+    """Ingest until each request the stand-in engine received (each one admitted) has its
+    record; keep the figures of the run; return the records."""
+    admitted = {request["request_id"] for request in received(stub)}
+    assert wait_until(lambda: do_ingest_usage() == 0 and admitted <= set(
+        UsageRecord.objects.values_list("request_id", flat=True)), timeout, interval=0.5)
+    records = UsageRecord.objects.filter(request_id__in=admitted)
+    figures(sent=len(load.statuses) + load.transport_errors, admitted=len(admitted),
+            stored=records.count(), without_record=len(admitted) - records.count(),
+            interrupted=records.filter(error_code=INTERRUPTED_CODE).count(),
+            server_errors=sum(status >= 500 for status in load.statuses), **measured)
+    assert records.count() == len(admitted)
+    return records
+
+
 def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request(
     endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
 ) -> None:
@@ -75,26 +97,17 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     try:
         with Load(f"http://127.0.0.1:{port}", secret, "slow") as load:
             # Some requests done, CONCURRENCY more at the engine.
-            assert wait_until(lambda: len(received(stubs[0])) >= 3 * CONCURRENCY, 30,
-                              interval=0.05)
+            assert wait_until(lambda: served(stubs[0]) >= 3 * CONCURRENCY, 30, interval=0.05)
             web.send_signal(signal.SIGKILL)
             web.wait(10)
     finally:
         stop(web)
-    admitted = {request["request_id"] for request in received(stubs[0])}
 
     with override_settings(KVRUN_GATEWAY_LEASE_SECONDS=LEASE_SECONDS):
-        assert wait_until(lambda: do_ingest_usage() == 0 and admitted <= set(
-            UsageRecord.objects.values_list("request_id", flat=True)),
-            LEASE_SECONDS + 10, interval=0.5)
+        records = every_admitted_request_recorded(stubs[0], load, figures,
+                                                  timeout=LEASE_SECONDS + 10)
 
-    records = UsageRecord.objects.filter(request_id__in=admitted)
     interrupted = records.filter(error_code=INTERRUPTED_CODE)
-    figures(sent=len(load.statuses) + load.transport_errors, admitted=len(admitted),
-            stored=records.count(), interrupted=interrupted.count(),
-            without_record=len(admitted) - records.count(),
-            server_errors=sum(status >= 500 for status in load.statuses))
-    assert records.count() == len(admitted)
     assert load.transport_errors >= CONCURRENCY - 1  # the requests the kill cut off
     assert interrupted.count() >= CONCURRENCY // 2  # in flight at the kill
     assert all(record.prompt_tokens > 0 for record in interrupted)
@@ -105,41 +118,31 @@ def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(
     endpoint: Endpoint, secret: str, stubs: list[httpx.Client], own_redis: RestartableRedis,
     figures: Callable[..., None]
 ) -> None:
-    def served() -> int:
-        return len(received(stubs[0]))
-
     port = free_port()
     web = start_web(port, REDIS_URL=own_redis.url)
     try:
         with Load(f"http://127.0.0.1:{port}", secret, "hello") as load:
-            assert wait_until(lambda: served() >= 100, 30)
+            assert wait_until(lambda: served(stubs[0]) >= 100, 30)
             own_redis.stop()
-            down_at = served()
+            down_at = served(stubs[0])
             # Served while Redis is away: limits let requests in, records go to PostgreSQL.
-            assert wait_until(lambda: served() >= down_at + 100, 30)
+            assert wait_until(lambda: served(stubs[0]) >= down_at + 100, 30)
             own_redis.start()
-            back_at = served()
-            assert wait_until(lambda: served() >= back_at + 100, 30)
+            back_at = served(stubs[0])
+            assert wait_until(lambda: served(stubs[0]) >= back_at + 100, 30)
         web.send_signal(signal.SIGTERM)
         web.wait(30)
     finally:
         stop(web)
-    admitted = {request["request_id"] for request in received(stubs[0])}
 
     with override_settings(REDIS_URL=own_redis.url):
         redis_client.cache_clear()
         try:
-            assert wait_until(lambda: do_ingest_usage() == 0 and admitted <= set(
-                UsageRecord.objects.values_list("request_id", flat=True)), 30, interval=0.5)
+            every_admitted_request_recorded(stubs[0], load, figures, timeout=30,
+                                            served_while_redis_was_down=back_at - down_at)
         finally:
             redis_client.cache_clear()
 
-    records = UsageRecord.objects.filter(request_id__in=admitted)
-    figures(sent=len(load.statuses) + load.transport_errors, admitted=len(admitted),
-            stored=records.count(), without_record=len(admitted) - records.count(),
-            server_errors=sum(status >= 500 for status in load.statuses),
-            served_while_redis_was_down=back_at - down_at)
-    assert records.count() == len(admitted)
     assert load.transport_errors == 0
     assert set(load.statuses) == {200}
 
@@ -147,37 +150,27 @@ def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(
 def test_a_restart_of_postgresql_under_load_fails_no_request_and_loses_no_record(
     endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
 ) -> None:
-    def served() -> int:
-        return len(received(stubs[0]))
-
     port = free_port()
     web = start_web(port)
     try:
         with Load(f"http://127.0.0.1:{port}", secret, "hello") as load:
-            assert wait_until(lambda: served() >= 100, 30)
+            assert wait_until(lambda: served(stubs[0]) >= 100, 30)
             postgres = SuitePostgres()
             postgres.stop()
-            stopped_at, stopped_for = served(), time.monotonic()
+            stopped_at, stopped_for = served(stubs[0]), time.monotonic()
             # Longer than the gateway keeps keys and routes: it serves what it knew.
-            assert wait_until(lambda: served() >= stopped_at + 100 and time.monotonic()
+            assert wait_until(lambda: served(stubs[0]) >= stopped_at + 100 and time.monotonic()
                               - stopped_for > settings.KVRUN_API_KEY_CACHE_SECONDS + 1, 30)
             postgres.start()
-            started_at = served()
-            assert wait_until(lambda: served() >= started_at + 100, 30)
+            started_at = served(stubs[0])
+            assert wait_until(lambda: served(stubs[0]) >= started_at + 100, 30)
         web.send_signal(signal.SIGTERM)
         web.wait(30)
     finally:
         stop(web)
-    admitted = {request["request_id"] for request in received(stubs[0])}
 
-    assert wait_until(lambda: do_ingest_usage() == 0 and admitted <= set(
-        UsageRecord.objects.values_list("request_id", flat=True)), 30, interval=0.5)
-    records = UsageRecord.objects.filter(request_id__in=admitted)
-    figures(sent=len(load.statuses) + load.transport_errors, admitted=len(admitted),
-            stored=records.count(), without_record=len(admitted) - records.count(),
-            server_errors=sum(status >= 500 for status in load.statuses),
-            served_while_postgres_was_down=started_at - stopped_at)
-    assert records.count() == len(admitted)
+    every_admitted_request_recorded(stubs[0], load, figures, timeout=30,
+                                    served_while_postgres_was_down=started_at - stopped_at)
     assert load.transport_errors == 0
     assert set(load.statuses) == {200}
 

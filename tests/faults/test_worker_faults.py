@@ -7,34 +7,25 @@ from collections.abc import Callable
 
 import pytest
 
-from accounts.models import APIKey, Organization
+from accounts.models import Organization
 from billing import usage_stream
 from billing.models import UsageRecord
 from billing.services import INGEST_LOCK_SECONDS, do_ingest_usage
 from billing.tasks import ingest_usage
 from endpoints.models import Endpoint
 from kvrun.redis import redis_client
-from tests.factories import inference_key, ready_endpoint, usage_report
+from tests.factories import inference_key, usage_report
 from tests.helpers import start_worker, stop, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 
-RECORDS = 10_000
-
-
-@pytest.fixture
-def endpoint(org: Organization) -> Endpoint:
-    return ready_endpoint(org, "chat", [41000])
-
-
-@pytest.fixture
-def key(org: Organization) -> APIKey:
-    return inference_key(org)[0]
+RECORDS = 20_000  # enough that the kill lands mid-ingest on a busy machine too
 
 
 def test_a_worker_killed_mid_ingest_loses_no_record_and_stores_none_twice(
-    endpoint: Endpoint, key: APIKey, figures: Callable[..., None]
+    endpoint: Endpoint, org: Organization, figures: Callable[..., None]
 ) -> None:
+    key, _ = inference_key(org)
     pipe = redis_client().pipeline(transaction=False)
     for _ in range(RECORDS):
         pipe.xadd(usage_stream.STREAM, {usage_stream.FIELD: usage_report(endpoint, key).encode()})

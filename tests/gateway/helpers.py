@@ -4,12 +4,14 @@ transport."""
 
 import asyncio
 import gc
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
 
 import httpx
 import orjson
+from django.conf import settings
+from redis.asyncio import Redis
 
 from accounts.revocations import KEY_REVOKED_CHANNEL
 from billing.models import UsageRecord
@@ -89,3 +91,12 @@ def stored(count: int, timeout: float = 5) -> bool:
 def received(stub: httpx.Client) -> list[dict]:
     """The requests a stand-in engine was sent."""
     return stub.get("/_requests").json()
+
+
+async def with_redis(work: Callable[[Redis], Awaitable[Any]]) -> Any:
+    """`work` done with a Redis client of its own, closed after."""
+    redis = Redis.from_url(settings.REDIS_URL)
+    try:
+        return await work(redis)
+    finally:
+        await redis.aclose()

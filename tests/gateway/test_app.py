@@ -28,7 +28,7 @@ from gateway.limits import in_flight_name
 from kvrun.digests import engine_api_key
 from kvrun.redis import redis_client
 from tests.factories import api_key, inference_key, ready_endpoint
-from tests.gateway.helpers import InProcessGateway, received, stored
+from tests.gateway.helpers import InProcessGateway, received, stored, with_redis
 from tests.helpers import wait_until
 from tests.stub_upstream import LONG_EVENT_TEXT_BYTES
 
@@ -665,40 +665,30 @@ def test_a_request_whose_lease_lapsed_does_not_settle_the_retry_s_key() -> None:
     retry = Claim.of(api_key_id="k", endpoint_id="e", key="order-1", body=b"{}",
                      request_id="req_retry")
 
-    async def lapse_then_settle() -> bytes | None:
-        redis = Redis.from_url(settings.REDIS_URL)
+    async def lapse_then_settle(redis: Redis) -> bytes | None:
         store = Idempotency(redis, ttl_seconds=60)
-        try:
-            assert await store.reserve(first) is None
-            await redis.delete(first.name)  # its lease ran out while it ran
-            assert await store.reserve(retry) is None
-            await store.settle(first, succeeded=False, answer=None)
-            return await redis.get(retry.name)
-        finally:
-            await redis.delete(retry.name)
-            await redis.aclose()
+        assert await store.reserve(first) is None
+        await redis.delete(first.name)  # its lease ran out while it ran
+        assert await store.reserve(retry) is None
+        await store.settle(first, succeeded=False, answer=None)
+        return await redis.get(retry.name)
 
-    assert asyncio.run(lapse_then_settle()) == retry.running()
+    assert asyncio.run(with_redis(lapse_then_settle)) == retry.running()
 
 
 def test_an_answer_too_large_to_keep_is_not_replayed() -> None:
     claim = Claim.of(api_key_id="k", endpoint_id="e", key="order-1", body=b"{}",
                      request_id="req_large")
 
-    async def settle_then_repeat() -> str:
-        redis = Redis.from_url(settings.REDIS_URL)
+    async def settle_then_repeat(redis: Redis) -> str:
         store = Idempotency(redis, ttl_seconds=60)
-        try:
-            assert await store.reserve(claim) is None
-            await store.settle(claim, succeeded=True, answer=b"x" * (MAX_KEPT_BYTES + 1))
-            with pytest.raises(GatewayError) as repeat:
-                await store.reserve(claim)
-            return f"{repeat.value.status} {repeat.value.message}"
-        finally:
-            await redis.delete(claim.name)
-            await redis.aclose()
+        assert await store.reserve(claim) is None
+        await store.settle(claim, succeeded=True, answer=b"x" * (MAX_KEPT_BYTES + 1))
+        with pytest.raises(GatewayError) as repeat:
+            await store.reserve(claim)
+        return f"{repeat.value.status} {repeat.value.message}"
 
-    assert asyncio.run(settle_then_repeat()).startswith("409 A request with this "
+    assert asyncio.run(with_redis(settle_then_repeat)).startswith("409 A request with this "
                                                         "Idempotency-Key (req_large) answered "
                                                         "more than 64 KiB")
 

@@ -2,12 +2,10 @@
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from uuid import uuid4
 
 import orjson
 import pytest
-from django.conf import settings
 from redis.asyncio import Redis
 
 from accounts.principals import KeyIdentity
@@ -22,6 +20,7 @@ from gateway.limits import (
     in_flight_name,
     seconds_until_room,
 )
+from tests.gateway.helpers import with_redis
 
 
 def identity(**limits: int) -> KeyIdentity:
@@ -32,14 +31,6 @@ def identity(**limits: int) -> KeyIdentity:
 def clean_minute() -> int:
     """The start of a minute no test has counted in yet."""
     return (int(time.time() * 1000) // WINDOW_MS + 10) * WINDOW_MS
-
-
-async def with_redis(work: Callable[[Redis], Awaitable[object]]) -> object:
-    redis = Redis.from_url(settings.REDIS_URL)
-    try:
-        return await work(redis)
-    finally:
-        await redis.aclose()
 
 
 def admit_all(key: KeyIdentity, times: int, now_ms: int, tokens: int = 1) -> list[int]:

@@ -27,6 +27,15 @@ print(worker.pid, flush=True)
 """
 
 
+def demo_replica(node: Node, state: str) -> Replica:
+    """A replica of an endpoint of the demo model on `node`, in `state`."""
+    endpoint = do_create_endpoint(
+        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
+        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
+        concurrency=4)
+    return Replica.objects.create(endpoint=endpoint, node=node, state=state)
+
+
 @pytest.fixture
 def engines() -> Iterator[dict[str, subprocess.Popen]]:
     yield agent._engines
@@ -39,11 +48,7 @@ def test_a_heartbeat_never_waits_for_an_engine_to_stop(
         tmp_path: Path) -> None:
     settings.KVRUN_ENGINE_STOP_GRACE_SECONDS = 3
     settings.KVRUN_ENGINE_LOG_DIR = tmp_path
-    endpoint = do_create_endpoint(
-        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
-        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-        concurrency=4)
-    replica = Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.READY)
+    replica = demo_replica(cpu_node, State.READY)
     server = subprocess.Popen([sys.executable, "-c", EXITED_WITH_A_STUBBORN_WORKER],
                               start_new_session=True, stdout=subprocess.PIPE, text=True)
     worker = int(server.stdout.readline())
@@ -66,11 +71,7 @@ def test_a_start_delivered_twice_while_starting_starts_one_engine(
         cpu_node: Node, engines: dict[str, subprocess.Popen], monkeypatch: pytest.MonkeyPatch,
         settings: object, tmp_path: Path) -> None:
     settings.KVRUN_ENGINE_LOG_DIR = tmp_path
-    endpoint = do_create_endpoint(
-        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
-        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-        concurrency=4)
-    replica = Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.STARTING)
+    replica = demo_replica(cpu_node, State.STARTING)
     spawned: list[object] = []
     both_in = threading.Barrier(2)
 

@@ -3,7 +3,7 @@
 import pytest
 
 from accounts.models import Role
-from endpoints.models import ModelSpec, Node, NodeState, Replica, State
+from endpoints.models import Endpoint, ModelSpec, Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.services import do_create_endpoint, do_load_catalogs, do_mark_lost_nodes
 from engine.devices import Device, HostResources
@@ -22,13 +22,19 @@ def node(db: None) -> Node:
         devices=devices, cpu_count=64, memory_bytes=2**40))
 
 
-def test_a_node_back_from_lost_takes_no_replica_until_its_old_engines_are_gone(
-        node: Node) -> None:
+def placed_endpoint(node: Node) -> Endpoint:
+    """An endpoint of two of `node`'s GPUs, its replica placed there by the reconciler."""
     endpoint = do_create_endpoint(
         organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
         name="chat", model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"),
         context_length=8192, concurrency=8, gpu_type=node.gpu_type, gpu_count=2)
     reconcile_endpoint(endpoint_id=endpoint.id)
+    return endpoint
+
+
+def test_a_node_back_from_lost_takes_no_replica_until_its_old_engines_are_gone(
+        node: Node) -> None:
+    endpoint = placed_endpoint(node)
     old = endpoint.replicas.get()
     Replica.objects.filter(id=old.id).update(state=State.READY)
     Node.objects.filter(id=node.id).update(state=NodeState.LOST)
@@ -53,11 +59,7 @@ def test_a_node_back_from_lost_takes_no_replica_until_its_old_engines_are_gone(
 
 
 def test_engines_kvrun_expects_keep_a_node_online(node: Node) -> None:
-    endpoint = do_create_endpoint(
-        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
-        name="chat", model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"),
-        context_length=8192, concurrency=8, gpu_type=node.gpu_type, gpu_count=2)
-    reconcile_endpoint(endpoint_id=endpoint.id)
+    endpoint = placed_endpoint(node)
     replica = endpoint.replicas.get()
     for state in [State.LOADING, State.READY, State.STOPPING]:
         Replica.objects.filter(id=replica.id).update(state=state)
