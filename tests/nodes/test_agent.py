@@ -18,12 +18,13 @@ from tests.factories import organization_with_owner
 from tests.helpers import process_alive, wait_until
 
 # An API server that exited, leaving a worker of its group that ignores SIGTERM, as a
-# loading engine's does: stopping its group takes the whole grace period.
+# loading engine's does: stopping its group takes the whole grace period. The worker gives
+# its pid only once it ignores SIGTERM, so a busy machine cannot stop it before that.
 EXITED_WITH_A_STUBBORN_WORKER = """
 import subprocess, sys
-worker = subprocess.Popen([sys.executable, "-c", "import signal, time; "
-                           "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"])
-print(worker.pid, flush=True)
+subprocess.Popen([sys.executable, "-c", "import os, signal, time; "
+                  "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "print(os.getpid(), flush=True); time.sleep(120)"])
 """
 
 
