@@ -22,6 +22,7 @@ from endpoints.models import (
     ModelSpec,
     Node,
     Replica,
+    ReplicaInterval,
     State,
 )
 from endpoints.services import (
@@ -270,3 +271,31 @@ class EndpointEventAdmin(ReadOnlyAdmin):
     @admin.display(description="replica")
     def replica_id_prefix(self, event: EndpointEvent) -> str:
         return str(event.replica_id)[:8] if event.replica_id else ""
+
+
+@admin.register(ReplicaInterval)
+class ReplicaIntervalAdmin(ReadOnlyAdmin):
+    """The GPU-time ledger: written by replicas' transitions only, never changed here."""
+
+    list_display = ["started_at", "ended_at", "endpoint", "organization", "replica_id_prefix",
+                    "phase", "gpu_type", "gpu_count", "seconds"]
+    list_filter = ["phase", "gpu_type", "started_at"]
+    search_fields = ["=endpoint__name", "=organization__slug"]
+    search_help_text = "An endpoint's name or an organisation's slug, exactly."
+    list_select_related = ["endpoint", "organization", "gpu_type"]
+    ordering = ["-id"]
+    paginator = BoundedCountPaginator
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+    fields = ["replica", "endpoint", "organization", "gpu_type", "gpu_count", "phase",
+              "started_at", "ended_at"]
+    readonly_fields = fields
+
+    @admin.display(description="replica")
+    def replica_id_prefix(self, interval: ReplicaInterval) -> str:
+        return str(interval.replica_id)[:8]
+
+    @admin.display(description="seconds so far")
+    def seconds(self, interval: ReplicaInterval) -> str:
+        end = interval.ended_at or timezone.now()
+        return f"{(end - interval.started_at).total_seconds():,.3f}"

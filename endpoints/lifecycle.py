@@ -1,5 +1,6 @@
 """Replica and endpoint state transitions. Every change is a conditional update that acts
-only when the row is still in the state the caller saw, and leaves an event the user sees."""
+only when the row is still in the state the caller saw, and leaves an event the user sees and,
+in the same transaction, the GPU-time ledger's intervals (ReplicaInterval)."""
 
 from collections.abc import Iterable
 from datetime import datetime, timedelta
@@ -11,7 +12,15 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
+from endpoints.models import (
+    PHASE_OF_STATE,
+    DesiredState,
+    Endpoint,
+    EndpointEvent,
+    Replica,
+    ReplicaInterval,
+    State,
+)
 
 PROGRESS = {
     State.PENDING: 0, State.SCHEDULING: 10, State.STARTING: 20, State.LOADING: 40,
@@ -20,9 +29,15 @@ PROGRESS = {
 
 
 def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_state: str,
-                          message: str = "", **fields: Any) -> bool:
+                          message: str = "", held_until: datetime | None = None,
+                          **fields: Any) -> bool:
     """Move a replica from one of `from_states` to `to_state`; False (and no change) if it
-    is no longer in one of them. Records an event and refreshes the endpoint's state."""
+    is no longer in one of them. Records an event, refreshes the endpoint's state, and closes
+    and opens the replica's GPU-time intervals as its phase changes.
+
+    `held_until` is when the replica's devices were last known held, where that is earlier
+    than now (a lost node's last heartbeat): its open interval closes then.
+    """
     fields.setdefault("stage", message[:80])
     fields.setdefault("progress_percent", PROGRESS[to_state])
     endpoint_id = (Replica.objects.filter(id=replica_id).values_list("endpoint_id", flat=True)
@@ -33,15 +48,38 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
         # The endpoint's row before the replica's, the order a reconciler pass takes them in:
         # the other way round, an agent's transition and a pass each held what the other
         # waited for, and PostgreSQL aborted one of them.
-        Endpoint.objects.select_for_update().filter(id=endpoint_id).values_list("id").first()
+        endpoint = (Endpoint.objects.select_for_update().filter(id=endpoint_id)
+                    .only("organization_id", "gpu_type_id", "gpu_count").first())
         moved = Replica.objects.filter(id=replica_id, state__in=list(from_states)).update(
             state=to_state, **fields)
         if moved != 1:
             return False
+        now = timezone.now()
         EndpointEvent.objects.create(endpoint_id=endpoint_id, replica_id=replica_id,
-                                     state=to_state, message=message)
+                                     state=to_state, message=message, at=now)
+        _record_phase(replica_id=replica_id, endpoint=endpoint, to_state=to_state, now=now,
+                      held_until=held_until)
         do_refresh_endpoint_state(endpoint_id=endpoint_id)
     return True
+
+
+def _record_phase(*, replica_id: UUID, endpoint: Endpoint, to_state: str, now: datetime,
+                  held_until: datetime | None) -> None:
+    """Close the replica's open interval if its phase ends here, and open the next phase's,
+    both at `now` (the transition's event time). Called with the replica's row locked by its
+    transition."""
+    phase = PHASE_OF_STATE.get(to_state)
+    current = ReplicaInterval.objects.filter(replica_id=replica_id, ended_at=None).first()
+    if current is not None and current.phase == phase:
+        return
+    if current is not None:
+        ended_at = min(now, max(held_until or now, current.started_at))
+        ReplicaInterval.objects.filter(id=current.id, ended_at=None).update(ended_at=ended_at)
+    if phase is not None:
+        ReplicaInterval.objects.create(
+            replica_id=replica_id, endpoint_id=endpoint.id,
+            organization_id=endpoint.organization_id, gpu_type_id=endpoint.gpu_type_id,
+            gpu_count=endpoint.gpu_count, phase=phase, started_at=now)
 
 
 def backoff_until(failures: int) -> datetime:

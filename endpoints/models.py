@@ -232,3 +232,58 @@ class EndpointEvent(models.Model):
     class Meta:
         ordering = ["at", "id"]
         indexes = [models.Index(fields=["endpoint", "at"])]
+
+
+class BilledPhase(models.TextChoices):
+    """The lifecycle phases in which a replica holds its devices; scheduling (devices chosen,
+    start not yet sent) counts as starting."""
+
+    STARTING = "starting"
+    LOADING = "loading"
+    READY = "ready"
+    STOPPING = "stopping"
+
+
+PHASE_OF_STATE = {
+    State.SCHEDULING: BilledPhase.STARTING, State.STARTING: BilledPhase.STARTING,
+    State.LOADING: BilledPhase.LOADING, State.READY: BilledPhase.READY,
+    State.STOPPING: BilledPhase.STOPPING,
+}
+
+
+class ReplicaInterval(models.Model):
+    """A span during which a replica held its devices in one phase: the GPU-time ledger.
+
+    Written by the replica's state transitions in their own transaction (lifecycle): a
+    transition opens the next phase's interval and closes the open one, which is then never
+    changed again. At most one interval of a replica is open, so a transition delivered twice
+    records one. Endpoint, organisation and devices are copied from the endpoint when the
+    interval opens, as a ledger row keeps what was true then.
+    """
+
+    replica = models.ForeignKey(Replica, on_delete=models.PROTECT, related_name="intervals")
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.PROTECT, related_name="intervals")
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.PROTECT,
+                                     related_name="replica_intervals")
+    gpu_type = models.ForeignKey(GPUType, on_delete=models.PROTECT, related_name="+")
+    gpu_count = models.PositiveSmallIntegerField()
+    phase = models.CharField(max_length=10, choices=BilledPhase.choices)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True,
+                                    help_text="Empty while the replica is still in this phase.")
+
+    class Meta:
+        ordering = ["started_at", "id"]
+        constraints = [
+            models.UniqueConstraint(fields=["replica"], condition=models.Q(ended_at=None),
+                                    name="endpoints_interval_one_open_per_replica"),
+            models.CheckConstraint(condition=models.Q(ended_at__gte=models.F("started_at")),
+                                   name="endpoints_interval_ends_after_start"),
+        ]
+        indexes = [
+            models.Index(fields=["endpoint", "started_at"]),
+            models.Index(fields=["ended_at"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.replica} {self.phase} from {self.started_at:%Y-%m-%d %H:%M:%S}"

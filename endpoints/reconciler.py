@@ -73,6 +73,7 @@ def _release_replicas_on_lost_nodes(endpoint: Endpoint) -> None:
         do_transition_replica(
             replica_id=replica.id, from_states=ON_NODE + (State.STOPPING,),
             to_state=State.STOPPED, stopped_at=timezone.now(),
+            held_until=replica.node.last_heartbeat_at,
             message=f"node {replica.node.name} stopped sending heartbeats; rescheduling",
         )
 

@@ -6,7 +6,15 @@ from django.test import Client
 from django.utils import timezone
 
 from accounts.models import Organization, Role
-from endpoints.models import DesiredState, Endpoint, ModelSpec, Node, Replica, State
+from endpoints.models import (
+    DesiredState,
+    Endpoint,
+    ModelSpec,
+    Node,
+    Replica,
+    ReplicaInterval,
+    State,
+)
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.scheduling import do_place_replica
 from endpoints.services import (
@@ -129,6 +137,7 @@ def test_it_lists_nodes_with_their_engines(operator: Client, org: Organization) 
     ("/admin/endpoints/endpointevent/", {"q": "chat", "state__exact": "pending"}),
     ("/admin/endpoints/gputype/", {"q": "H100", "vendor__exact": "nvidia"}),
     ("/admin/endpoints/modelspec/", {"q": "llama", "attention_kind__exact": "gqa"}),
+    ("/admin/endpoints/replicainterval/", {"q": "chat", "phase__exact": "starting"}),
 ])
 def test_every_list_answers_a_search_and_a_filter(operator: Client, org: Organization,
                                                   url: str, params: dict) -> None:
@@ -137,6 +146,22 @@ def test_every_list_answers_a_search_and_a_filter(operator: Client, org: Organiz
     response = operator.get(url, params)
 
     assert response.status_code == 200  # a filter it rejects redirects to ?e=1
+
+
+def test_it_lists_gpu_time_intervals_and_never_changes_them(operator: Client,
+                                                            org: Organization) -> None:
+    endpoint_on(h100_node("gpu-1"), org)
+    interval = ReplicaInterval.objects.get()
+    url = "/admin/endpoints/replicainterval/"
+
+    listed = operator.get(url, {"q": "chat"})
+
+    assert listed.status_code == 200
+    assert b"starting" in listed.content and b"H100" in listed.content
+    assert operator.get(f"{url}{interval.id}/change/").status_code == 200  # view only
+    assert operator.post(f"{url}{interval.id}/change/", {"phase": "ready"}).status_code == 403
+    assert operator.post(f"{url}{interval.id}/delete/", {"post": "yes"}).status_code == 403
+    assert ReplicaInterval.objects.get().phase == "starting"
 
 
 def test_it_searches_endpoints_by_organisation_and_shows_their_gpus(
