@@ -10,7 +10,7 @@ from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 
 from accounts.models import Organization
-from billing.models import UsageRecord
+from billing.models import GPUHour, TokenHour, UsageRecord
 from endpoints.models import Endpoint
 from kvrun.paginators import BoundedCountPaginator
 
@@ -94,3 +94,39 @@ class UsageRecordAdmin(admin.ModelAdmin):
     @admin.display(description="tokens (prompt + completion)")
     def tokens(self, record: UsageRecord) -> str:
         return f"{record.prompt_tokens} + {record.completion_tokens}"
+
+
+class RollupAdmin(admin.ModelAdmin):
+    """Hourly lines the rollup derives from the ledger: read only, rewritten by it alone."""
+
+    list_select_related = ["organization", "endpoint"]
+    search_fields = ["=endpoint__name", "=organization__slug"]
+    search_help_text = "An endpoint's name or an organisation's slug, exactly."
+    ordering = ["-hour", "-id"]
+    list_filter = ["hour"]
+    paginator = BoundedCountPaginator
+    show_full_result_count = False
+    show_facets = admin.ShowFacets.NEVER
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(TokenHour)
+class TokenHourAdmin(RollupAdmin):
+    list_display = ["hour", "organization", "endpoint", "api_key", "requests", "prompt_tokens",
+                    "completion_tokens", "cached_tokens"]
+    list_select_related = ["organization", "endpoint", "api_key"]
+
+
+@admin.register(GPUHour)
+class GPUHourAdmin(RollupAdmin):
+    list_display = ["hour", "organization", "endpoint", "gpu_type", "phase", "gpu_seconds"]
+    list_filter = ["hour", "phase", "gpu_type"]
+    list_select_related = ["organization", "endpoint", "gpu_type"]

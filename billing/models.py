@@ -1,5 +1,7 @@
 from django.db import models
 
+from endpoints.models import BilledPhase
+
 
 class UsageRecord(models.Model):
     """One request that the gateway admitted to an engine: what it consumed and how it went.
@@ -44,3 +46,69 @@ class UsageRecord(models.Model):
 
     def __str__(self) -> str:
         return self.request_id
+
+
+class StaleUsageHour(models.Model):
+    """An hour of an endpoint whose token rollup is behind its usage records: written with
+    the records (same transaction), taken and deleted by the rollup that brings it up to date."""
+
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.CASCADE,
+                                 related_name="+")
+    hour = models.DateTimeField()
+    marked_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["endpoint", "hour"],
+                                               name="billing_stale_usage_hour_unique")]
+
+
+class TokenHour(models.Model):
+    """Requests and tokens of one endpoint and API key in one UTC hour, rolled up from usage
+    records. Derived: the rollup rewrites an hour whenever records for it arrive."""
+
+    hour = models.DateTimeField()
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.PROTECT,
+                                     related_name="+")
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT,
+                                 related_name="+")
+    api_key = models.ForeignKey("accounts.APIKey", null=True, blank=True,
+                                on_delete=models.SET_NULL, related_name="+")
+    requests = models.BigIntegerField()
+    prompt_tokens = models.BigIntegerField()
+    completion_tokens = models.BigIntegerField()
+    cached_tokens = models.BigIntegerField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["endpoint", "hour", "api_key"],
+                                               nulls_distinct=False,
+                                               name="billing_token_hour_unique")]
+        indexes = [models.Index(fields=["organization", "hour"])]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint_id} {self.hour:%Y-%m-%d %H:00}"
+
+
+class GPUHour(models.Model):
+    """Device-seconds of one endpoint's replicas in one phase and UTC hour, rolled up from
+    replica intervals (endpoints.ReplicaInterval). Derived: the rollup rewrites the hours
+    that intervals still open or recently closed touch."""
+
+    hour = models.DateTimeField()
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.PROTECT,
+                                     related_name="+")
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT,
+                                 related_name="+")
+    gpu_type = models.ForeignKey("endpoints.GPUType", on_delete=models.PROTECT,
+                                 related_name="+")
+    phase = models.CharField(max_length=10, choices=BilledPhase.choices)
+    gpu_seconds = models.DecimalField(max_digits=18, decimal_places=6,
+                                      help_text="Seconds held times devices held, to the "
+                                                "microsecond.")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["endpoint", "hour", "gpu_type", "phase"],
+                                               name="billing_gpu_hour_unique")]
+        indexes = [models.Index(fields=["organization", "hour"]), models.Index(fields=["hour"])]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint_id} {self.phase} {self.hour:%Y-%m-%d %H:00}"

@@ -13,6 +13,7 @@ from redis.lock import Lock
 from accounts.services import do_touch_api_key
 from billing import usage_stream
 from billing.models import UsageRecord
+from billing.rollup import mark_stale_hours
 from kvrun.redis import redis_client
 
 logger = logging.getLogger(__name__)
@@ -44,19 +45,24 @@ def do_record_usage(*, payloads: Iterable[bytes]) -> list[tuple[bytes, str]]:
     stored = []
     try:
         with transaction.atomic():
-            UsageRecord.objects.bulk_create([row for _, row in rows], ignore_conflicts=True)
+            _insert([row for _, row in rows])
         stored = rows
     except (IntegrityError, DataError):
         # One bad row must not hold back the others: store them one by one.
         for payload, row in rows:
             try:
                 with transaction.atomic():
-                    UsageRecord.objects.bulk_create([row], ignore_conflicts=True)
+                    _insert([row])
                 stored.append((payload, row))
             except (IntegrityError, DataError) as exc:
                 rejected.append((payload, f"{exc.__class__.__name__}: {exc}".strip()))
     _touch_keys(row for _, row in stored)
     return rejected
+
+
+def _insert(rows: list[UsageRecord]) -> None:
+    UsageRecord.objects.bulk_create(rows, ignore_conflicts=True)
+    mark_stale_hours(records=((row.endpoint_id, row.started_at) for row in rows))
 
 
 def _touch_keys(records: Iterable[UsageRecord]) -> None:

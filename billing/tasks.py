@@ -2,6 +2,7 @@ import logging
 
 from celery import shared_task
 
+from billing.rollup import do_roll_up_usage
 from billing.services import do_ingest_usage
 
 logger = logging.getLogger(__name__)
@@ -13,3 +14,12 @@ def ingest_usage() -> None:
     handled = do_ingest_usage()
     if handled:
         logger.info("ingested %d usage record(s)", handled)
+
+
+@shared_task(name="billing.roll_up_usage", ignore_result=True)
+def roll_up_usage() -> None:
+    """Bring the hourly token and GPU-time lines up to date; safe to run any number of times."""
+    rollup = do_roll_up_usage()
+    if rollup is not None:
+        logger.info("rolled up %d usage hour(s), wrote %d GPU-hour line(s)", rollup.token_hours,
+                    rollup.gpu_hours)

@@ -216,6 +216,9 @@ KVRUN_GATEWAY_LEASE_SECONDS = env.float("KVRUN_GATEWAY_LEASE_SECONDS", default=3
 KVRUN_GATEWAY_GATHER_SECONDS = env.float("KVRUN_GATEWAY_GATHER_SECONDS", default=0.005)
 # How often beat moves usage records from the gateway's stream into PostgreSQL.
 KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0)
+# How often beat rolls usage records and replica intervals up into hourly lines: how fresh the
+# month's cost so far is.
+KVRUN_BILLING_ROLLUP_SECONDS = env.float("KVRUN_BILLING_ROLLUP_SECONDS", default=60.0)
 
 KVRUN_NODE_HEARTBEAT_SECONDS = env.int("KVRUN_NODE_HEARTBEAT_SECONDS", default=5)
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
@@ -296,6 +299,8 @@ CELERY_BEAT_SCHEDULE = {
     },
     "endpoints.reconcile": {"task": "endpoints.reconcile", "schedule": KVRUN_RECONCILE_SECONDS},
     "billing.ingest_usage": {"task": "billing.ingest_usage", "schedule": KVRUN_USAGE_INGEST_SECONDS},
+    "billing.roll_up_usage": {"task": "billing.roll_up_usage",
+                              "schedule": KVRUN_BILLING_ROLLUP_SECONDS},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -11,9 +11,12 @@ from django.utils import timezone
 
 from accounts.models import APIKey, Organization
 from accounts.services import do_create_invite
-from billing.models import UsageRecord
-from endpoints.models import Endpoint
-from tests.factories import UserFactory, api_key, ready_endpoint
+from billing.models import GPUHour, TokenHour, UsageRecord
+from billing.rollup import do_roll_up_usage
+from billing.services import do_record_usage
+from endpoints.lifecycle import do_transition_replica
+from endpoints.models import Endpoint, Replica, State
+from tests.factories import UserFactory, api_key, inference_key, ready_endpoint, usage_report
 
 pytestmark = pytest.mark.django_db
 
@@ -172,3 +175,23 @@ def test_no_console_page_shows_a_key_or_invite_digest(operator: Client,
             response = operator.get(url)
             assert response.status_code == 200, url
             assert not [s for s in secrets if s.encode() in response.content], url
+
+
+@pytest.mark.parametrize("model", [TokenHour, GPUHour])
+def test_hourly_lines_are_listed_and_cannot_be_changed(operator: Client, endpoint: Endpoint,
+                                                       model: type) -> None:
+    key, _ = inference_key(endpoint.organization)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=timezone.now()).encode()])
+    Replica.objects.filter(endpoint=endpoint).update(state=State.PENDING)
+    do_transition_replica(replica_id=endpoint.replicas.get().id, from_states=[State.PENDING],
+                          to_state=State.SCHEDULING, message="placed")
+    do_roll_up_usage(now=timezone.now() + timedelta(minutes=1))
+    line = model.objects.get()
+    url = f"/admin/billing/{model._meta.model_name}/"
+
+    listed = operator.get(url, {"q": "chat"})
+
+    assert listed.status_code == 200 and b"chat" in listed.content
+    assert operator.get(f"{url}add/").status_code == 403
+    assert operator.post(f"{url}{line.id}/delete/", {"post": "yes"}).status_code == 403
+    assert model.objects.filter(id=line.id).exists()

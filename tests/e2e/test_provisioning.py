@@ -1,15 +1,21 @@
 """Provisioning end to end: REST API → control worker → node agent → a real vLLM engine."""
 
+import itertools
 import os
 import signal
+from datetime import timedelta
+from decimal import Decimal
 from pathlib import Path
 
 import httpx
 import pytest
 from celery import current_app
+from django.db.models import Sum
 from rest_framework.test import APIClient
 
 from accounts.models import Organization
+from billing.models import GPUHour
+from billing.rollup import do_roll_up_usage
 from endpoints.dispatch import START_REPLICA
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.planning import shape_of
@@ -106,6 +112,18 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     states = list(Endpoint.objects.get(name="chat").events.values_list("state", flat=True))
     for state in ["pending", "scheduling", "starting", "loading", "ready", "stopping", "stopped"]:
         assert state in states
+
+    # Its devices were billed from their reservation to the engine's end, phase by phase.
+    intervals = list(replica.intervals.values_list("phase", "started_at", "ended_at"))
+    assert [phase for phase, *_ in intervals] == ["starting", "loading", "ready", "stopping"]
+    assert all(ended == next_started for (_, _, ended), (_, next_started, _)
+               in itertools.pairwise(intervals))
+    moments = dict(replica.events.values_list("state", "at"))
+    assert (intervals[0][1], intervals[-1][2]) == (moments["scheduling"], moments["stopped"])
+    do_roll_up_usage()
+    held = moments["stopped"] - moments["scheduling"]
+    billed = GPUHour.objects.filter(endpoint__name="chat").aggregate(total=Sum("gpu_seconds"))
+    assert billed["total"] == Decimal(held // timedelta(microseconds=1)) / 10**6
 
 
 def test_a_killed_engine_is_restarted_and_a_second_start_is_ignored(

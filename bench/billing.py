@@ -1,0 +1,180 @@
+"""`make bench` target `billing`: the hourly rollup (billing.rollup) over a month of ledger.
+
+  1x           1,000,000 usage records and 10,000 replica intervals of 100 endpoints over 30
+               days, every hour stale, no lines yet: the first run after an upgrade
+  floor        in the same run, one SQL GROUP BY date_trunc('hour', ...) over those records:
+               the least any rollup of them can cost on this database
+  incremental  then 1 % more of each in the last hour, as the ingester marks them
+  2x           then as much again for 100 more endpoints, everything rolled up afresh
+
+Goals: at least 500,000 records/s for 1x (within 2x of the floor), 2x taking at most 2.2 times
+as long as 1x, and the incremental run at most 5 % of 1x. Writes bench/results/billing.json.
+"""
+
+import json
+import os
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
+django.setup()
+
+from django.db import connection  # noqa: E402
+
+from accounts.models import User  # noqa: E402
+from accounts.services import do_create_organization  # noqa: E402
+from billing.models import GPUHour, TokenHour  # noqa: E402
+from billing.rollup import do_roll_up_usage, mark_stale_hours  # noqa: E402
+from endpoints.models import Endpoint, GPUType, ModelSpec, Replica, State  # noqa: E402
+from endpoints.services import do_load_catalogs  # noqa: E402
+from tests.factories import inference_key  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+RECORDS, INTERVALS, ENDPOINTS, DAYS = 1_000_000, 10_000, 100, 30
+NOW = datetime.now(UTC).replace(minute=30, second=0, microsecond=0)
+GOALS = {"records_per_s": 500_000, "growth_ratio_2x": 2.2, "incremental_fraction": 0.05}
+
+
+def seed(label: str, owner: User, *, records: int, intervals: int, hours: int) -> list:
+    """`records` usage records and `intervals` closed intervals of ENDPOINTS endpoints (each
+    with one replica and one key), spread over the last `hours` hours. Returns the endpoints."""
+    organization = do_create_organization(user=owner, name=f"bench {label}")
+    key, _ = inference_key(organization)
+    cpu = GPUType.objects.get(slug="cpu")
+    endpoints = Endpoint.objects.bulk_create([
+        Endpoint(organization=organization, name=f"e{n:04d}",
+                 model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
+                 concurrency=8, gpu_type=cpu, gpu_count=1, hourly_price_usd="0.1",
+                 state=State.READY) for n in range(ENDPOINTS)])
+    replicas = Replica.objects.bulk_create([Replica(endpoint=endpoint, state=State.STOPPED)
+                                            for endpoint in endpoints])
+    span = hours * 3600
+    with connection.cursor() as cursor:
+        # In SQL: this many rows through the ingester would take longer than the benchmark.
+        cursor.execute("""
+            INSERT INTO billing_usagerecord (request_id, idempotency_key, organization_id,
+                endpoint_id, api_key_id, operation, stream, prompt_tokens, completion_tokens,
+                cached_tokens, status_code, error_code, client_disconnected, started_at,
+                duration_ms, gateway_overhead_ms, ingested_at)
+            SELECT %(label)s || '-' || g, '', %(organization)s,
+                   (%(endpoints)s::uuid[])[1 + g %% %(count)s], %(key)s, 'chat.completions',
+                   true, 100 + g %% 400, 50 + g %% 200, g %% 64, 200, '', false,
+                   %(now)s - (g * 7919 %% %(span)s) * interval '1 second', 800, 0.300, now()
+            FROM generate_series(1, %(records)s) AS g""",
+                       {"label": label, "organization": organization.id, "key": key.id,
+                        "endpoints": [endpoint.id for endpoint in endpoints],
+                        "count": len(endpoints), "records": records, "span": span,
+                        "now": NOW})
+        # Each replica's intervals follow one another: starting, loading, ready, stopping.
+        cursor.execute("""
+            INSERT INTO endpoints_replicainterval (replica_id, endpoint_id, organization_id,
+                gpu_type_id, gpu_count, phase, started_at, ended_at)
+            SELECT replica.id, replica.endpoint_id, %(organization)s, %(cpu)s, 1,
+                   (ARRAY['starting', 'loading', 'ready', 'stopping'])[1 + n %% 4],
+                   %(now)s - %(span)s * interval '1 second'
+                       + (n * %(step)s) * interval '1 second',
+                   %(now)s - %(span)s * interval '1 second'
+                       + ((n + 1) * %(step)s - 1) * interval '1 second'
+            FROM unnest(%(replicas)s::uuid[], %(endpoints)s::uuid[])
+                 AS replica(id, endpoint_id),
+                 generate_series(0, %(per_replica)s - 1) AS n""",
+                       {"organization": organization.id, "cpu": cpu.id, "now": NOW,
+                        "span": span, "step": span // (intervals // len(replicas)),
+                        "per_replica": intervals // len(replicas),
+                        "replicas": [replica.id for replica in replicas],
+                        "endpoints": [replica.endpoint_id for replica in replicas]})
+        cursor.execute("ANALYZE billing_usagerecord")
+        cursor.execute("ANALYZE endpoints_replicainterval")
+    mark_stale_hours(records=stored_hours([endpoint.id for endpoint in endpoints]))
+    return endpoints
+
+
+def stored_hours(endpoint_ids: list) -> list[tuple[object, datetime]]:
+    """The (endpoint, hour) of every stored record of these endpoints: what the ingester
+    marks as it stores them."""
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            SELECT DISTINCT endpoint_id, date_trunc('hour', started_at, 'UTC')
+            FROM billing_usagerecord WHERE endpoint_id = ANY(%s::uuid[])""", [endpoint_ids])
+        return cursor.fetchall()
+
+
+def floor_seconds() -> float:
+    started = time.perf_counter()
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            SELECT date_trunc('hour', started_at, 'UTC'), endpoint_id, api_key_id, count(*),
+                   sum(prompt_tokens), sum(completion_tokens), sum(cached_tokens)
+            FROM billing_usagerecord GROUP BY 1, 2, 3""")
+        cursor.fetchall()
+    return time.perf_counter() - started
+
+
+def timed_rollup() -> float:
+    started = time.perf_counter()
+    assert do_roll_up_usage(now=NOW) is not None
+    return time.perf_counter() - started
+
+
+def main() -> int:
+    do_load_catalogs()
+    owner = User.objects.create_superuser(email="bench@example.com", password=None)
+    hours = DAYS * 24
+    first = seed("1x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
+    floor = min(floor_seconds() for _ in range(3))
+    full = timed_rollup()
+    lines_1x = TokenHour.objects.count(), GPUHour.objects.count()
+
+    # 1 % more: records of the last hour, and intervals that start in it.
+    extra = seed("1x-new", owner, records=RECORDS // 100, intervals=INTERVALS // 100, hours=1)
+    incremental = timed_rollup()
+
+    second = seed("2x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
+    TokenHour.objects.all().delete()
+    GPUHour.objects.all().delete()
+    mark_stale_hours(records=stored_hours([endpoint.id for endpoint in first + extra + second]))
+    doubled = timed_rollup()
+
+    result = {
+        "records": RECORDS, "intervals": INTERVALS, "endpoints": ENDPOINTS, "days": DAYS,
+        "token_hour_lines": lines_1x[0], "gpu_hour_lines": lines_1x[1],
+        "full_s": round(full, 3), "floor_s": round(floor, 3),
+        "incremental_s": round(incremental, 3), "doubled_s": round(doubled, 3),
+        "records_per_s": round(RECORDS / full), "floor_records_per_s": round(RECORDS / floor),
+        "growth_ratio_2x": round(doubled / full, 2),
+        "incremental_fraction": round(incremental / full, 4),
+        "goals": GOALS,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "billing.json").write_text(json.dumps(result, indent=2) + "\n")
+    report(result)
+    met = (result["records_per_s"] >= GOALS["records_per_s"]
+           and result["growth_ratio_2x"] <= GOALS["growth_ratio_2x"]
+           and result["incremental_fraction"] <= GOALS["incremental_fraction"])
+    return 0 if met else 1
+
+
+def report(result: dict) -> None:
+    print(f"\nbilling rollup ({result['records']:,} usage records and {result['intervals']:,} "
+          f"replica intervals of {result['endpoints']} endpoints over {result['days']} days; "
+          f"{result['token_hour_lines']:,} token and {result['gpu_hour_lines']:,} GPU lines)")
+    print(f"  {'run':<44}{'seconds':>9}{'records/s':>12}")
+    print(f"  {'floor: one GROUP BY hour over the records':<44}{result['floor_s']:>9.3f}"
+          f"{result['floor_records_per_s']:>12,}")
+    print(f"  {'kvrun: full rollup, 1x':<44}{result['full_s']:>9.3f}"
+          f"{result['records_per_s']:>12,}")
+    print(f"  {'kvrun: incremental, 1 % new':<44}{result['incremental_s']:>9.3f}")
+    print(f"  {'kvrun: full rollup, 2x':<44}{result['doubled_s']:>9.3f}")
+    print(f"  records/s {result['records_per_s']:,} (goal ≥ {GOALS['records_per_s']:,}; floor "
+          f"{result['floor_records_per_s']:,}); 2x/1x {result['growth_ratio_2x']:.2f} "
+          f"(goal ≤ {GOALS['growth_ratio_2x']}); incremental/full "
+          f"{result['incremental_fraction']:.1%} (goal ≤ {GOALS['incremental_fraction']:.0%})")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

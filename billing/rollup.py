@@ -1,0 +1,125 @@
+"""Hourly rollups of the billing ledger, in UTC hours: tokens per endpoint and API key from
+usage records (TokenHour), device-seconds per endpoint, GPU type and phase from replica
+intervals (GPUHour).
+
+Both rewrite whole hours from the ledger, so a run repeated gives the same lines, and both
+only touch hours with new activity. Token hours are marked stale by the ingester in the
+transaction that stores their records (StaleUsageHour). GPU hours are rewritten from an hour
+before the latest line on: that covers every interval still open, and intervals closed late
+(a lost node's replicas close at its last heartbeat, up to a few minutes back); an hour is
+settled an hour after the latest line has moved past it.
+"""
+
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from django.db import connection, transaction
+from django.utils import timezone
+
+from billing.models import StaleUsageHour
+
+# One run at a time across workers; another that finds it held leaves the work to it.
+ROLLUP_LOCK = zlib.crc32(b"kvrun.billing.rollup")
+GPU_SETTLE = timedelta(hours=1)
+
+
+@dataclass(frozen=True)
+class Rollup:
+    token_hours: int  # endpoint-hours rewritten
+    gpu_hours: int  # lines written
+
+
+def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
+    """Bring TokenHour and GPUHour up to date with the ledger as of `now`, in one transaction.
+
+    Open intervals count until `now`, so the current hour's lines grow from run to run. Returns
+    None, doing nothing, when another run holds the lock: its totals are the same.
+    """
+    now = now or timezone.now()
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ROLLUP_LOCK])
+        if not cursor.fetchone()[0]:
+            return None
+        return Rollup(token_hours=_roll_up_tokens(cursor), gpu_hours=_roll_up_gpu_time(cursor, now))
+
+
+def mark_stale_hours(*, records: Iterable[tuple[object, datetime]]) -> None:
+    """Mark the hours of (endpoint id, started_at) records for the next token rollup. Call it
+    in the transaction that stores them: the upsert waits for a rollup that is rewriting the
+    hour, so records it could not see are rolled up by the next one."""
+    hours = sorted({(endpoint_id, hour_of(started_at))
+                    for endpoint_id, started_at in records})
+    StaleUsageHour.objects.bulk_create(
+        [StaleUsageHour(endpoint_id=endpoint_id, hour=hour, marked_at=timezone.now())
+         for endpoint_id, hour in hours],
+        update_conflicts=True, unique_fields=["endpoint", "hour"], update_fields=["marked_at"])
+
+
+def hour_of(moment: datetime) -> datetime:
+    """The start of the UTC hour that `moment` falls in."""
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+def _roll_up_tokens(cursor: object) -> int:
+    # Hours whose marks an ingest still holds are left for the next run.
+    cursor.execute("""
+        DELETE FROM billing_staleusagehour WHERE id IN (
+            SELECT id FROM billing_staleusagehour FOR UPDATE SKIP LOCKED)
+        RETURNING endpoint_id, hour""")
+    stale = cursor.fetchall()
+    if not stale:
+        return 0
+    endpoint_ids, hours = (list(column) for column in zip(*stale, strict=True))
+    cursor.execute("""
+        DELETE FROM billing_tokenhour line
+        USING unnest(%s::uuid[], %s::timestamptz[]) AS stale(endpoint_id, hour)
+        WHERE line.endpoint_id = stale.endpoint_id AND line.hour = stale.hour""",
+                   [endpoint_ids, hours])
+    cursor.execute("""
+        INSERT INTO billing_tokenhour (hour, organization_id, endpoint_id, api_key_id, requests,
+                                       prompt_tokens, completion_tokens, cached_tokens)
+        SELECT stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id,
+               count(*), sum(record.prompt_tokens), sum(record.completion_tokens),
+               sum(record.cached_tokens)
+        FROM unnest(%s::uuid[], %s::timestamptz[]) AS stale(endpoint_id, hour)
+        JOIN billing_usagerecord record
+          ON record.endpoint_id = stale.endpoint_id
+         AND record.started_at >= stale.hour AND record.started_at < stale.hour + interval '1 hour'
+        GROUP BY stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id""",
+                   [endpoint_ids, hours])
+    return len(stale)
+
+
+def _roll_up_gpu_time(cursor: object, now: datetime) -> int:
+    cursor.execute("SELECT max(hour) FROM billing_gpuhour")
+    latest = cursor.fetchone()[0]
+    since = (min(latest, now) - GPU_SETTLE if latest is not None
+             else datetime.min.replace(tzinfo=UTC))
+    since = hour_of(since)
+    cursor.execute("DELETE FROM billing_gpuhour WHERE hour >= %s", [since])
+    # Each interval, cut at `now`, is split at every hour boundary it crosses; the seconds of
+    # its pieces add up to its whole length exactly (microseconds, numeric arithmetic).
+    cursor.execute("""
+        WITH piece AS (
+            SELECT span.organization_id, span.endpoint_id, span.gpu_type_id,
+                   span.phase, hour,
+                   extract(epoch FROM least(span.ended, hour + interval '1 hour')
+                                      - greatest(span.started_at, hour))
+                   * span.gpu_count AS gpu_seconds
+            FROM (SELECT *, least(coalesce(ended_at, %(now)s), %(now)s) AS ended
+                  FROM endpoints_replicainterval
+                  WHERE (ended_at IS NULL OR ended_at > %(since)s) AND started_at < %(now)s
+                 ) AS span
+            CROSS JOIN LATERAL generate_series(
+                date_trunc('hour', greatest(span.started_at, %(since)s), 'UTC'),
+                span.ended, interval '1 hour') AS hour
+        )
+        INSERT INTO billing_gpuhour (hour, organization_id, endpoint_id, gpu_type_id, phase,
+                                     gpu_seconds)
+        SELECT hour, organization_id, endpoint_id, gpu_type_id, phase, sum(gpu_seconds)
+        FROM piece
+        GROUP BY hour, organization_id, endpoint_id, gpu_type_id, phase
+        HAVING sum(gpu_seconds) > 0""", {"now": now, "since": since})
+    return cursor.rowcount

@@ -1,0 +1,217 @@
+"""GPU time and tokens rolled up into hourly lines: exact to the microsecond, split at every
+hour, unchanged by a transition, record or run delivered twice."""
+
+import threading
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+import time_machine
+from django.db import connection, transaction
+from django.db.models import Sum
+
+from accounts.models import Organization, Role
+from billing.models import GPUHour, StaleUsageHour, TokenHour, UsageRecord
+from billing.rollup import do_roll_up_usage
+from billing.services import do_record_usage
+from endpoints.lifecycle import do_transition_replica
+from endpoints.models import Endpoint, ModelSpec, Node, NodeState, Replica, State
+from endpoints.reconciler import reconcile_endpoint
+from endpoints.services import do_create_endpoint
+from tests.factories import inference_key, usage_report
+
+T0 = datetime(2026, 1, 31, 23, 30, tzinfo=UTC)  # half an hour before a month ends
+
+
+def demo_endpoint(org: Organization) -> Endpoint:
+    return do_create_endpoint(
+        organization=org, actor_role=Role.OWNER, created_by=None, name="chat",
+        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048, concurrency=4)
+
+
+def run_replica(replica: Replica, node: Node, steps: list[tuple[datetime, str]]) -> None:
+    """Move the replica through `steps`, each (when, state), as the scheduler and agent do."""
+    state = Replica.objects.get(id=replica.id).state
+    for when, to_state in steps:
+        with time_machine.travel(when, tick=False):
+            assert do_transition_replica(replica_id=replica.id, from_states=[state],
+                                         to_state=to_state, message=to_state, node=node)
+        state = to_state
+
+
+def seconds_by_phase(**filters: object) -> dict[str, Decimal]:
+    return dict(GPUHour.objects.filter(**filters).values("phase")
+                .annotate(total=Sum("gpu_seconds")).values_list("phase", "total"))
+
+
+@pytest.fixture
+def replica(cpu_node: Node, org: Organization) -> Replica:
+    with time_machine.travel(T0 - timedelta(minutes=1), tick=False):
+        endpoint = demo_endpoint(org)
+        return Replica.objects.create(endpoint=endpoint)
+
+
+def test_a_replica_is_billed_every_second_of_each_phase_that_held_its_devices(
+        replica: Replica, cpu_node: Node) -> None:
+    run_replica(replica, cpu_node, [
+        (T0, State.SCHEDULING), (T0 + timedelta(seconds=1), State.STARTING),
+        (T0 + timedelta(seconds=12.5), State.LOADING), (T0 + timedelta(seconds=40), State.READY),
+        (T0 + timedelta(hours=2, seconds=40), State.STOPPING),
+        (T0 + timedelta(hours=2, seconds=47.25), State.STOPPED),
+    ])
+
+    intervals = list(replica.intervals.values_list("phase", "started_at", "ended_at"))
+    assert [phase for phase, *_ in intervals] == ["starting", "loading", "ready", "stopping"]
+    assert intervals[0][1] == T0 and intervals[-1][2] == T0 + timedelta(hours=2, seconds=47.25)
+    assert do_roll_up_usage(now=T0 + timedelta(hours=3)) is not None
+    assert seconds_by_phase() == {"starting": Decimal("12.5"), "loading": Decimal("27.5"),
+                                  "ready": Decimal("7200"), "stopping": Decimal("7.25")}
+    line = GPUHour.objects.first()
+    assert (line.organization_id, line.endpoint_id, line.gpu_type.slug) == (
+        replica.endpoint.organization_id, replica.endpoint_id, "cpu")
+
+
+def test_a_span_across_midnight_at_a_month_s_end_lands_in_both_months(
+        replica: Replica, cpu_node: Node) -> None:
+    run_replica(replica, cpu_node, [
+        (T0, State.SCHEDULING), (T0, State.STARTING), (T0, State.LOADING), (T0, State.READY),
+        (T0 + timedelta(hours=1, minutes=15, microseconds=500_001), State.FAILED),
+    ])
+    do_roll_up_usage(now=T0 + timedelta(hours=2))
+
+    assert seconds_by_phase(hour__lt=datetime(2026, 2, 1, tzinfo=UTC)) == {
+        "ready": Decimal("1800")}
+    assert seconds_by_phase(hour__gte=datetime(2026, 2, 1, tzinfo=UTC)) == {
+        "ready": Decimal("2700.500001")}
+    assert list(GPUHour.objects.order_by("hour").values_list("hour", flat=True)) == [
+        datetime(2026, 1, 31, 23, tzinfo=UTC), datetime(2026, 2, 1, 0, tzinfo=UTC)]
+
+
+def test_a_transition_delivered_twice_records_one_interval(replica: Replica,
+                                                           cpu_node: Node) -> None:
+    run_replica(replica, cpu_node, [(T0, State.SCHEDULING), (T0, State.STARTING)])
+    with time_machine.travel(T0 + timedelta(seconds=5), tick=False):
+        delivered = [do_transition_replica(replica_id=replica.id, from_states=[State.STARTING],
+                                           to_state=State.LOADING, message="loading")
+                     for _ in range(2)]
+
+    assert delivered == [True, False]
+    assert list(replica.intervals.values_list("phase", "ended_at")) == [
+        ("starting", T0 + timedelta(seconds=5)), ("loading", None)]
+
+
+def test_a_replica_of_a_lost_node_is_billed_until_the_node_s_last_heartbeat(
+        replica: Replica, cpu_node: Node) -> None:
+    run_replica(replica, cpu_node, [(T0, State.SCHEDULING), (T0, State.STARTING),
+                                    (T0, State.LOADING), (T0, State.READY)])
+    last_heartbeat = T0 + timedelta(minutes=10)
+    Node.objects.filter(id=cpu_node.id).update(state=NodeState.LOST,
+                                               last_heartbeat_at=last_heartbeat)
+    with time_machine.travel(last_heartbeat + timedelta(minutes=2), tick=False):
+        reconcile_endpoint(endpoint_id=replica.endpoint_id)
+
+    assert Replica.objects.get(id=replica.id).state == State.STOPPED
+    assert list(replica.intervals.values_list("phase", "ended_at")) == [
+        ("starting", T0), ("loading", T0), ("ready", last_heartbeat)]
+
+
+def test_the_current_hour_grows_until_the_replica_stops_and_settled_hours_stay(
+        replica: Replica, cpu_node: Node) -> None:
+    run_replica(replica, cpu_node, [(T0, State.SCHEDULING)])
+    do_roll_up_usage(now=T0 + timedelta(minutes=10))
+    assert seconds_by_phase() == {"starting": Decimal("600")}
+
+    run_replica(replica, cpu_node, [(T0 + timedelta(hours=5), State.FAILED)])
+    do_roll_up_usage(now=T0 + timedelta(hours=5, minutes=1))
+    assert seconds_by_phase() == {"starting": Decimal(5 * 3600)}
+    assert GPUHour.objects.count() == 6  # 23:30–00:00, four whole hours, 04:00–04:30
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_rollup_run_twice_or_by_two_workers_at_once_gives_the_same_totals(
+        cpu_node: Node, org: Organization) -> None:
+    endpoint = demo_endpoint(org)
+    replica = Replica.objects.create(endpoint=endpoint)
+    run_replica(replica, cpu_node, [(T0, State.SCHEDULING), (T0 + timedelta(hours=3), State.FAILED)])
+    key, _ = inference_key(org)
+    do_record_usage(payloads=[
+        usage_report(endpoint, key, started_at=T0 + timedelta(minutes=minute),
+                     prompt_tokens=minute, completion_tokens=1).encode()
+        for minute in range(0, 150, 7)])
+    now = T0 + timedelta(hours=4)
+
+    def totals() -> tuple[object, ...]:
+        return (tuple(GPUHour.objects.order_by("hour").values_list("hour", "gpu_seconds")),
+                tuple(TokenHour.objects.order_by("hour").values_list(
+                    "hour", "requests", "prompt_tokens", "completion_tokens")))
+
+    barrier = threading.Barrier(2)
+    runs: list[object] = []
+
+    def worker() -> None:
+        try:
+            barrier.wait(10)
+            runs.append(do_roll_up_usage(now=now))
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    concurrent = totals()
+    do_roll_up_usage(now=now)
+
+    assert len(runs) == 2 and any(runs)
+    assert concurrent == totals()
+    assert sum(seconds for _, seconds in concurrent[0]) == 3 * 3600
+    assert [hour[1:] for hour in concurrent[1]] == [(5, 70, 5), (8, 476, 8), (9, 1071, 9)]
+    assert not StaleUsageHour.objects.exists()
+
+
+def test_records_of_an_hour_already_rolled_up_are_added_to_it(
+        replica: Replica, org: Organization) -> None:
+    key, _ = inference_key(org)
+    endpoint = replica.endpoint
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=T0).encode()])
+    do_roll_up_usage(now=T0 + timedelta(hours=1))
+    late = usage_report(endpoint, key, started_at=T0 + timedelta(minutes=20), prompt_tokens=100)
+    do_record_usage(payloads=[late.encode(), late.encode()])  # delivered twice
+    do_roll_up_usage(now=T0 + timedelta(hours=2))
+
+    line = TokenHour.objects.get()
+    assert (line.hour, line.api_key_id, line.requests, line.prompt_tokens,
+            line.completion_tokens) == (datetime(2026, 1, 31, 23, tzinfo=UTC), key.id, 2, 107, 8)
+    assert UsageRecord.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_records_stored_while_a_rollup_runs_are_rolled_up_by_the_next(
+        cpu_node: Node, org: Organization) -> None:
+    endpoint = demo_endpoint(org)
+    Replica.objects.create(endpoint=endpoint)
+    key, _ = inference_key(org)
+    stored, go_on = threading.Event(), threading.Event()
+
+    def ingest_held_open() -> None:
+        # An ingest whose transaction has written its records and marked their hour, and
+        # has not committed yet.
+        try:
+            with transaction.atomic():
+                do_record_usage(payloads=[usage_report(endpoint, key, started_at=T0).encode()])
+                stored.set()
+                go_on.wait(30)
+        finally:
+            connection.close()
+
+    ingest = threading.Thread(target=ingest_held_open)
+    ingest.start()
+    assert stored.wait(10)
+    first = do_roll_up_usage(now=T0 + timedelta(hours=1))
+    go_on.set()
+    ingest.join(30)
+    second = do_roll_up_usage(now=T0 + timedelta(hours=1))
+
+    assert first.token_hours == 0 and second.token_hours == 1
+    assert TokenHour.objects.get().requests == 1
