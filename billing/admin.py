@@ -5,12 +5,22 @@ and its search runs substring matches on every row; here both use fixed choices 
 matches on indexed columns instead, and the list counts at most BoundedCountPaginator's limit.
 """
 
+from decimal import Decimal
+
 from django.contrib import admin
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 
 from accounts.models import Organization
-from billing.models import GPUHour, TokenHour, UsageRecord
+from billing.models import (
+    GPUHour,
+    GPUPrice,
+    Invoice,
+    InvoiceLine,
+    TokenHour,
+    TokenPrice,
+    UsageRecord,
+)
 from endpoints.models import Endpoint
 from kvrun.paginators import BoundedCountPaginator
 
@@ -130,3 +140,71 @@ class GPUHourAdmin(RollupAdmin):
     list_display = ["hour", "organization", "endpoint", "gpu_type", "phase", "gpu_seconds"]
     list_filter = ["hour", "phase", "gpu_type"]
     list_select_related = ["organization", "endpoint", "gpu_type"]
+
+
+class PriceAdmin(admin.ModelAdmin):
+    """Prices are versions: an operator adds one that starts at a future hour; none is ever
+    changed or deleted, so a past hour keeps the price it ran at."""
+
+    readonly_fields = ["created_at"]
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return obj is None and super().has_change_permission(request)
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(GPUPrice)
+class GPUPriceAdmin(PriceAdmin):
+    list_display = ["gpu_type", "hourly_price_usd", "effective_from", "created_at"]
+    list_filter = ["gpu_type"]
+    fields = ["gpu_type", "hourly_price_usd", "effective_from", "created_at"]
+
+
+@admin.register(TokenPrice)
+class TokenPriceAdmin(PriceAdmin):
+    list_display = ["model", "prompt_per_million_usd", "cached_per_million_usd",
+                    "completion_per_million_usd", "effective_from", "created_at"]
+    list_filter = ["model"]
+    fields = ["model", "prompt_per_million_usd", "cached_per_million_usd",
+              "completion_per_million_usd", "effective_from", "created_at"]
+
+
+class InvoiceLineInline(admin.TabularInline):
+    model = InvoiceLine
+    fields = ["description", "kind", "usage_month", "adjustment", "quantity", "unit",
+              "unit_price_usd", "amount_cents"]
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(Invoice)
+class InvoiceAdmin(admin.ModelAdmin):
+    """Finalised invoices: ledger rows, read only."""
+
+    list_display = ["number", "organization", "month", "total", "finalized_at"]
+    list_select_related = ["organization"]
+    search_fields = ["=number", "=organization__slug"]
+    search_help_text = "An invoice number or an organisation's slug, exactly."
+    list_filter = ["month"]
+    fields = ["number", "organization", "month", "currency", "total", "finalized_at"]
+    readonly_fields = fields
+    inlines = [InvoiceLineInline]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    @admin.display(description="total")
+    def total(self, invoice: Invoice) -> str:
+        return f"${Decimal(invoice.total_cents) / 100:,.2f}"

@@ -1,4 +1,8 @@
+from datetime import UTC, datetime
+
+from django.core.exceptions import ValidationError
 from django.db import models
+from django.utils import timezone
 
 from endpoints.models import BilledPhase
 
@@ -77,12 +81,13 @@ class TokenHour(models.Model):
     prompt_tokens = models.BigIntegerField()
     completion_tokens = models.BigIntegerField()
     cached_tokens = models.BigIntegerField()
+    rolled_up_at = models.DateTimeField(help_text="When the rollup last wrote this hour.")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["endpoint", "hour", "api_key"],
                                                nulls_distinct=False,
                                                name="billing_token_hour_unique")]
-        indexes = [models.Index(fields=["organization", "hour"])]
+        indexes = [models.Index(fields=["organization", "hour"]), models.Index(fields=["hour"])]
 
     def __str__(self) -> str:
         return f"{self.endpoint_id} {self.hour:%Y-%m-%d %H:00}"
@@ -104,6 +109,7 @@ class GPUHour(models.Model):
     gpu_seconds = models.DecimalField(max_digits=18, decimal_places=6,
                                       help_text="Seconds held times devices held, to the "
                                                 "microsecond.")
+    rolled_up_at = models.DateTimeField(help_text="When the rollup last wrote this hour.")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["endpoint", "hour", "gpu_type", "phase"],
@@ -112,3 +118,135 @@ class GPUHour(models.Model):
 
     def __str__(self) -> str:
         return f"{self.endpoint_id} {self.phase} {self.hour:%Y-%m-%d %H:00}"
+
+
+def validate_price_start(effective_from: datetime) -> None:
+    """A new price starts at a whole UTC hour from now on: the hours already run, billed or
+    not, keep the price they ran at."""
+    if effective_from is None:
+        return
+    if effective_from.astimezone(UTC).replace(minute=0, second=0, microsecond=0) != effective_from:
+        raise ValidationError({"effective_from": "A price takes effect at the start of a UTC "
+                                                 "hour, such as 2027-01-01 00:00 UTC."})
+    if effective_from < timezone.now():
+        raise ValidationError({"effective_from": "A new price cannot start in the past: hours "
+                                                 "already run keep their price. Pick a time "
+                                                 "from the next hour on."})
+
+
+class GPUPrice(models.Model):
+    """What one device of a GPU type costs per hour from `effective_from` on, until the next
+    version. Versions are added, never changed, so a past hour keeps the price it ran at."""
+
+    gpu_type = models.ForeignKey("endpoints.GPUType", on_delete=models.PROTECT,
+                                 related_name="prices")
+    hourly_price_usd = models.DecimalField(max_digits=10, decimal_places=4)
+    effective_from = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        verbose_name = "GPU price"
+        ordering = ["gpu_type", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["gpu_type", "effective_from"],
+                                    name="billing_gpu_price_unique_start"),
+            models.CheckConstraint(condition=models.Q(hourly_price_usd__gte=0),
+                                   name="billing_gpu_price_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_type} ${self.hourly_price_usd}/h from {self.effective_from:%Y-%m-%d %H:%M}"
+
+    def clean(self) -> None:
+        validate_price_start(self.effective_from)
+
+
+class TokenPrice(models.Model):
+    """Optional prices per million tokens of a model, on top of GPU time, from
+    `effective_from` on. Prompt tokens served from the prefix cache pay the cached price."""
+
+    model = models.ForeignKey("endpoints.ModelSpec", on_delete=models.PROTECT,
+                              related_name="token_prices")
+    prompt_per_million_usd = models.DecimalField(max_digits=10, decimal_places=4, default=0)
+    completion_per_million_usd = models.DecimalField(max_digits=10, decimal_places=4, default=0)
+    cached_per_million_usd = models.DecimalField(max_digits=10, decimal_places=4, default=0)
+    effective_from = models.DateTimeField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["model", "-effective_from"]
+        constraints = [
+            models.UniqueConstraint(fields=["model", "effective_from"],
+                                    name="billing_token_price_unique_start"),
+            models.CheckConstraint(
+                condition=models.Q(prompt_per_million_usd__gte=0,
+                                   completion_per_million_usd__gte=0,
+                                   cached_per_million_usd__gte=0),
+                name="billing_token_price_not_negative"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.model} tokens from {self.effective_from:%Y-%m-%d %H:%M}"
+
+    def clean(self) -> None:
+        validate_price_start(self.effective_from)
+
+
+class Invoice(models.Model):
+    """An organisation's finalised bill for one calendar month (UTC). The open month, and a
+    month in its grace period, are drafts computed from the rollups (billing.invoicing) and
+    stored only when finalised: the row and its lines are then never changed."""
+
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.PROTECT,
+                                     related_name="invoices")
+    month = models.DateField(help_text="The first day of the month billed.")
+    number = models.CharField(max_length=40, unique=True)
+    currency = models.CharField(max_length=3, default="usd")
+    total_cents = models.BigIntegerField()
+    finalized_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-month"]
+        constraints = [models.UniqueConstraint(fields=["organization", "month"],
+                                               name="billing_invoice_one_per_month")]
+
+    def __str__(self) -> str:
+        return self.number
+
+
+class LineKind(models.TextChoices):
+    GPU_TIME = "gpu_time", "GPU time"
+    PROMPT_TOKENS = "prompt_tokens", "prompt tokens"
+    CACHED_TOKENS = "cached_tokens", "cached prompt tokens"
+    COMPLETION_TOKENS = "completion_tokens", "completion tokens"
+
+
+class InvoiceLine(models.Model):
+    """One priced quantity of a finalised invoice: GPU time of an endpoint's GPU type and
+    phase, or one kind of its tokens, at one unit price, over [period_start, period_end).
+    An adjustment line bills usage of an earlier, already finalised `usage_month` that
+    arrived after it was finalised. Never changed."""
+
+    invoice = models.ForeignKey(Invoice, on_delete=models.PROTECT, related_name="lines")
+    kind = models.CharField(max_length=20, choices=LineKind.choices)
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT,
+                                 related_name="+")
+    gpu_type = models.ForeignKey("endpoints.GPUType", null=True, blank=True,
+                                 on_delete=models.PROTECT, related_name="+")
+    phase = models.CharField(max_length=10, blank=True, choices=BilledPhase.choices)
+    usage_month = models.DateField()
+    adjustment = models.BooleanField(default=False)
+    period_start = models.DateTimeField()
+    period_end = models.DateTimeField()
+    description = models.CharField(max_length=200)
+    quantity = models.DecimalField(max_digits=20, decimal_places=6)
+    unit = models.CharField(max_length=20, help_text="GPU-hour or 1M tokens")
+    unit_price_usd = models.DecimalField(max_digits=10, decimal_places=4)
+    amount_cents = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["id"]
+        indexes = [models.Index(fields=["endpoint", "usage_month"])]
+
+    def __str__(self) -> str:
+        return self.description

@@ -34,15 +34,25 @@ class Rollup:
 def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
     """Bring TokenHour and GPUHour up to date with the ledger as of `now`, in one transaction.
 
-    Open intervals count until `now`, so the current hour's lines grow from run to run. Returns
-    None, doing nothing, when another run holds the lock: its totals are the same.
+    Open intervals count until `now` (by default, the time the run starts), so the current
+    hour's lines grow from run to run. Lines written are stamped with that start, after the
+    lock is held, so a finalised invoice sees every line written before it (lock_rollups).
+    Returns None, doing nothing, when another run or a finalisation holds the lock: the totals
+    are the same.
     """
-    now = now or timezone.now()
     with transaction.atomic(), connection.cursor() as cursor:
         cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ROLLUP_LOCK])
         if not cursor.fetchone()[0]:
             return None
-        return Rollup(token_hours=_roll_up_tokens(cursor), gpu_hours=_roll_up_gpu_time(cursor, now))
+        started = timezone.now()
+        return Rollup(token_hours=_roll_up_tokens(cursor, started),
+                      gpu_hours=_roll_up_gpu_time(cursor, now or started, started))
+
+
+def lock_rollups() -> None:
+    """Wait for a running rollup, then keep rollups out until the current transaction ends."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ROLLUP_LOCK])
 
 
 def mark_stale_hours(*, records: Iterable[tuple[object, datetime]]) -> None:
@@ -62,7 +72,7 @@ def hour_of(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
-def _roll_up_tokens(cursor: object) -> int:
+def _roll_up_tokens(cursor: object, started: datetime) -> int:
     # Hours whose marks an ingest still holds are left for the next run.
     cursor.execute("""
         DELETE FROM billing_staleusagehour WHERE id IN (
@@ -79,20 +89,21 @@ def _roll_up_tokens(cursor: object) -> int:
                    [endpoint_ids, hours])
     cursor.execute("""
         INSERT INTO billing_tokenhour (hour, organization_id, endpoint_id, api_key_id, requests,
-                                       prompt_tokens, completion_tokens, cached_tokens)
+                                       prompt_tokens, completion_tokens, cached_tokens,
+                                       rolled_up_at)
         SELECT stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id,
                count(*), sum(record.prompt_tokens), sum(record.completion_tokens),
-               sum(record.cached_tokens)
+               sum(record.cached_tokens), %s
         FROM unnest(%s::uuid[], %s::timestamptz[]) AS stale(endpoint_id, hour)
         JOIN billing_usagerecord record
           ON record.endpoint_id = stale.endpoint_id
          AND record.started_at >= stale.hour AND record.started_at < stale.hour + interval '1 hour'
         GROUP BY stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id""",
-                   [endpoint_ids, hours])
+                   [started, endpoint_ids, hours])
     return len(stale)
 
 
-def _roll_up_gpu_time(cursor: object, now: datetime) -> int:
+def _roll_up_gpu_time(cursor: object, now: datetime, started: datetime) -> int:
     cursor.execute("SELECT max(hour) FROM billing_gpuhour")
     latest = cursor.fetchone()[0]
     since = (min(latest, now) - GPU_SETTLE if latest is not None
@@ -117,9 +128,10 @@ def _roll_up_gpu_time(cursor: object, now: datetime) -> int:
                 span.ended, interval '1 hour') AS hour
         )
         INSERT INTO billing_gpuhour (hour, organization_id, endpoint_id, gpu_type_id, phase,
-                                     gpu_seconds)
-        SELECT hour, organization_id, endpoint_id, gpu_type_id, phase, sum(gpu_seconds)
+                                     gpu_seconds, rolled_up_at)
+        SELECT hour, organization_id, endpoint_id, gpu_type_id, phase, sum(gpu_seconds),
+               %(started)s
         FROM piece
         GROUP BY hour, organization_id, endpoint_id, gpu_type_id, phase
-        HAVING sum(gpu_seconds) > 0""", {"now": now, "since": since})
+        HAVING sum(gpu_seconds) > 0""", {"now": now, "since": since, "started": started})
     return cursor.rowcount

@@ -1,15 +1,29 @@
-"""Reads over the usage ledger for the dashboard: last-hour totals and per-minute series."""
+"""Reads over the billing ledger for the dashboard and the API: usage totals and series,
+invoices and what is behind their lines."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
 from uuid import UUID
 
-from django.db.models import Aggregate, Count, F, FloatField, Q, Sum
-from django.db.models.functions import Coalesce, TruncMinute
+from django.db import connection
+from django.db.models import Aggregate, Count, F, FloatField, Prefetch, Q, QuerySet, Sum
+from django.db.models.functions import Coalesce, TruncDate, TruncMinute
 from django.utils import timezone
 
-from billing.models import UsageRecord
+from accounts.models import Organization
+from billing.invoicing import (
+    Line,
+    billed_phases,
+    draft_lines,
+    lines_for_month,
+    month_bounds,
+    month_of,
+)
+from billing.models import GPUHour, Invoice, InvoiceLine, LineKind, TokenHour, UsageRecord
+from billing.rollup import hour_of
+from endpoints.models import ReplicaInterval
 
 
 class Percentile(Aggregate):
@@ -60,3 +74,194 @@ def usage_by_minute(*, endpoint_id: UUID, minutes: int = 60, now: datetime | Non
                   ttft_p95_ms=Percentile("time_to_first_token_ms", 0.95))
         .order_by("minute")
     )
+
+
+@dataclass(frozen=True)
+class InvoiceView:
+    """A month's invoice as the customer reads it: finalised (stored) or the draft."""
+
+    month: date
+    status: str  # "final" or "draft"
+    number: str
+    currency: str
+    total_cents: int
+    finalized_at: datetime | None
+    lines: list[Line]
+
+
+def invoices_of(*, organization: Organization, now: datetime | None = None
+                ) -> list[InvoiceView]:
+    """Newest first: the open month's draft and that of an ended month not yet finalised
+    (where they bill anything), then the finalised invoices."""
+    current = month_of(now or timezone.now())
+    final = list(Invoice.objects.filter(organization=organization).prefetch_related(
+        Prefetch("lines", InvoiceLine.objects.select_related("endpoint"))))
+    finalised_months = {invoice.month for invoice in final}
+    previous = month_of(month_bounds(current)[0] - timedelta(days=1))
+    drafts = [draft for month in (current, previous) if month not in finalised_months
+              and (draft := _draft(organization, month)).lines]
+    return drafts + [_final(invoice) for invoice in final]
+
+
+def invoice_of(*, organization: Organization, month: date) -> InvoiceView:
+    """The month's invoice: the stored one once finalised, otherwise its draft (which may
+    have no lines)."""
+    invoice = (Invoice.objects.filter(organization=organization, month=month)
+               .prefetch_related(Prefetch("lines",
+                                          InvoiceLine.objects.select_related("endpoint")))
+               .first())
+    return _final(invoice) if invoice is not None else _draft(organization, month)
+
+
+def usage_behind(*, organization: Organization, line: Line) -> QuerySet:
+    """The ledger rows a line bills: replica intervals for GPU time, usage records for
+    tokens; for an adjustment, the records of its month stored after that month's invoice."""
+    if line.kind == LineKind.GPU_TIME:
+        return (ReplicaInterval.objects.filter(
+            organization=organization, endpoint_id=line.endpoint_id, gpu_type_id=line.gpu_type_id,
+            phase=line.phase, started_at__lt=line.period_end)
+            .filter(Q(ended_at=None) | Q(ended_at__gt=line.period_start))
+            .order_by("started_at", "id"))
+    records = UsageRecord.objects.filter(organization=organization,
+                                         endpoint_id=line.endpoint_id,
+                                         started_at__gte=line.period_start,
+                                         started_at__lt=line.period_end)
+    if line.adjustment:
+        billed = (Invoice.objects.filter(organization=organization, month=line.usage_month)
+                  .values_list("finalized_at", flat=True).first())
+        records = records.filter(ingested_at__gt=billed)
+    return records.order_by("started_at", "id")
+
+
+def _draft(organization: Organization, month: date) -> InvoiceView:
+    lines = draft_lines(organization_id=organization.id, month=month)
+    return InvoiceView(month=month, status="draft", number="", currency="usd",
+                       total_cents=sum(line.amount_cents for line in lines), finalized_at=None,
+                       lines=lines)
+
+
+def _final(invoice: Invoice) -> InvoiceView:
+    return InvoiceView(
+        month=invoice.month, status="final", number=invoice.number, currency=invoice.currency,
+        total_cents=invoice.total_cents, finalized_at=invoice.finalized_at,
+        lines=[Line(kind=line.kind, endpoint_id=line.endpoint_id,
+                    endpoint_name=line.endpoint.name, gpu_type_id=line.gpu_type_id,
+                    phase=line.phase, usage_month=line.usage_month,
+                    period_start=line.period_start, period_end=line.period_end,
+                    quantity=line.quantity, unit=line.unit, unit_price_usd=line.unit_price_usd,
+                    amount_cents=line.amount_cents, description=line.description,
+                    adjustment=line.adjustment) for line in invoice.lines.all()])
+
+
+# The price a GPU type has now: its latest version in effect, else its list price.
+CURRENT_PRICE = """coalesce((SELECT hourly_price_usd FROM billing_gpuprice
+                            WHERE gpu_type_id = gpu.id AND effective_from <= now()
+                            ORDER BY effective_from DESC LIMIT 1), gpu.hourly_price_usd)"""
+
+
+@dataclass(frozen=True)
+class WindowCost:
+    """GPU cost and tokens served over a window, and what a million tokens cost in GPU time."""
+
+    gpu_cost_usd: Decimal
+    tokens: int
+
+    @property
+    def usd_per_million_tokens(self) -> Decimal | None:
+        if not self.tokens:
+            return None
+        return (self.gpu_cost_usd * 1_000_000 / self.tokens).quantize(Decimal("0.0001"))
+
+
+def hourly_run_rate(*, organization: Organization) -> Decimal:
+    """What the replicas holding devices now cost per hour, in USD, at today's prices."""
+    with connection.cursor() as cursor:
+        cursor.execute(f"""
+            SELECT coalesce(sum(span.gpu_count * {CURRENT_PRICE}), 0)
+            FROM endpoints_replicainterval span
+            JOIN endpoints_gputype gpu ON gpu.id = span.gpu_type_id
+            WHERE span.organization_id = %s AND span.ended_at IS NULL
+              AND span.phase = ANY(%s)""", [organization.id, billed_phases()])
+        return cursor.fetchone()[0]
+
+
+def month_to_date_by_endpoint(*, organization: Organization, now: datetime | None = None
+                              ) -> dict[UUID, int]:
+    """Cents each endpoint has cost this month so far, as its draft lines price it."""
+    costs: dict[UUID, int] = {}
+    for line in lines_for_month(organization_id=organization.id,
+                                month=month_of(now or timezone.now())):
+        costs[line.endpoint_id] = costs.get(line.endpoint_id, 0) + line.amount_cents
+    return costs
+
+
+def window_costs(*, endpoint_ids: Iterable[UUID], hours: int, now: datetime | None = None
+                 ) -> dict[UUID, WindowCost]:
+    """Per endpoint, over the last `hours` hours: the GPU time its replicas held in billed
+    phases at today's prices, and the prompt and completion tokens it served."""
+    now = now or timezone.now()
+    since = now - timedelta(hours=hours)
+    ids = list(endpoint_ids)
+    with connection.cursor() as cursor:
+        cursor.execute(f"""
+            SELECT span.endpoint_id,
+                   sum(extract(epoch FROM least(coalesce(span.ended_at, %(now)s), %(now)s)
+                                      - greatest(span.started_at, %(since)s))
+                       * span.gpu_count * {CURRENT_PRICE} / 3600)
+            FROM endpoints_replicainterval span
+            JOIN endpoints_gputype gpu ON gpu.id = span.gpu_type_id
+            WHERE span.endpoint_id = ANY(%(ids)s) AND span.phase = ANY(%(phases)s)
+              AND span.started_at < %(now)s
+              AND (span.ended_at IS NULL OR span.ended_at > %(since)s)
+            GROUP BY span.endpoint_id""",
+                       {"now": now, "since": since, "ids": ids, "phases": billed_phases()})
+        gpu_costs = dict(cursor.fetchall())
+    tokens = _tokens_between(ids, since, now)
+    return {endpoint_id: WindowCost(gpu_cost_usd=gpu_costs.get(endpoint_id, Decimal(0)),
+                                    tokens=tokens.get(endpoint_id, 0)) for endpoint_id in ids}
+
+
+def _tokens_between(endpoint_ids: list[UUID], start: datetime, end: datetime
+                    ) -> dict[UUID, int]:
+    """Prompt and completion tokens per endpoint: whole hours from the rollup, the partial
+    hours at either edge from the records themselves."""
+    first_whole = hour_of(start) + (timedelta(hours=1) if hour_of(start) < start else timedelta())
+    last_whole = hour_of(end)
+    totals: dict[UUID, int] = {}
+    whole = (TokenHour.objects.filter(endpoint_id__in=endpoint_ids, hour__gte=first_whole,
+                                      hour__lt=last_whole)
+             .values("endpoint_id").annotate(tokens=Sum(F("prompt_tokens")
+                                                        + F("completion_tokens"))))
+    edges = (UsageRecord.objects.filter(endpoint_id__in=endpoint_ids)
+             .filter(Q(started_at__gte=start, started_at__lt=min(first_whole, end))
+                     | Q(started_at__gte=max(last_whole, start), started_at__lt=end))
+             .values("endpoint_id").annotate(tokens=Sum(F("prompt_tokens")
+                                                        + F("completion_tokens"))))
+    for row in [*whole, *edges]:
+        totals[row["endpoint_id"]] = totals.get(row["endpoint_id"], 0) + (row["tokens"] or 0)
+    return totals
+
+
+def daily_usage(*, organization: Organization, days: int = 30, now: datetime | None = None
+                ) -> list[dict[str, object]]:
+    """GPU-hours (billed phases) and tokens per UTC day over the last `days` days, oldest
+    first, days without usage included."""
+    today = (now or timezone.now()).astimezone(UTC).date()
+    first = today - timedelta(days=days - 1)
+    start = datetime(first.year, first.month, first.day, tzinfo=UTC)
+    gpu = dict(GPUHour.objects.filter(organization=organization, hour__gte=start,
+                                      phase__in=billed_phases())
+               .annotate(day=TruncDate("hour", tzinfo=UTC)).values("day")
+               .annotate(seconds=Sum("gpu_seconds")).values_list("day", "seconds"))
+    tokens = {row["day"]: row for row in
+              TokenHour.objects.filter(organization=organization, hour__gte=start)
+              .annotate(day=TruncDate("hour", tzinfo=UTC)).values("day")
+              .annotate(prompt=Sum("prompt_tokens"), completion=Sum("completion_tokens"))}
+    series = []
+    for offset in range(days):
+        day = first + timedelta(days=offset)
+        row = tokens.get(day, {})
+        series.append({"day": day, "gpu_hours": (gpu.get(day, Decimal(0)) / 3600),
+                       "prompt_tokens": row.get("prompt", 0) or 0,
+                       "completion_tokens": row.get("completion", 0) or 0})
+    return series

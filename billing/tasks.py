@@ -2,6 +2,7 @@ import logging
 
 from celery import shared_task
 
+from billing.invoicing import do_finalize_due_invoices
 from billing.rollup import do_roll_up_usage
 from billing.services import do_ingest_usage
 
@@ -23,3 +24,12 @@ def roll_up_usage() -> None:
     if rollup is not None:
         logger.info("rolled up %d usage hour(s), wrote %d GPU-hour line(s)", rollup.token_hours,
                     rollup.gpu_hours)
+
+
+@shared_task(name="billing.finalize_invoices", ignore_result=True)
+def finalize_invoices() -> None:
+    """Finalise the invoices of months past their grace period, from up-to-date rollups."""
+    do_roll_up_usage()
+    finalized = do_finalize_due_invoices()
+    if finalized:
+        logger.info("finalised %d invoice(s)", finalized)

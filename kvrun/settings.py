@@ -219,6 +219,13 @@ KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0
 # How often beat rolls usage records and replica intervals up into hourly lines: how fresh the
 # month's cost so far is.
 KVRUN_BILLING_ROLLUP_SECONDS = env.float("KVRUN_BILLING_ROLLUP_SECONDS", default=60.0)
+# A month's invoice stays a draft this long after the month ends, so that usage still on its
+# way lands in its own month; later usage is an adjustment on the next invoice.
+KVRUN_INVOICE_GRACE_SECONDS = env.int("KVRUN_INVOICE_GRACE_SECONDS", default=3600)
+# The replica phases whose GPU time is billed: every phase that holds the devices, since a GPU
+# held while its engine loads is a GPU nobody else can use.
+KVRUN_BILLED_PHASES = env.list("KVRUN_BILLED_PHASES",
+                               default=["starting", "loading", "ready", "stopping"])
 
 KVRUN_NODE_HEARTBEAT_SECONDS = env.int("KVRUN_NODE_HEARTBEAT_SECONDS", default=5)
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
@@ -301,6 +308,7 @@ CELERY_BEAT_SCHEDULE = {
     "billing.ingest_usage": {"task": "billing.ingest_usage", "schedule": KVRUN_USAGE_INGEST_SECONDS},
     "billing.roll_up_usage": {"task": "billing.roll_up_usage",
                               "schedule": KVRUN_BILLING_ROLLUP_SECONDS},
+    "billing.finalize_invoices": {"task": "billing.finalize_invoices", "schedule": 300.0},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

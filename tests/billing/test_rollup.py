@@ -10,33 +10,17 @@ import time_machine
 from django.db import connection, transaction
 from django.db.models import Sum
 
-from accounts.models import Organization, Role
+from accounts.models import Organization
 from billing.models import GPUHour, StaleUsageHour, TokenHour, UsageRecord
 from billing.rollup import do_roll_up_usage
 from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Endpoint, ModelSpec, Node, NodeState, Replica, State
+from endpoints.models import Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint
-from endpoints.services import do_create_endpoint
+from tests.billing.helpers import demo_endpoint, run_replica
 from tests.factories import inference_key, usage_report
 
 T0 = datetime(2026, 1, 31, 23, 30, tzinfo=UTC)  # half an hour before a month ends
-
-
-def demo_endpoint(org: Organization) -> Endpoint:
-    return do_create_endpoint(
-        organization=org, actor_role=Role.OWNER, created_by=None, name="chat",
-        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048, concurrency=4)
-
-
-def run_replica(replica: Replica, node: Node, steps: list[tuple[datetime, str]]) -> None:
-    """Move the replica through `steps`, each (when, state), as the scheduler and agent do."""
-    state = Replica.objects.get(id=replica.id).state
-    for when, to_state in steps:
-        with time_machine.travel(when, tick=False):
-            assert do_transition_replica(replica_id=replica.id, from_states=[state],
-                                         to_state=to_state, message=to_state, node=node)
-        state = to_state
 
 
 def seconds_by_phase(**filters: object) -> dict[str, Decimal]:

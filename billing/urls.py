@@ -1,0 +1,31 @@
+from datetime import date
+
+from django.urls import path, register_converter
+
+from billing import api
+
+
+class MonthConverter:
+    """A calendar month in a URL, as 2026-01."""
+
+    regex = r"\d{4}-(0[1-9]|1[0-2])"
+
+    def to_python(self, value: str) -> date:
+        return date(int(value[:4]), int(value[5:7]), 1)
+
+    def to_url(self, value: date | str) -> str:
+        return value if isinstance(value, str) else f"{value:%Y-%m}"
+
+
+register_converter(MonthConverter, "month")
+
+INVOICES = "organizations/<slug:org_slug>/invoices/"
+
+urlpatterns = [
+    path(INVOICES, api.InvoiceList.as_view(), name="api-invoices"),
+    path(f"{INVOICES}<month:month>/", api.InvoiceDetail.as_view(), name="api-invoice"),
+    path(f"{INVOICES}<month:month>/lines/<int:number>/usage/", api.LineUsage.as_view(),
+         name="api-invoice-line-usage"),
+    path("organizations/<slug:org_slug>/endpoints/<slug:name>/cost/", api.EndpointCost.as_view(),
+         name="api-endpoint-cost"),
+]

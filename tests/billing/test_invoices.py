@@ -1,0 +1,187 @@
+"""Monthly invoices: priced at each hour's price, final after the grace period, once, with
+late usage as an adjustment on the next invoice."""
+
+import threading
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+import time_machine
+from django.core.exceptions import ValidationError
+from django.db import connection
+
+from accounts.models import APIKey, Organization
+from billing.invoicing import do_finalize_due_invoices, draft_lines
+from billing.models import GPUPrice, Invoice, InvoiceLine, TokenPrice
+from billing.rollup import do_roll_up_usage
+from endpoints.models import Endpoint, Node, Replica
+from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, record
+from tests.factories import inference_key
+
+JAN = date(2026, 1, 1)
+FEB = date(2026, 2, 1)
+FEB_1 = datetime(2026, 2, 1, tzinfo=UTC)
+MAR_1 = datetime(2026, 3, 1, tzinfo=UTC)
+
+
+@pytest.fixture
+def key(org: Organization) -> APIKey:
+    return inference_key(org)[0]
+
+
+def lines_of(invoice: Invoice) -> list[tuple]:
+    return list(invoice.lines.values_list("description", "quantity", "unit_price_usd",
+                                          "amount_cents"))
+
+
+def test_a_month_s_invoice_bills_each_phase_at_its_price_and_tokens_at_theirs(
+        cpu_endpoint: Endpoint, cpu_node: Node, key: APIKey) -> None:
+    TokenPrice.objects.create(
+        model=cpu_endpoint.model, prompt_per_million_usd=Decimal("1.00"),
+        cached_per_million_usd=Decimal("0.50"), completion_per_million_usd=Decimal("2.00"),
+        effective_from=datetime(2025, 1, 1, tzinfo=UTC))
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 10, 8, tzinfo=UTC), hours=10)
+    record(cpu_endpoint, key, datetime(2026, 1, 10, 9, tzinfo=UTC), prompt_tokens=3_000_000,
+           cached_tokens=1_000_000, completion_tokens=1_500_000)
+
+    assert finalize_at(FEB_1 + timedelta(hours=1, seconds=1)) == 1
+
+    invoice = Invoice.objects.get()
+    assert (invoice.month, invoice.number) == (
+        JAN, f"KVR-202601-{cpu_endpoint.organization.slug}")
+    assert lines_of(invoice) == [
+        ("chat: CPU only, loading", Decimal("0.005556"), Decimal("0.4"), 0),
+        ("chat: CPU only, ready", Decimal("10"), Decimal("0.4"), 400),
+        ("chat: CPU only, starting", Decimal("0.002778"), Decimal("0.4"), 0),
+        ("chat: CPU only, stopping", Decimal("0.001389"), Decimal("0.4"), 0),
+        ("chat: prompt tokens", Decimal("2"), Decimal("1"), 200),
+        ("chat: cached prompt tokens", Decimal("1"), Decimal("0.5"), 50),
+        ("chat: completion tokens", Decimal("1.5"), Decimal("2"), 300),
+    ]
+    assert invoice.total_cents == 950
+
+
+def test_only_the_billed_phases_are_on_the_invoice(cpu_endpoint: Endpoint, cpu_node: Node,
+                                                   settings: object) -> None:
+    settings.KVRUN_BILLED_PHASES = ["ready"]
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 10, 8, tzinfo=UTC), hours=2.5)
+
+    finalize_at(FEB_1 + timedelta(hours=2))
+
+    assert lines_of(Invoice.objects.get()) == [
+        ("chat: CPU only, ready", Decimal("2.5"), Decimal("0.4"), 100)]
+
+
+def test_an_hour_runs_at_the_price_in_effect_when_it_ran(cpu_endpoint: Endpoint,
+                                                         cpu_node: Node) -> None:
+    GPUPrice.objects.create(gpu_type=cpu_endpoint.gpu_type,
+                            hourly_price_usd=Decimal("1.0000"),
+                            effective_from=datetime(2026, 1, 15, tzinfo=UTC))
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 14, 21, 59, 30, tzinfo=UTC), hours=4)
+    finalize_at(FEB_1 + timedelta(hours=2))
+
+    ready = [line for line in lines_of(Invoice.objects.get()) if "ready" in line[0]]
+    assert ready == [("chat: CPU only, ready", Decimal("2"), Decimal("0.4"), 80),
+                     ("chat: CPU only, ready", Decimal("2"), Decimal("1"), 200)]
+
+
+@pytest.mark.parametrize(("effective_from", "message"), [
+    (datetime(2026, 1, 1, tzinfo=UTC), "cannot start in the past"),
+    (datetime(2027, 1, 1, 0, 30, tzinfo=UTC), "start of a UTC hour"),
+])
+def test_a_price_cannot_start_in_the_past_or_mid_hour(cpu_endpoint: Endpoint,
+                                                      effective_from: datetime,
+                                                      message: str) -> None:
+    price = GPUPrice(gpu_type=cpu_endpoint.gpu_type, hourly_price_usd=Decimal("9"),
+                     effective_from=effective_from)
+
+    with pytest.raises(ValidationError, match=message):
+        price.full_clean()
+
+
+def test_the_month_stays_a_draft_through_its_grace_period_and_is_finalised_once(
+        cpu_endpoint: Endpoint, cpu_node: Node) -> None:
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 31, 22, tzinfo=UTC), hours=1)
+
+    assert finalize_at(FEB_1 + timedelta(minutes=59)) == 0
+    with time_machine.travel(FEB_1 + timedelta(minutes=59), tick=False):
+        assert sum(line.amount_cents for line in draft_lines(
+            organization_id=cpu_endpoint.organization_id, month=JAN)) == 40
+    assert finalize_at(FEB_1 + timedelta(hours=1)) == 1
+    assert finalize_at(FEB_1 + timedelta(hours=2)) == 0
+
+    assert Invoice.objects.count() == 1 and InvoiceLine.objects.count() == 4
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_workers_finalising_at_once_store_one_invoice(cpu_node: Node,
+                                                          org: Organization) -> None:
+    endpoint = demo_endpoint(org)
+    Replica.objects.create(endpoint=endpoint)
+    ready_for(endpoint, cpu_node, datetime(2026, 1, 5, tzinfo=UTC), hours=3)
+    with time_machine.travel(FEB_1 + timedelta(hours=2), tick=False):
+        do_roll_up_usage()
+    barrier = threading.Barrier(2)
+    finalized: list[int] = []
+
+    def worker() -> None:
+        try:
+            barrier.wait(10)
+            with time_machine.travel(FEB_1 + timedelta(hours=2), tick=False):
+                finalized.append(do_finalize_due_invoices())
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+
+    assert sorted(finalized) == [0, 1]
+    assert Invoice.objects.count() == 1
+    assert InvoiceLine.objects.count() == 4
+
+
+def test_usage_that_arrives_after_finalisation_is_one_adjustment_line_next_month(
+        cpu_endpoint: Endpoint, cpu_node: Node, key: APIKey) -> None:
+    TokenPrice.objects.create(model=cpu_endpoint.model,
+                              completion_per_million_usd=Decimal("100"),
+                              effective_from=datetime(2025, 1, 1, tzinfo=UTC))
+    record(cpu_endpoint, key, datetime(2026, 1, 20, tzinfo=UTC), completion_tokens=10_000)
+    finalize_at(FEB_1 + timedelta(hours=2))
+    january = Invoice.objects.get(month=JAN)
+    january_lines = lines_of(january)
+
+    record(cpu_endpoint, key, datetime(2026, 1, 31, 23, 59, tzinfo=UTC),
+           completion_tokens=2_500)
+    record(cpu_endpoint, key, datetime(2026, 2, 10, tzinfo=UTC), completion_tokens=1_000)
+    finalize_at(MAR_1 + timedelta(hours=2))
+    finalize_at(datetime(2026, 4, 1, 2, tzinfo=UTC))
+
+    february = Invoice.objects.get(month=FEB)
+    assert lines_of(february) == [
+        ("chat: completion tokens", Decimal("0.001"), Decimal("100"), 10),
+        ("Adjustment for January 2026: chat: completion tokens, recorded after its invoice",
+         Decimal("0.0025"), Decimal("100"), 25)]
+    adjustment = february.lines.get(adjustment=True)
+    assert adjustment.usage_month == JAN
+    assert lines_of(Invoice.objects.get(month=JAN)) == january_lines
+    assert Invoice.objects.count() == 2  # nothing more to bill in March
+
+
+def test_an_adjustment_is_billed_even_without_usage_in_the_next_month(
+        cpu_endpoint: Endpoint, key: APIKey) -> None:
+    TokenPrice.objects.create(model=cpu_endpoint.model,
+                              completion_per_million_usd=Decimal("100"),
+                              effective_from=datetime(2025, 1, 1, tzinfo=UTC))
+    record(cpu_endpoint, key, datetime(2026, 1, 20, tzinfo=UTC), completion_tokens=10_000)
+    finalize_at(FEB_1 + timedelta(hours=2))
+    record(cpu_endpoint, key, datetime(2026, 1, 21, tzinfo=UTC), completion_tokens=10_000)
+
+    assert finalize_at(MAR_1 + timedelta(hours=2)) == 1
+
+    february = Invoice.objects.get(month=FEB)
+    assert [(line.adjustment, line.usage_month, line.amount_cents)
+            for line in february.lines.all()] == [(True, JAN, 100)]
+    assert february.total_cents == 100
