@@ -1,6 +1,7 @@
 from django.urls import path
 
-from front.views import endpoints, keys, organization, playground, wizard
+from billing.urls import MonthConverter  # noqa: F401  registers <month:...>
+from front.views import billing, endpoints, keys, organization, playground, wizard
 
 urlpatterns = [
     path("", endpoints.home, name="dashboard"),
@@ -26,6 +27,12 @@ urlpatterns = [
          name="playground"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/playground/chat/", playground.chat,
          name="playground-chat"),
+    path("orgs/<slug:org_slug>/billing/", billing.billing, name="billing"),
+    path("orgs/<slug:org_slug>/billing/<month:month>/", billing.invoice, name="invoice"),
+    path("orgs/<slug:org_slug>/billing/<month:month>/csv/", billing.invoice_csv,
+         name="invoice-csv"),
+    path("orgs/<slug:org_slug>/billing/<month:month>/lines/<int:number>/", billing.invoice_line,
+         name="invoice-line"),
     path("orgs/<slug:org_slug>/keys/", keys.api_keys, name="api-keys"),
     path("orgs/<slug:org_slug>/keys/new/", keys.create_api_key, name="api-key-create"),
     path("orgs/<slug:org_slug>/keys/<uuid:key_id>/revoke/", keys.revoke_api_key,

@@ -1,4 +1,7 @@
-"""Numbers as people read them: parameters in billions, bytes in GiB, tokens in k."""
+"""Numbers as people read them: parameters in billions, bytes in GiB, tokens in k, cents in
+dollars."""
+
+from decimal import Decimal
 
 from django import template
 
@@ -33,3 +36,12 @@ def duration(seconds: float | None) -> str:
         return ""
     seconds = round(seconds)
     return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+
+
+@register.filter
+def cents(amount: int | None) -> str:
+    """Cents as dollars, with the sign in front: -$1,234.50."""
+    if amount is None:
+        return ""
+    dollars = Decimal(abs(amount)) / 100
+    return f"{'-' if amount < 0 else ''}${dollars:,.2f}"

@@ -15,7 +15,12 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from billing.selectors import last_hour_totals, usage_by_minute
+from billing.selectors import (
+    last_hour_totals,
+    month_to_date_by_endpoint,
+    usage_by_minute,
+    window_costs,
+)
 from endpoints import selectors, services
 from endpoints.models import ACTIVE_STATES, Endpoint, State
 from endpoints.planning import accelerator_of
@@ -53,9 +58,13 @@ def endpoint_list(request: HttpRequest, org_slug: str) -> HttpResponse:
     member = membership(request, org_slug)
     page = Paginator(selectors.endpoints_of(organization=member.organization).order_by("name"),
                      ENDPOINTS_PER_PAGE).get_page(request.GET.get("page"))
-    totals = last_hour_totals(endpoint_ids=[endpoint.id for endpoint in page])
+    ids = [endpoint.id for endpoint in page]
+    totals = last_hour_totals(endpoint_ids=ids)
+    day_costs = window_costs(endpoint_ids=ids, hours=24)
+    month = month_to_date_by_endpoint(organization=member.organization)
     rows = [{"endpoint": endpoint, "usage": totals.get(endpoint.id),
-             "ready": sum(replica.state == State.READY for replica in endpoint.replicas.all())}
+             "ready": sum(replica.state == State.READY for replica in endpoint.replicas.all()),
+             "month_cents": month.get(endpoint.id, 0), "day": day_costs[endpoint.id]}
             for endpoint in page]
     return render(request, "front/endpoints.html", {
         "member": member, "organization": member.organization, "page": page, "rows": rows,
@@ -69,7 +78,11 @@ def endpoint_detail(request: HttpRequest, org_slug: str, name: str) -> HttpRespo
     gateway = settings.KVRUN_GATEWAY_URL
     device = accelerator_of(endpoint.gpu_type).memory_bytes
     sized = "weight_bytes_per_gpu" in endpoint.sizing  # absent only on hand-made rows
+    costs = {label: window_costs(endpoint_ids=[endpoint.id], hours=hours)[endpoint.id]
+             for label, hours in (("hour", 1), ("day", 24))}
+    month = month_to_date_by_endpoint(organization=member.organization).get(endpoint.id, 0)
     return render(request, "front/endpoint.html", {
+        "costs": costs, "month_cents": month,
         "memory": memory_bar(endpoint.sizing, device) if sized else None, "device_bytes": device,
         "member": member, "organization": member.organization, "endpoint": endpoint,
         "section": "endpoints", "status": _status(endpoint),

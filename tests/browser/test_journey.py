@@ -16,8 +16,8 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey, KeyPurpose
-from billing.models import UsageRecord
-from billing.tasks import ingest_usage
+from billing.models import TokenHour, UsageRecord
+from billing.tasks import ingest_usage, roll_up_usage
 from endpoints.models import Endpoint, Node, Replica, State
 from tests.helpers import api_servers, drive, wait_until
 
@@ -94,16 +94,34 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
     expect(page.locator("#charts canvas")).to_have_count(4)
     shot("journey-07-charts")
 
+    # The usage page has the request's tokens and what the endpoint has cost this month, and
+    # the draft invoice the GPU time behind it.
+    def rolled_up() -> bool:
+        roll_up_usage.delay()
+        return TokenHour.objects.filter(endpoint=endpoint, requests=1).exists()
+    assert wait_until(rolled_up, 30, interval=0.5)
     nav = page.get_by_role("navigation", name="Main")
+    nav.get_by_role("link", name="Usage & billing").click()
+    expect(page.get_by_test_id("month-so-far")).to_contain_text("$")
+    expect(page.locator("#daily-charts canvas")).to_have_count(2)
+    tokens = TokenHour.objects.get(endpoint=endpoint)
+    assert page.evaluate("JSON.parse(document.getElementById('daily-usage').textContent)"
+                         ".completion_tokens.at(-1)") == tokens.completion_tokens
+    shot("journey-08-billing")
+    page.get_by_role("cell", name="draft").locator("xpath=..").get_by_role("link").first.click()
+    expect(page.get_by_role("table")).to_contain_text("first: CPU only, ready")
+    expect(page.get_by_test_id("invoice-total")).to_contain_text("$")
+    shot("journey-09-invoice")
+
     nav.get_by_role("link", name="API keys").click()
     page.get_by_label("Name", exact=True).fill("script")
     page.get_by_role("button", name="Create key").click()
     page.get_by_test_id("new-key").get_by_role("button", name="Copy").click()
     secret = page.evaluate("navigator.clipboard.readText()")
-    shot("journey-08-key")
+    shot("journey-10-key")
 
     nav.get_by_role("link", name="Endpoints").click()
-    shot("journey-09-endpoints")
+    shot("journey-11-endpoints")
     page.get_by_role("link", name="first").click()
     page.locator("#snippet-python + button").click()
     snippet = page.evaluate("navigator.clipboard.readText()")

@@ -1,0 +1,75 @@
+"""The usage and billing pages in a real Chromium: the month so far and its charts, a
+finalised invoice, the rows behind one of its lines, and the page at phone width."""
+
+from collections.abc import Callable
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.utils import timezone
+from playwright.sync_api import Page, expect
+
+from accounts.models import Organization
+from billing.invoicing import lines_for_month, month_bounds, month_of
+from billing.models import GPUPrice
+from billing.rollup import do_roll_up_usage
+from endpoints.models import Replica, State
+from endpoints.services import do_load_catalogs
+from engine.devices import HostResources
+from front.templatetags.units import cents
+from nodes.services import do_register_node
+from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, run_replica
+from tests.browser.test_dashboard import sign_up
+
+pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
+
+
+def test_the_billing_pages_show_the_month_its_invoices_and_the_rows_behind_a_line(
+        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
+    do_load_catalogs()
+    node = do_register_node(name="laptop", resources=HostResources(
+        devices=[], cpu_count=2, memory_bytes=24 * 2**30))
+    sign_up(page, live_server.url)
+    organization = Organization.objects.get()
+    endpoint = demo_endpoint(organization)
+    replica = Replica.objects.create(endpoint=endpoint)
+    GPUPrice.objects.create(gpu_type=endpoint.gpu_type, hourly_price_usd=Decimal("2.5"),
+                            effective_from=timezone.now() - timedelta(days=400))
+    now = timezone.now()
+    this_month = month_bounds(month_of(now))[0]
+    last_month = month_bounds(month_of(this_month - timedelta(days=1)))[0]
+    ready_for(endpoint, node, last_month + timedelta(days=9, hours=8), hours=10)
+    finalize_at(this_month + timedelta(hours=2))
+    started = now - timedelta(hours=1)
+    run_replica(replica, node, [(started, State.SCHEDULING), (started, State.STARTING),
+                                (started, State.LOADING), (started, State.READY)])
+    do_roll_up_usage()
+
+    page.get_by_role("navigation", name="Main").get_by_role(
+        "link", name="Usage & billing").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Usage & billing")
+    # An hour at $2.50 (less, in a month's first hour).
+    so_far = sum(line.amount_cents for line in lines_for_month(
+        organization_id=organization.id, month=month_of(now)))
+    assert 0 < so_far <= 250
+    expect(page.get_by_test_id("month-so-far")).to_have_text(cents(so_far))
+    expect(page.locator("#daily-charts canvas")).to_have_count(2)
+    shot("billing")
+
+    page.get_by_role("link", name=f"{last_month:%B %Y}").click()
+    expect(page.get_by_test_id("invoice-total")).to_have_text("$25.00")
+    expect(page.get_by_role("table")).to_contain_text("chat: CPU only, ready")
+    shot("billing-invoice")
+
+    page.get_by_role("row", name="chat: CPU only, ready").get_by_role(
+        "link", name="What's behind it").click()
+    expect(page.get_by_role("heading", level=1)).to_contain_text("chat: CPU only, ready")
+    expect(page.get_by_role("table")).to_contain_text(
+        f"{last_month + timedelta(days=9, hours=8, seconds=30):%Y-%m-%d %H:%M:%S}")
+    shot("billing-invoice-line")
+
+    page.set_viewport_size({"width": 390, "height": 844})
+    page.goto(f"{live_server.url}/orgs/{organization.slug}/billing/")
+    expect(page.locator("#daily-charts canvas")).to_have_count(2)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    shot("billing-phone")

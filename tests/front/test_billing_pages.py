@@ -1,0 +1,123 @@
+"""The usage and billing pages: the month so far and projected, invoices, the rows behind a
+line, CSV; and each endpoint's cost on the endpoint pages."""
+
+import csv
+import io
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+import time_machine
+from django.test import Client
+
+from accounts.models import Organization
+from billing.models import GPUPrice, TokenPrice
+from billing.rollup import do_roll_up_usage
+from endpoints.models import Endpoint, Node, Replica, State
+from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, record, run_replica
+from tests.factories import inference_key
+
+pytestmark = pytest.mark.django_db
+
+NOW = datetime(2026, 2, 10, 12, tzinfo=UTC)
+
+
+@pytest.fixture
+def billed(org: Organization, cpu_node: Node) -> Iterator[Endpoint]:
+    """January final (10 h ready and 1,000 completion tokens); in February a replica ready
+    since 10:00, at $0.40 an hour. The clock stays at NOW."""
+    endpoint = demo_endpoint(org)
+    replica = Replica.objects.create(endpoint=endpoint)
+    GPUPrice.objects.create(gpu_type=endpoint.gpu_type, hourly_price_usd=Decimal("0.4"),
+                            effective_from=datetime(2025, 1, 1, tzinfo=UTC))
+    TokenPrice.objects.create(model=endpoint.model, completion_per_million_usd=Decimal("100"),
+                              effective_from=datetime(2025, 1, 1, tzinfo=UTC))
+    key, _ = inference_key(org)
+    ready_for(endpoint, cpu_node, datetime(2026, 1, 10, 8, tzinfo=UTC), hours=10)
+    record(endpoint, key, datetime(2026, 1, 10, 9, tzinfo=UTC), completion_tokens=1_000)
+    finalize_at(datetime(2026, 2, 1, 2, tzinfo=UTC))
+    started = NOW - timedelta(hours=2)
+    run_replica(replica, cpu_node, [(started, State.SCHEDULING), (started, State.STARTING),
+                                    (started, State.LOADING), (started, State.READY)])
+    with time_machine.travel(NOW, tick=False):
+        do_roll_up_usage()
+        yield endpoint
+
+
+def test_it_shows_the_month_so_far_its_projection_and_the_invoices(
+        owner_client: Client, org: Organization, billed: Endpoint) -> None:
+    response = owner_client.get(f"/orgs/{org.slug}/billing/")
+
+    assert response.status_code == 200
+    assert response.context["so_far_cents"] == 80
+    # $0.40 an hour for the 444 hours from Feb 10 12:00 to the month's end.
+    assert response.context["projected_cents"] == 80 + 17_760
+    page = response.content.decode()
+    assert "$0.80" in page and "$178.40" in page
+    assert [(invoice.month.month, invoice.status, invoice.total_cents)
+            for invoice in response.context["invoices"]] == [(2, "draft", 80),
+                                                              (1, "final", 410)]
+    daily = response.context["daily"]
+    assert daily["gpu_hours"][-1] == 2.0 and sum(daily["gpu_hours"]) == 2.0
+
+
+def test_an_invoice_lists_its_lines_and_each_shows_the_rows_behind_it(
+        owner_client: Client, org: Organization, billed: Endpoint) -> None:
+    invoice = owner_client.get(f"/orgs/{org.slug}/billing/2026-01/")
+    lines = invoice.context["invoice"].lines
+    ready = next(n for n, line in enumerate(lines, 1) if line.description.endswith("ready"))
+    tokens = next(n for n, line in enumerate(lines, 1) if "tokens" in line.description)
+
+    intervals = owner_client.get(f"/orgs/{org.slug}/billing/2026-01/lines/{ready}/")
+    records = owner_client.get(f"/orgs/{org.slug}/billing/2026-01/lines/{tokens}/")
+
+    assert invoice.status_code == 200
+    assert b"$4.10" in invoice.content and f"KVR-202601-{org.slug}".encode() in invoice.content
+    assert intervals.status_code == 200 and intervals.context["count"] == 1
+    assert b"2026-01-10 08:00:30" in intervals.content
+    assert records.status_code == 200
+    assert [row.completion_tokens for row in records.context["rows"]] == [1_000]
+
+
+def test_an_invoice_downloads_as_csv(owner_client: Client, org: Organization,
+                                     billed: Endpoint) -> None:
+    response = owner_client.get(f"/orgs/{org.slug}/billing/2026-01/csv/")
+
+    assert response.status_code == 200
+    assert response["Content-Type"].startswith("text/csv")
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    assert sum(Decimal(row["amount_usd"]) for row in rows) == Decimal("4.10")
+    assert {row["invoice"] for row in rows} == {f"KVR-202601-{org.slug}"}
+
+
+def test_members_see_no_billing(member_client: Client, org: Organization,
+                                billed: Endpoint) -> None:
+    for path in ["billing/", "billing/2026-01/", "billing/2026-01/csv/",
+                 "billing/2026-01/lines/1/"]:
+        assert member_client.get(f"/orgs/{org.slug}/{path}").status_code == 403
+    assert b"Usage &amp; billing" not in member_client.get(f"/orgs/{org.slug}/").content
+
+
+def test_it_validates_ownership(owner_client: Client, other_org: Organization,
+                                billed: Endpoint) -> None:
+    assert owner_client.get(f"/orgs/{other_org.slug}/billing/").status_code == 404
+    assert owner_client.get(f"/orgs/{other_org.slug}/billing/2026-01/").status_code == 404
+
+
+@pytest.mark.parametrize("path", ["billing/2026-03/", "billing/2026-13/",
+                                  "billing/2026-01/lines/99/"])
+def test_a_month_or_line_that_does_not_exist_is_a_404(owner_client: Client, org: Organization,
+                                                      billed: Endpoint, path: str) -> None:
+    assert owner_client.get(f"/orgs/{org.slug}/{path}").status_code == 404
+
+
+def test_the_endpoint_pages_show_its_cost(owner_client: Client, org: Organization,
+                                          billed: Endpoint) -> None:
+    listed = owner_client.get(f"/orgs/{org.slug}/")
+    detail = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/")
+
+    assert listed.context["rows"][0]["month_cents"] == 80
+    assert b"$0.80" in listed.content and b"Usage &amp; billing" in listed.content
+    assert detail.context["month_cents"] == 80
+    assert detail.context["costs"]["hour"].gpu_cost_usd == Decimal("0.4")
