@@ -23,6 +23,7 @@ from django.utils import timezone
 from accounts.models import Organization
 from billing.models import Invoice, InvoiceLine, LineKind
 from billing.rollup import lock_rollups
+from endpoints.models import BilledPhase
 
 GPU_HOUR, MILLION_TOKENS = "GPU-hour", "1M tokens"
 # The price of a GPU type with no price version yet is its catalog list price, written down as
@@ -178,7 +179,8 @@ def _gpu_lines(organization_id: UUID, month: date) -> list[Line]:
             WHERE line.organization_id = %s AND line.hour >= %s AND line.hour < %s
               AND line.phase = ANY(%s)
             GROUP BY 1, 2, 3, 4, 5, 6
-            ORDER BY 2, 4, 5, 6""", [organization_id, start, end, billed_phases()])
+            ORDER BY 2, 4, array_position(%s::text[], line.phase::text), 6""",
+                       [organization_id, start, end, billed_phases(), list(BilledPhase)])
         rows = cursor.fetchall()
     return [
         Line(kind=LineKind.GPU_TIME, endpoint_id=endpoint_id, endpoint_name=endpoint_name,

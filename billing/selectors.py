@@ -223,23 +223,27 @@ def window_costs(*, endpoint_ids: Iterable[UUID], hours: int, now: datetime | No
 
 def _tokens_between(endpoint_ids: list[UUID], start: datetime, end: datetime
                     ) -> dict[UUID, int]:
-    """Prompt and completion tokens per endpoint: whole hours from the rollup, the partial
-    hours at either edge from the records themselves."""
+    """Prompt and completion tokens per endpoint, in one query: whole hours from the rollup,
+    the partial hours at either edge from the records themselves."""
     first_whole = hour_of(start) + (timedelta(hours=1) if hour_of(start) < start else timedelta())
-    last_whole = hour_of(end)
-    totals: dict[UUID, int] = {}
-    whole = (TokenHour.objects.filter(endpoint_id__in=endpoint_ids, hour__gte=first_whole,
-                                      hour__lt=last_whole)
-             .values("endpoint_id").annotate(tokens=Sum(F("prompt_tokens")
-                                                        + F("completion_tokens"))))
-    edges = (UsageRecord.objects.filter(endpoint_id__in=endpoint_ids)
-             .filter(Q(started_at__gte=start, started_at__lt=min(first_whole, end))
-                     | Q(started_at__gte=max(last_whole, start), started_at__lt=end))
-             .values("endpoint_id").annotate(tokens=Sum(F("prompt_tokens")
-                                                        + F("completion_tokens"))))
-    for row in [*whole, *edges]:
-        totals[row["endpoint_id"]] = totals.get(row["endpoint_id"], 0) + (row["tokens"] or 0)
-    return totals
+    last_whole = max(hour_of(end), first_whole)
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            SELECT endpoint_id, sum(tokens) FROM (
+                SELECT endpoint_id, prompt_tokens + completion_tokens AS tokens
+                FROM billing_tokenhour
+                WHERE endpoint_id = ANY(%(ids)s) AND hour >= %(first)s AND hour < %(last)s
+                UNION ALL
+                SELECT endpoint_id, prompt_tokens + completion_tokens
+                FROM billing_usagerecord
+                WHERE endpoint_id = ANY(%(ids)s)
+                  AND ((started_at >= %(start)s AND started_at < least(%(first)s, %(end)s))
+                       OR (started_at >= greatest(%(last)s, %(start)s)
+                           AND started_at < %(end)s))
+            ) served
+            GROUP BY endpoint_id""", {"ids": endpoint_ids, "first": first_whole,
+                                      "last": last_whole, "start": start, "end": end})
+        return {endpoint_id: int(tokens) for endpoint_id, tokens in cursor.fetchall()}
 
 
 def daily_usage(*, organization: Organization, days: int = 30, now: datetime | None = None

@@ -50,9 +50,9 @@ def test_a_month_s_invoice_bills_each_phase_at_its_price_and_tokens_at_theirs(
     assert (invoice.month, invoice.number) == (
         JAN, f"KVR-202601-{cpu_endpoint.organization.slug}")
     assert lines_of(invoice) == [
+        ("chat: CPU only, starting", Decimal("0.002778"), Decimal("0.4"), 0),
         ("chat: CPU only, loading", Decimal("0.005556"), Decimal("0.4"), 0),
         ("chat: CPU only, ready", Decimal("10"), Decimal("0.4"), 400),
-        ("chat: CPU only, starting", Decimal("0.002778"), Decimal("0.4"), 0),
         ("chat: CPU only, stopping", Decimal("0.001389"), Decimal("0.4"), 0),
         ("chat: prompt tokens", Decimal("2"), Decimal("1"), 200),
         ("chat: cached prompt tokens", Decimal("1"), Decimal("0.5"), 50),

@@ -57,7 +57,9 @@ def test_the_billing_pages_show_the_month_its_invoices_and_the_rows_behind_a_lin
     shot("billing")
 
     page.get_by_role("link", name=f"{last_month:%B %Y}").click()
-    expect(page.get_by_test_id("invoice-total")).to_have_text("$25.00")
+    # 10 h ready at $2.50, and 10 s starting and 20 s loading at a cent each (rounded once a
+    # line); 5 s stopping round to nothing.
+    expect(page.get_by_test_id("invoice-total")).to_have_text("$25.02")
     expect(page.get_by_role("table")).to_contain_text("chat: CPU only, ready")
     shot("billing-invoice")
 
