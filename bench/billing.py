@@ -64,7 +64,7 @@ def seed(label: str, owner: User, *, records: int, intervals: int, hours: int) -
             SELECT %(label)s || '-' || g, '', %(organization)s,
                    (%(endpoints)s::uuid[])[1 + g %% %(count)s], %(key)s, 'chat.completions',
                    true, 100 + g %% 400, 50 + g %% 200, g %% 64, 200, '', false,
-                   %(now)s - (g * 7919 %% %(span)s) * interval '1 second', 800, 0.300, now()
+                   %(now)s - (g::bigint * 7919 %% %(span)s) * interval '1 second', 800, 0.300, now()
             FROM generate_series(1, %(records)s) AS g""",
                        {"label": label, "organization": organization.id, "key": key.id,
                         "endpoints": [endpoint.id for endpoint in endpoints],

@@ -23,6 +23,9 @@ from billing.models import StaleUsageHour
 # One run at a time across workers; another that finds it held leaves the work to it.
 ROLLUP_LOCK = zlib.crc32(b"kvrun.billing.rollup")
 GPU_SETTLE = timedelta(hours=1)
+# An index range scan per stale hour costs about as much as reading this many records in one
+# pass (measured on the embedded PostgreSQL: 40 µs against 0.35 µs a row).
+RECORDS_PER_INDEXED_HOUR = 100
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
         cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ROLLUP_LOCK])
         if not cursor.fetchone()[0]:
             return None
+        # A first run, or one after a long stop, aggregates millions of rows: in memory.
+        cursor.execute("SET LOCAL work_mem = '256MB'")
         started = timezone.now()
         return Rollup(token_hours=_roll_up_tokens(cursor, started),
                       gpu_hours=_roll_up_gpu_time(cursor, now or started, started))
@@ -73,34 +78,44 @@ def hour_of(moment: datetime) -> datetime:
 
 
 def _roll_up_tokens(cursor: object, started: datetime) -> int:
-    # Hours whose marks an ingest still holds are left for the next run.
+    # The stale hours move into a table of this transaction, never through Python: a first
+    # run takes tens of thousands. Hours whose marks an ingest still holds wait for the next.
+    cursor.execute("CREATE TEMPORARY TABLE stale (endpoint_id uuid, hour timestamptz) "
+                   "ON COMMIT DROP")
     cursor.execute("""
-        DELETE FROM billing_staleusagehour WHERE id IN (
-            SELECT id FROM billing_staleusagehour FOR UPDATE SKIP LOCKED)
-        RETURNING endpoint_id, hour""")
-    stale = cursor.fetchall()
-    if not stale:
-        return 0
-    endpoint_ids, hours = (list(column) for column in zip(*stale, strict=True))
+        WITH taken AS (
+            DELETE FROM billing_staleusagehour WHERE id IN (
+                SELECT id FROM billing_staleusagehour FOR UPDATE SKIP LOCKED)
+            RETURNING endpoint_id, hour)
+        INSERT INTO stale SELECT endpoint_id, hour FROM taken""")
+    stale = cursor.rowcount
+    cursor.execute("ANALYZE stale")
+    # Many stale hours (a first run, a backlog) are best matched in one pass over the records,
+    # hashing the hours; a few, by an index range each, so that the work stays that of the new
+    # activity. Only the first form has the hour as an equality PostgreSQL can hash on, and
+    # offered it, PostgreSQL takes it even for a few hours.
+    cursor.execute("SELECT reltuples FROM pg_class WHERE oid = 'billing_usagerecord'::regclass")
+    hashed = stale * RECORDS_PER_INDEXED_HOUR > cursor.fetchone()[0]
+    same_hour = "AND date_trunc('hour', record.started_at, 'UTC') = stale.hour" if hashed else ""
     cursor.execute("""
-        DELETE FROM billing_tokenhour line
-        USING unnest(%s::uuid[], %s::timestamptz[]) AS stale(endpoint_id, hour)
-        WHERE line.endpoint_id = stale.endpoint_id AND line.hour = stale.hour""",
-                   [endpoint_ids, hours])
-    cursor.execute("""
+        DELETE FROM billing_tokenhour line USING stale
+        WHERE line.endpoint_id = stale.endpoint_id AND line.hour = stale.hour""")
+    cursor.execute(f"""
         INSERT INTO billing_tokenhour (hour, organization_id, endpoint_id, api_key_id, requests,
                                        prompt_tokens, completion_tokens, cached_tokens,
                                        rolled_up_at)
         SELECT stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id,
                count(*), sum(record.prompt_tokens), sum(record.completion_tokens),
                sum(record.cached_tokens), %s
-        FROM unnest(%s::uuid[], %s::timestamptz[]) AS stale(endpoint_id, hour)
+        FROM stale
         JOIN billing_usagerecord record
           ON record.endpoint_id = stale.endpoint_id
          AND record.started_at >= stale.hour AND record.started_at < stale.hour + interval '1 hour'
+         {same_hour}
         GROUP BY stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id""",
-                   [started, endpoint_ids, hours])
-    return len(stale)
+                   [started])
+    cursor.execute("DROP TABLE stale")  # a second run in one transaction makes its own
+    return stale
 
 
 def _roll_up_gpu_time(cursor: object, now: datetime, started: datetime) -> int:
