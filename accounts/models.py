@@ -75,6 +75,9 @@ class Organization(models.Model):
         null=True, blank=True,
         help_text="Replicas its running endpoints may scale to, all together; empty means the "
                   "deployment's default.")
+    billing_hold = models.TextField(
+        blank=True, help_text="Why its endpoints may not run (a spend cap reached), as the "
+                              "gateway and the dashboard tell its people; empty when they may.")
 
     def __str__(self) -> str:
         return self.name

@@ -24,6 +24,8 @@ class KeyIdentity:
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     max_concurrent_requests: int = 0
+    # Why the organisation's endpoints may not serve now (billing); empty when they may.
+    billing_hold: str = ""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "KeyIdentity":

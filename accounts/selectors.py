@@ -43,7 +43,7 @@ def key_identity_from_database(*, digest: str) -> KeyIdentity | None:
         APIKey.objects.filter(digest=digest)
         .values("id", "organization_id", "scope", "expires_at", "revoked_at", "endpoint_names",
                 "requests_per_minute", "tokens_per_minute",
-                "organization__max_concurrent_requests")
+                "organization__max_concurrent_requests", "organization__billing_hold")
         .first()
     )
     if row is None:
@@ -61,6 +61,7 @@ def key_identity_from_database(*, digest: str) -> KeyIdentity | None:
                                       settings.KVRUN_KEY_TOKENS_PER_MINUTE),
         max_concurrent_requests=_or_default(row["organization__max_concurrent_requests"],
                                             settings.KVRUN_ORG_MAX_CONCURRENT_REQUESTS),
+        billing_hold=row["organization__billing_hold"],
     )
 
 

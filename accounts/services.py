@@ -300,3 +300,10 @@ def do_prepare_demo(*, key_lifetime: timedelta, email: str = "admin@example.com"
         actor_role=Role.OWNER, created_by=user, expires_at=timezone.now() + key_lifetime,
     )
     return DemoAccess(user=user, organization=organization, password=password, secret=secret)
+
+
+def do_set_billing_hold(*, organization_id: object, reason: str) -> bool:
+    """Hold the organisation's endpoints with `reason` (the gateway refuses its requests and
+    no endpoint of it may start), or release it with "". Returns whether anything changed."""
+    return Organization.objects.filter(id=organization_id).exclude(billing_hold=reason).update(
+        billing_hold=reason) == 1

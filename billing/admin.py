@@ -5,14 +5,15 @@ and its search runs substring matches on every row; here both use fixed choices 
 matches on indexed columns instead, and the list counts at most BoundedCountPaginator's limit.
 """
 
-from decimal import Decimal
-
 from django.contrib import admin
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 
 from accounts.models import Organization
+from billing.invoicing import usd
 from billing.models import (
+    Budget,
+    BudgetEvent,
     GPUHour,
     GPUPrice,
     Invoice,
@@ -207,4 +208,37 @@ class InvoiceAdmin(admin.ModelAdmin):
 
     @admin.display(description="total")
     def total(self, invoice: Invoice) -> str:
-        return f"${Decimal(invoice.total_cents) / 100:,.2f}"
+        return usd(invoice.total_cents)
+
+
+@admin.register(Budget)
+class BudgetAdmin(admin.ModelAdmin):
+    """Operators may set a budget for an organisation; the next check applies it."""
+
+    list_display = ["organization", "limit", "thresholds", "action", "updated_at"]
+    list_select_related = ["organization"]
+    search_fields = ["=organization__slug"]
+    list_filter = ["action"]
+
+    @admin.display(description="monthly limit")
+    def limit(self, budget: Budget) -> str:
+        return usd(budget.monthly_limit_cents)
+
+
+@admin.register(BudgetEvent)
+class BudgetEventAdmin(admin.ModelAdmin):
+    list_display = ["at", "organization", "month", "threshold", "limit_cents", "spend_cents",
+                    "projected_cents", "stopped"]
+    list_select_related = ["organization"]
+    search_fields = ["=organization__slug"]
+    list_filter = ["stopped", "threshold"]
+    readonly_fields = [field.name for field in BudgetEvent._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False

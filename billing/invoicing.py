@@ -65,8 +65,14 @@ def month_of(moment: datetime) -> date:
     return moment.astimezone(UTC).date().replace(day=1)
 
 
-def cents(usd: Decimal) -> int:
-    return int((usd * 100).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+def cents(dollars: Decimal) -> int:
+    return int((dollars * 100).quantize(Decimal(1), rounding=ROUND_HALF_UP))
+
+
+def usd(amount_cents: int) -> str:
+    """Cents as dollars, with the sign in front: -$1,234.50."""
+    dollars = Decimal(abs(amount_cents)) / 100
+    return f"{'-' if amount_cents < 0 else ''}${dollars:,.2f}"
 
 
 def lines_for_month(*, organization_id: UUID, month: date) -> list[Line]:

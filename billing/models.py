@@ -1,5 +1,6 @@
 from datetime import UTC, datetime
 
+from django.contrib.postgres.fields import ArrayField
 from django.core.exceptions import ValidationError
 from django.db import models
 from django.utils import timezone
@@ -254,3 +255,64 @@ class InvoiceLine(models.Model):
 
     def __str__(self) -> str:
         return self.description
+
+
+class BudgetAction(models.TextChoices):
+    ALERT = "alert", "alert only"
+    STOP = "stop", "stop the endpoints"
+
+
+def default_thresholds() -> list[int]:
+    return [50, 80, 100]
+
+
+class Budget(models.Model):
+    """An organisation's monthly spend cap: an event at each threshold (a percentage of the
+    limit) the month's projected spend crosses, and at 100 % either that alone or its
+    endpoints stopped until the budget is raised or the month ends."""
+
+    organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE,
+                                        related_name="budget")
+    monthly_limit_cents = models.PositiveBigIntegerField()
+    thresholds = ArrayField(models.PositiveSmallIntegerField(), default=default_thresholds,
+                            help_text="Percentages of the limit, such as 50, 80, 100.")
+    action = models.CharField(max_length=10, choices=BudgetAction.choices,
+                              default=BudgetAction.ALERT)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"{self.organization}: {self.monthly_limit_cents} cents a month"
+
+    def clean(self) -> None:
+        if self.monthly_limit_cents is not None and self.monthly_limit_cents < 1:
+            raise ValidationError({"monthly_limit_cents": "Set a limit of at least $0.01."})
+        if not self.thresholds or any(not 1 <= threshold <= 1000
+                                      for threshold in self.thresholds):
+            raise ValidationError({"thresholds": "Give one or more percentages of the limit, "
+                                                 "each from 1 to 1000, such as 50, 80, 100."})
+
+
+class BudgetEvent(models.Model):
+    """A threshold of a budget's limit crossed in a month: recorded once (unique), never
+    changed. A limit changed in the month is crossed, and recorded, afresh."""
+
+    organization = models.ForeignKey("accounts.Organization", on_delete=models.CASCADE,
+                                     related_name="budget_events")
+    month = models.DateField()
+    threshold = models.PositiveSmallIntegerField()
+    limit_cents = models.BigIntegerField()
+    spend_cents = models.BigIntegerField(help_text="The month's spend when it was crossed.")
+    projected_cents = models.BigIntegerField(help_text="What the check projected to its next "
+                                                       "run.")
+    stopped = models.BooleanField(default=False,
+                                  help_text="Whether the organisation's endpoints were stopped.")
+    at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-at"]
+        constraints = [models.UniqueConstraint(
+            fields=["organization", "month", "limit_cents", "threshold"],
+            name="billing_budget_event_once")]
+
+    def __str__(self) -> str:
+        return f"{self.organization} {self.month:%Y-%m} {self.threshold} %"

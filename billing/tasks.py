@@ -2,6 +2,7 @@ import logging
 
 from celery import shared_task
 
+from billing.budgets import do_enforce_budgets
 from billing.invoicing import do_finalize_due_invoices
 from billing.rollup import do_roll_up_usage
 from billing.services import do_ingest_usage
@@ -33,3 +34,12 @@ def finalize_invoices() -> None:
     finalized = do_finalize_due_invoices()
     if finalized:
         logger.info("finalised %d invoice(s)", finalized)
+
+
+@shared_task(name="billing.enforce_budgets", ignore_result=True)
+def enforce_budgets() -> None:
+    """Check every budget against the month's spend, rolled up just before."""
+    do_roll_up_usage()
+    events = do_enforce_budgets()
+    if events:
+        logger.info("%d budget threshold(s) crossed", events)

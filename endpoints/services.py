@@ -174,13 +174,16 @@ def do_create_endpoint(
 
 def _hold_quota(*, organization_id: object, gpu_type: GPUType, gpu_count: int, replicas: int,
                 new_endpoint: bool = False, excluding: object = None) -> None:
-    """Lock the organisation's row until the transaction ends, then refuse, saying which quota
-    and how to raise it, when the organisation's endpoints (but `excluding`) together with one
+    """Lock the organisation's row until the transaction ends, then refuse, with its reason,
+    when billing holds the organisation (billing_hold), and, saying which quota and how to
+    raise it, when the organisation's endpoints (but `excluding`) together with one
     of `replicas` replicas on `gpu_count` GPUs each would pass a quota (a CPU engine holds no
     GPU). Call it inside the transaction that writes the change: a second caller waits for
     the row and then counts what the first one wrote."""
     gpus = 0 if gpu_type.slug == CPU else gpu_count
     organization = Organization.objects.select_for_update().get(id=organization_id)
+    if organization.billing_hold:
+        raise ValidationError(organization.billing_hold)
     quota = quota_of(organization=organization)
     used = quota_used_by(organization_id=organization_id, excluding=excluding)
     raise_it = "ask an operator to raise the organisation's quota"

@@ -1,10 +1,12 @@
 import re
+from decimal import Decimal
 
 from django import forms
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
 from accounts.models import Role, Scope
+from billing.models import BudgetAction
 from endpoints.models import MAX_REPLICAS_PER_ENDPOINT, Endpoint, GPUType, KVCacheDtype, ModelSpec
 
 
@@ -81,3 +83,24 @@ class EndpointForm(SizingForm):
 class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=1, label="Replicas")
 
+
+
+class BudgetForm(forms.Form):
+    monthly_limit_usd = forms.DecimalField(
+        label="Monthly limit (USD)", min_value=Decimal("0.01"), max_digits=12, decimal_places=2)
+    thresholds = forms.CharField(
+        initial="50, 80, 100", help_text="Percentages of the limit that record an alert, "
+                                         "separated by commas.")
+    action = forms.ChoiceField(choices=BudgetAction.choices, label="At 100 %",
+                               initial=BudgetAction.ALERT)
+
+    def clean_thresholds(self) -> list[int]:
+        parts = [part for part in re.split(r"[\s,%]+", self.cleaned_data["thresholds"]) if part]
+        if not parts or not all(part.isdigit() for part in parts):
+            raise ValidationError("Give whole percentages separated by commas, such as "
+                                  "50, 80, 100.")
+        return [int(part) for part in parts]
+
+    @property
+    def monthly_limit_cents(self) -> int:
+        return int(self.cleaned_data["monthly_limit_usd"] * 100)

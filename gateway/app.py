@@ -186,6 +186,9 @@ class Gateway:
             raise GatewayError(403, "This API key has the manage scope; the OpenAI-compatible "
                                "API takes keys with the inference scope.",
                                code="insufficient_scope")
+        if identity.billing_hold:  # a spend cap reached: the message says how to lift it
+            raise GatewayError(402, identity.billing_hold, code="budget_exceeded",
+                               kind="insufficient_quota")
         return identity
 
     async def _models(self, exchange: Exchange, scope: ASGIScope, send: Send, one: str) -> None:

@@ -222,6 +222,9 @@ KVRUN_BILLING_ROLLUP_SECONDS = env.float("KVRUN_BILLING_ROLLUP_SECONDS", default
 # A month's invoice stays a draft this long after the month ends, so that usage still on its
 # way lands in its own month; later usage is an adjustment on the next invoice.
 KVRUN_INVOICE_GRACE_SECONDS = env.int("KVRUN_INVOICE_GRACE_SECONDS", default=3600)
+# How often budgets are checked against the month's spend projected to the next check; with
+# the engines' stop grace, it bounds how far spend can pass a budget that stops endpoints.
+KVRUN_BUDGET_CHECK_SECONDS = env.int("KVRUN_BUDGET_CHECK_SECONDS", default=60)
 # The replica phases whose GPU time is billed: every phase that holds the devices, since a GPU
 # held while its engine loads is a GPU nobody else can use.
 KVRUN_BILLED_PHASES = env.list("KVRUN_BILLED_PHASES",
@@ -309,6 +312,8 @@ CELERY_BEAT_SCHEDULE = {
     "billing.roll_up_usage": {"task": "billing.roll_up_usage",
                               "schedule": KVRUN_BILLING_ROLLUP_SECONDS},
     "billing.finalize_invoices": {"task": "billing.finalize_invoices", "schedule": 300.0},
+    "billing.enforce_budgets": {"task": "billing.enforce_budgets",
+                                "schedule": float(KVRUN_BUDGET_CHECK_SECONDS)},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -1,9 +1,9 @@
 """Numbers as people read them: parameters in billions, bytes in GiB, tokens in k, cents in
 dollars."""
 
-from decimal import Decimal
-
 from django import template
+
+from billing.invoicing import usd
 
 register = template.Library()
 
@@ -41,7 +41,4 @@ def duration(seconds: float | None) -> str:
 @register.filter
 def cents(amount: int | None) -> str:
     """Cents as dollars, with the sign in front: -$1,234.50."""
-    if amount is None:
-        return ""
-    dollars = Decimal(abs(amount)) / 100
-    return f"{'-' if amount < 0 else ''}${dollars:,.2f}"
+    return "" if amount is None else usd(amount)

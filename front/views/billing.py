@@ -1,21 +1,27 @@
-"""Usage and billing: the month so far and where it is heading, daily GPU-hours and tokens,
-invoices with their lines, the ledger rows behind each line, and CSV. Owners and admins."""
+"""Usage and billing: the month so far and where it is heading, the budget and its events,
+daily GPU-hours and tokens, invoices with their lines, the ledger rows behind each line, and
+CSV. Owners and admins."""
 
 import csv
 from datetime import date
 from decimal import Decimal
 
 from django.conf import settings
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
+from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.utils import timezone
+from django.views.decorators.http import require_POST
 
 from billing import selectors
+from billing.budgets import do_remove_budget, do_set_budget
 from billing.invoicing import cents, lines_for_month, month_bounds, month_of
-from billing.models import LineKind
+from billing.models import Budget, BudgetEvent, LineKind
+from front.forms import BudgetForm
 from front.scoping import Member, membership
+from kvrun.forms import add_service_errors
 
 ROWS_SHOWN = 200
 
@@ -34,7 +40,8 @@ def _invoice(member: Member, month: date) -> selectors.InvoiceView:
 
 
 @login_required
-def billing(request: HttpRequest, org_slug: str) -> HttpResponse:
+def billing(request: HttpRequest, org_slug: str, budget_form: BudgetForm | None = None,
+            status: int = 200) -> HttpResponse:
     member = _manager(request, org_slug)
     organization = member.organization
     now = timezone.now()
@@ -43,7 +50,15 @@ def billing(request: HttpRequest, org_slug: str) -> HttpResponse:
     run_rate = selectors.hourly_run_rate(organization=organization)
     hours_left = Decimal((month_bounds(month_of(now))[1] - now).total_seconds()) / 3600
     daily = selectors.daily_usage(organization=organization, now=now)
+    budget = Budget.objects.filter(organization=organization).first()
+    form = budget_form or BudgetForm(initial={
+        "monthly_limit_usd": Decimal(budget.monthly_limit_cents).scaleb(-2),
+        "thresholds": ", ".join(str(threshold) for threshold in budget.thresholds),
+        "action": budget.action} if budget else None)
     return render(request, "front/billing.html", {
+        "budget": budget, "budget_form": form,
+        "budget_events": BudgetEvent.objects.filter(organization=organization,
+                                                    month=month_of(now)).order_by("at"),
         "member": member, "organization": organization, "section": "billing",
         "so_far_cents": so_far, "run_rate_usd": run_rate,
         "projected_cents": so_far + cents(run_rate * hours_left), "month": month_of(now),
@@ -53,7 +68,37 @@ def billing(request: HttpRequest, org_slug: str) -> HttpResponse:
                   "prompt_tokens": [row["prompt_tokens"] for row in daily],
                   "completion_tokens": [row["completion_tokens"] for row in daily]},
         "billed_phases": settings.KVRUN_BILLED_PHASES,
-    })
+        "budget_check_seconds": settings.KVRUN_BUDGET_CHECK_SECONDS,
+    }, status=status)
+
+
+@login_required
+@require_POST
+def set_budget(request: HttpRequest, org_slug: str) -> HttpResponse:
+    member = _manager(request, org_slug)
+    form = BudgetForm(request.POST)
+    if not form.is_valid():
+        return billing(request, org_slug, budget_form=form, status=400)
+    try:
+        do_set_budget(organization=member.organization, actor_role=member.role,
+                      monthly_limit_cents=form.monthly_limit_cents,
+                      thresholds=form.cleaned_data["thresholds"],
+                      action=form.cleaned_data["action"])
+    except ValidationError as exc:
+        add_service_errors(form, exc)
+        return billing(request, org_slug, budget_form=form, status=400)
+    messages.success(request, "Budget saved; it is checked every "
+                              f"{settings.KVRUN_BUDGET_CHECK_SECONDS} s.")
+    return redirect("billing", org_slug=member.organization.slug)
+
+
+@login_required
+@require_POST
+def remove_budget(request: HttpRequest, org_slug: str) -> HttpResponse:
+    member = _manager(request, org_slug)
+    do_remove_budget(organization=member.organization, actor_role=member.role)
+    messages.success(request, "Budget removed.")
+    return redirect("billing", org_slug=member.organization.slug)
 
 
 @login_required

@@ -70,6 +70,20 @@ def test_the_billing_pages_show_the_month_its_invoices_and_the_rows_behind_a_lin
         f"{last_month + timedelta(days=9, hours=8, seconds=30):%Y-%m-%d %H:%M:%S}")
     shot("billing-invoice-line")
 
+    # A budget below what the month has cost, set to stop: the endpoints stop at once and
+    # every page says why and how to lift it.
+    page.goto(f"{live_server.url}/orgs/{organization.slug}/billing/")
+    page.get_by_label("Monthly limit (USD)").fill("1.00")
+    page.get_by_label("At 100 %").select_option("stop")
+    page.get_by_role("button", name="Set a budget").click()
+    expect(page.get_by_test_id("billing-hold")).to_contain_text(
+        "monthly budget of $1.00 is reached")
+    expect(page.get_by_test_id("budget-events")).to_contain_text("endpoints stopped")
+    shot("billing-budget")
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="Endpoints").click()
+    expect(page.get_by_test_id("billing-hold")).to_contain_text("raise the budget")
+    shot("billing-budget-endpoints")
+
     page.set_viewport_size({"width": 390, "height": 844})
     page.goto(f"{live_server.url}/orgs/{organization.slug}/billing/")
     expect(page.locator("#daily-charts canvas")).to_have_count(2)

@@ -12,7 +12,8 @@ import time_machine
 from django.test import Client
 
 from accounts.models import Organization
-from billing.models import GPUPrice, TokenPrice
+from accounts.services import do_set_billing_hold
+from billing.models import Budget, GPUPrice, TokenPrice
 from billing.rollup import do_roll_up_usage
 from endpoints.models import Endpoint, Node, Replica, State
 from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, record, run_replica
@@ -121,3 +122,46 @@ def test_the_endpoint_pages_show_its_cost(owner_client: Client, org: Organizatio
     assert b"$0.80" in listed.content and b"Usage &amp; billing" in listed.content
     assert detail.context["month_cents"] == 80
     assert detail.context["costs"]["hour"].gpu_cost_usd == Decimal("0.4")
+
+
+def test_an_owner_sets_a_budget_and_sees_the_thresholds_it_reached(
+        owner_client: Client, org: Organization, billed: Endpoint) -> None:
+    response = owner_client.post(f"/orgs/{org.slug}/billing/budget/", {
+        "monthly_limit_usd": "1.00", "thresholds": "50, 80%, 100", "action": "stop"})
+
+    assert response.status_code == 302
+    budget = Budget.objects.get(organization=org)
+    assert (budget.monthly_limit_cents, budget.thresholds, budget.action) == (100, [50, 80, 100],
+                                                                            "stop")
+    # $0.80 spent and $0.40 an hour running: 80 % is reached at once, 100 % within the check.
+    page = owner_client.get(f"/orgs/{org.slug}/billing/")
+    assert [event.threshold for event in page.context["budget_events"]] == [50, 80]
+    assert b"$1.00 a month" in page.content
+
+
+def test_a_budget_that_makes_no_sense_shows_the_error_next_to_its_field(
+        owner_client: Client, org: Organization, billed: Endpoint) -> None:
+    response = owner_client.post(f"/orgs/{org.slug}/billing/budget/", {
+        "monthly_limit_usd": "5", "thresholds": "50, 2000", "action": "stop"})
+
+    assert response.status_code == 400
+    assert "from 1 to 1000" in response.context["budget_form"].errors["thresholds"][0]
+    assert not Budget.objects.exists()
+
+
+def test_members_cannot_set_a_budget(member_client: Client, org: Organization,
+                                     billed: Endpoint) -> None:
+    response = member_client.post(f"/orgs/{org.slug}/billing/budget/", {
+        "monthly_limit_usd": "5", "thresholds": "100", "action": "stop"})
+
+    assert response.status_code == 403
+    assert not Budget.objects.exists()
+
+
+def test_every_page_of_a_held_organisation_says_why(member_client: Client, org: Organization,
+                                                    billed: Endpoint) -> None:
+    do_set_billing_hold(organization_id=org.id, reason="The monthly budget of $1.00 is reached.")
+
+    response = member_client.get(f"/orgs/{org.slug}/")
+
+    assert b"The monthly budget of $1.00 is reached." in response.content

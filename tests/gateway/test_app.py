@@ -18,6 +18,7 @@ from django.utils import timezone
 from redis.asyncio import Redis
 
 from accounts.models import APIKey, Organization
+from accounts.services import do_set_billing_hold
 from billing import usage_stream
 from billing.models import UsageRecord
 from endpoints.models import Endpoint, State
@@ -844,3 +845,22 @@ def test_models_lists_the_ready_endpoints_a_key_may_call(
                           "created": int(endpoint.created_at.timestamp())}
     assert missing.status_code == 404
     assert posted.status_code == 405 and posted.headers["allow"] == "GET"
+
+
+def test_an_organisation_held_by_its_budget_is_refused_with_the_budget_s_message(
+    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+) -> None:
+    _, secret = inference_key(org)
+    assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200
+    reason = (f"This organisation's monthly budget of $1.00 is reached; raise it under Usage "
+              f"& billing (/orgs/{org.slug}/billing/).")
+
+    do_set_billing_hold(organization_id=org.id, reason=reason)
+
+    # Within the key cache's lifetime, as for any change to the key's organisation.
+    assert wait_until(lambda: gateway.post(secret, {"model": "chat", "prompt": "hello"}
+                                           ).status_code == 402,
+                      settings.KVRUN_API_KEY_CACHE_SECONDS + 1, interval=0.2)
+    refused = gateway.post(secret, {"model": "chat", "prompt": "hello"}).json()["error"]
+    assert (refused["message"], refused["code"], refused["type"]) == (
+        reason, "budget_exceeded", "insufficient_quota")
