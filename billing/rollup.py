@@ -77,6 +77,21 @@ def hour_of(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
+# The usage records of the stale hours, with their hour.
+HASHED_RECORDS = """(
+    SELECT stale.hour, record.* FROM stale JOIN billing_usagerecord record
+      ON record.endpoint_id = stale.endpoint_id
+     AND date_trunc('hour', record.started_at, 'UTC') = stale.hour)"""
+# OFFSET 0 keeps PostgreSQL from flattening the subquery into a join it would plan itself.
+INDEXED_RECORDS = """(
+    SELECT stale.hour, record.* FROM stale CROSS JOIN LATERAL (
+        SELECT * FROM billing_usagerecord
+        WHERE endpoint_id = stale.endpoint_id
+          AND started_at >= stale.hour AND started_at < stale.hour + interval '1 hour'
+        OFFSET 0
+    ) AS record)"""
+
+
 def _roll_up_tokens(cursor: object, started: datetime) -> int:
     # The stale hours move into a table of this transaction, never through Python: a first
     # run takes tens of thousands. Hours whose marks an ingest still holds wait for the next.
@@ -90,30 +105,23 @@ def _roll_up_tokens(cursor: object, started: datetime) -> int:
         INSERT INTO stale SELECT endpoint_id, hour FROM taken""")
     stale = cursor.rowcount
     cursor.execute("ANALYZE stale")
-    # Many stale hours (a first run, a backlog) are best matched in one pass over the records,
-    # hashing the hours; a few, by an index range each, so that the work stays that of the new
-    # activity. Only the first form has the hour as an equality PostgreSQL can hash on, and
-    # offered it, PostgreSQL takes it even for a few hours.
-    cursor.execute("SELECT reltuples FROM pg_class WHERE oid = 'billing_usagerecord'::regclass")
-    hashed = stale * RECORDS_PER_INDEXED_HOUR > cursor.fetchone()[0]
-    same_hour = "AND date_trunc('hour', record.started_at, 'UTC') = stale.hour" if hashed else ""
     cursor.execute("""
         DELETE FROM billing_tokenhour line USING stale
         WHERE line.endpoint_id = stale.endpoint_id AND line.hour = stale.hour""")
+    # Many stale hours (a first run, a backlog) are best matched in one pass over the records,
+    # hashing them on the hour; a few, each by a range of the (endpoint, started_at) index, so
+    # that the work stays that of the new activity. Both shapes are written out: PostgreSQL's
+    # estimates for a join on a time range pick the wrong one either way.
+    cursor.execute("SELECT reltuples FROM pg_class WHERE oid = 'billing_usagerecord'::regclass")
+    hashed = stale * RECORDS_PER_INDEXED_HOUR > cursor.fetchone()[0]
     cursor.execute(f"""
         INSERT INTO billing_tokenhour (hour, organization_id, endpoint_id, api_key_id, requests,
                                        prompt_tokens, completion_tokens, cached_tokens,
                                        rolled_up_at)
-        SELECT stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id,
-               count(*), sum(record.prompt_tokens), sum(record.completion_tokens),
-               sum(record.cached_tokens), %s
-        FROM stale
-        JOIN billing_usagerecord record
-          ON record.endpoint_id = stale.endpoint_id
-         AND record.started_at >= stale.hour AND record.started_at < stale.hour + interval '1 hour'
-         {same_hour}
-        GROUP BY stale.hour, record.organization_id, stale.endpoint_id, record.api_key_id""",
-                   [started])
+        SELECT hour, organization_id, endpoint_id, api_key_id, count(*), sum(prompt_tokens),
+               sum(completion_tokens), sum(cached_tokens), %s
+        FROM {HASHED_RECORDS if hashed else INDEXED_RECORDS} AS record
+        GROUP BY hour, organization_id, endpoint_id, api_key_id""", [started])
     cursor.execute("DROP TABLE stale")  # a second run in one transaction makes its own
     return stale
 
