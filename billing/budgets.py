@@ -1,4 +1,5 @@
-"""Spend caps, enforced in flight rather than after the fact.
+"""Spend caps, enforced in flight rather than after the fact, and the hold that stops an
+organisation's endpoints (for its budget, or for a payment that failed past its grace).
 
 Every KVRUN_BUDGET_CHECK_SECONDS the month's spend so far (its draft lines, rolled up just
 before) plus what the replicas holding GPUs now would cost until the next check is set
@@ -14,7 +15,7 @@ month ends; the endpoints stay stopped until someone starts them.
 
 import logging
 from dataclasses import dataclass
-from datetime import date, datetime
+from datetime import date, datetime, timedelta
 from decimal import Decimal
 
 from django.conf import settings
@@ -24,7 +25,7 @@ from django.utils import timezone
 from accounts.models import Organization, Role
 from accounts.services import do_set_billing_hold, require_manager
 from billing.invoicing import cents, lines_for_month, month_of, usd
-from billing.models import Budget, BudgetAction, BudgetEvent
+from billing.models import BillingAccount, Budget, BudgetAction, BudgetEvent
 from billing.selectors import hourly_run_rate
 from endpoints.models import DesiredState
 from endpoints.selectors import endpoints_of
@@ -71,9 +72,14 @@ def do_remove_budget(*, organization: Organization, actor_role: str | None) -> N
 
 
 def do_enforce_budgets(*, now: datetime | None = None) -> int:
-    """Check every budget; returns how many events were recorded."""
-    return sum(len(do_check_budget(budget=budget, now=now))
-               for budget in Budget.objects.select_related("organization"))
+    """Check every budget, and hold the organisations whose payment has failed for longer
+    than KVRUN_PAYMENT_GRACE_SECONDS; returns how many budget events were recorded."""
+    events = sum(len(do_check_budget(budget=budget, now=now))
+                 for budget in Budget.objects.select_related("organization"))
+    for account in (BillingAccount.objects.filter(delinquent_since__isnull=False)
+                    .exclude(organization__budget__isnull=False).select_related("organization")):
+        _apply_hold(account.organization, budget_reason="", now=now or timezone.now())
+    return events
 
 
 def do_check_budget(*, budget: Budget, now: datetime | None = None) -> list[BudgetEvent]:
@@ -97,15 +103,32 @@ def do_check_budget(*, budget: Budget, now: datetime | None = None) -> list[Budg
         logger.warning("organisation %s: %d %% of its monthly budget reached (%d of %d cents "
                        "projected)", organization.slug, event.threshold, spend.projected_cents,
                        limit)
-    if stop:
-        do_set_billing_hold(organization_id=organization.id,
-                            reason=_hold_reason(organization, limit, spend))
+    _apply_hold(organization, budget_reason=_hold_reason(organization, limit, spend)
+                if stop else "", now=now)
+    return new
+
+
+def do_refresh_hold(*, organization: Organization, now: datetime | None = None) -> None:
+    """Hold the organisation, or lift its hold, as its budget and its payments say now."""
+    budget = Budget.objects.filter(organization=organization).first()
+    if budget is not None:
+        do_check_budget(budget=budget, now=now)
+    else:
+        _apply_hold(organization, budget_reason="", now=now or timezone.now())
+
+
+def _apply_hold(organization: Organization, *, budget_reason: str, now: datetime) -> None:
+    """One reason at a time, a payment's first: holding stops every running endpoint."""
+    account = BillingAccount.objects.filter(organization=organization).first()
+    grace = timedelta(seconds=settings.KVRUN_PAYMENT_GRACE_SECONDS)
+    unpaid = (account.delinquent_reason if account is not None and account.delinquent_since
+              and account.delinquent_since <= now - grace else "")
+    reason = unpaid or budget_reason
+    do_set_billing_hold(organization_id=organization.id, reason=reason)
+    if reason:
         for endpoint in endpoints_of(organization=organization).filter(
                 desired_state=DesiredState.RUNNING):
             do_stop_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
-    elif organization.billing_hold:
-        do_set_billing_hold(organization_id=organization.id, reason="")
-    return new
 
 
 def _record(budget: Budget, spend: Spend, threshold: int, stopped: bool,

@@ -197,6 +197,13 @@ class TokenPrice(models.Model):
         validate_price_start(self.effective_from)
 
 
+class PaymentStatus(models.TextChoices):
+    UNSENT = "unsent", "not sent to Stripe"
+    OPEN = "open", "awaiting payment"
+    PAID = "paid", "paid"
+    FAILED = "failed", "payment failed"
+
+
 class Invoice(models.Model):
     """An organisation's finalised bill for one calendar month (UTC). The open month, and a
     month in its grace period, are drafts computed from the rollups (billing.invoicing) and
@@ -209,6 +216,10 @@ class Invoice(models.Model):
     currency = models.CharField(max_length=3, default="usd")
     total_cents = models.BigIntegerField()
     finalized_at = models.DateTimeField()
+    # How it is paid, as Stripe last said (billing.payments): the only fields that change.
+    stripe_invoice_id = models.CharField(max_length=80, blank=True)
+    payment_status = models.CharField(max_length=10, choices=PaymentStatus.choices,
+                                      default=PaymentStatus.UNSENT)
 
     class Meta:
         ordering = ["-month"]
@@ -316,3 +327,37 @@ class BudgetEvent(models.Model):
 
     def __str__(self) -> str:
         return f"{self.organization} {self.month:%Y-%m} {self.threshold} %"
+
+
+class BillingAccount(models.Model):
+    """An organisation's side of Stripe: its customer, and since when a payment has failed."""
+
+    organization = models.OneToOneField("accounts.Organization", on_delete=models.CASCADE,
+                                        related_name="billing_account")
+    stripe_customer_id = models.CharField(max_length=80, blank=True)
+    stripe_subscription_id = models.CharField(max_length=80, blank=True)
+    payment_method = models.CharField(max_length=80, blank=True,
+                                      help_text="What the customer sees, such as visa …4242.")
+    delinquent_since = models.DateTimeField(null=True, blank=True)
+    delinquent_reason = models.TextField(blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.organization}: {self.stripe_customer_id or 'no customer'}"
+
+
+class StripeEvent(models.Model):
+    """One webhook delivery from Stripe, stored before it is handled; a delivery of an event
+    already stored changes nothing (unique id)."""
+
+    stripe_id = models.CharField(max_length=80, unique=True)
+    type = models.CharField(max_length=80)
+    payload = models.JSONField()
+    received_at = models.DateTimeField(auto_now_add=True)
+    handled_at = models.DateTimeField(null=True, blank=True)
+    outcome = models.TextField(blank=True, help_text="What handling it did, or why it failed.")
+
+    class Meta:
+        ordering = ["-received_at"]
+
+    def __str__(self) -> str:
+        return f"{self.type} {self.stripe_id}"

@@ -2,8 +2,10 @@ import logging
 
 from celery import shared_task
 
+from billing import payments
 from billing.budgets import do_enforce_budgets
 from billing.invoicing import do_finalize_due_invoices
+from billing.models import Invoice, PaymentStatus
 from billing.rollup import do_roll_up_usage
 from billing.services import do_ingest_usage
 
@@ -29,11 +31,23 @@ def roll_up_usage() -> None:
 
 @shared_task(name="billing.finalize_invoices", ignore_result=True)
 def finalize_invoices() -> None:
-    """Finalise the invoices of months past their grace period, from up-to-date rollups."""
+    """Finalise the invoices of months past their grace period, from up-to-date rollups, and
+    send every finalised invoice not yet sent to Stripe."""
     do_roll_up_usage()
     finalized = do_finalize_due_invoices()
     if finalized:
         logger.info("finalised %d invoice(s)", finalized)
+    if payments.configured():
+        for invoice_id in Invoice.objects.filter(payment_status=PaymentStatus.UNSENT
+                                                 ).values_list("id", flat=True):
+            push_invoice.delay(invoice_id)
+
+
+@shared_task(name="billing.push_invoice", ignore_result=True,
+             autoretry_for=(payments.StripeUnavailable,), max_retries=5, retry_backoff=30)
+def push_invoice(invoice_id: int) -> None:
+    """Send one finalised invoice to Stripe and charge it; returns quietly if it is gone."""
+    payments.do_push_invoice(invoice_id=invoice_id)
 
 
 @shared_task(name="billing.enforce_budgets", ignore_result=True)

@@ -225,6 +225,14 @@ KVRUN_INVOICE_GRACE_SECONDS = env.int("KVRUN_INVOICE_GRACE_SECONDS", default=360
 # How often budgets are checked against the month's spend projected to the next check; with
 # the engines' stop grace, it bounds how far spend can pass a budget that stops endpoints.
 KVRUN_BUDGET_CHECK_SECONDS = env.int("KVRUN_BUDGET_CHECK_SECONDS", default=60)
+# Stripe: empty STRIPE_SECRET_KEY keeps invoices in kvrun only. STRIPE_API_BASE points the
+# client elsewhere (a local Stripe stand-in in tests).
+STRIPE_SECRET_KEY = env.str("STRIPE_SECRET_KEY", default="")
+STRIPE_WEBHOOK_SECRET = env.str("STRIPE_WEBHOOK_SECRET", default="")
+STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
+# After a failed payment, the organisation's endpoints keep running this long, then stop
+# until it pays.
+KVRUN_PAYMENT_GRACE_SECONDS = env.int("KVRUN_PAYMENT_GRACE_SECONDS", default=3 * 86400)
 # The replica phases whose GPU time is billed: every phase that holds the devices, since a GPU
 # held while its engine loads is a GPU nobody else can use.
 KVRUN_BILLED_PHASES = env.list("KVRUN_BILLED_PHASES",

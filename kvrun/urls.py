@@ -4,6 +4,7 @@ from django.urls import include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from billing.views import stripe_webhook
 from kvrun import health
 
 handler404 = "kvrun.api.not_found"
@@ -16,6 +17,7 @@ urlpatterns = [
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
     path("admin/", admin.site.urls),
+    path("billing/stripe/webhook", stripe_webhook, name="stripe-webhook"),
     path("api/v1/", include("accounts.urls")),
     path("api/v1/", include("endpoints.urls")),
     path("api/v1/", include("billing.urls")),

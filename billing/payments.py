@@ -1,0 +1,270 @@
+"""Stripe: the one module that imports it.
+
+An organisation is a Stripe customer. A finalised invoice is pushed as one invoice item per
+line and a Stripe invoice charged to the customer's default payment method. Every object
+kvrun creates carries its kvrun id in its metadata and an idempotency key derived from it, and
+a push looks for what an earlier, interrupted push created before creating anything: a retried
+push never duplicates an item or an invoice, on Stripe or on a stand-in that ignores
+idempotency keys.
+
+Webhooks are verified on the raw body, stored once per event id, and handled by re-reading
+the invoice from Stripe, so that events arriving twice or out of order end in the same state.
+"""
+
+import logging
+from datetime import timedelta
+
+import stripe
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from accounts.models import Organization
+from billing.budgets import do_refresh_hold
+from billing.invoicing import usd
+from billing.models import BillingAccount, Invoice, PaymentStatus, StripeEvent
+
+logger = logging.getLogger(__name__)
+
+SIGNATURE_TOLERANCE_SECONDS = 300
+# Every customer subscribes to it; kvrun's own invoices are billed within the subscription.
+USAGE_PLAN = "kvrun-usage"
+HANDLED = frozenset({"invoice.paid", "invoice.payment_succeeded", "invoice.payment_failed",
+                     "invoice.created", "invoice.finalized",
+                     "customer.subscription.deleted"})
+
+
+class InvalidWebhook(Exception):
+    """A delivery whose payload or signature does not check out."""
+
+
+class StripeUnavailable(Exception):
+    """Stripe could not be reached or refused a call; the push is for a later retry."""
+
+
+def configured() -> bool:
+    return bool(settings.STRIPE_SECRET_KEY)
+
+
+def _client() -> stripe.StripeClient:
+    addresses = {"api": settings.STRIPE_API_BASE} if settings.STRIPE_API_BASE else None
+    return stripe.StripeClient(settings.STRIPE_SECRET_KEY, max_network_retries=2,
+                               base_addresses=addresses)
+
+
+def do_ensure_customer(*, organization: Organization) -> BillingAccount:
+    """The organisation's billing account with its Stripe customer and its subscription to
+    kvrun's usage plan ($0 a month: kvrun's invoices carry the charges), each created once."""
+    account, _ = BillingAccount.objects.get_or_create(organization=organization)
+    if account.stripe_subscription_id:
+        return account
+    client = _client()
+    tag = {"kvrun_organization": str(organization.id)}
+    if not account.stripe_customer_id:
+        existing = [customer for customer in client.v1.customers.list(params={"limit": 100})
+                    if _metadata(customer) == tag]
+        customer = existing[0] if existing else client.v1.customers.create(
+            params={"name": organization.name, "metadata": tag},
+            options={"idempotency_key": f"kvrun-customer-{organization.id}"})
+        BillingAccount.objects.filter(id=account.id).update(stripe_customer_id=customer.id)
+        account.refresh_from_db()
+    plan = _usage_plan(client)
+    subscriptions = client.v1.subscriptions.list(params={"customer": account.stripe_customer_id})
+    live = [subscription for subscription in subscriptions if subscription.status == "active"]
+    subscription = live[0] if live else client.v1.subscriptions.create(
+        params={"customer": account.stripe_customer_id, "items": [{"plan": plan}],
+                "metadata": tag},
+        options={"idempotency_key": f"kvrun-subscription-{organization.id}"})
+    BillingAccount.objects.filter(id=account.id).update(stripe_subscription_id=subscription.id)
+    account.refresh_from_db()
+    return account
+
+
+def _usage_plan(client: stripe.StripeClient) -> str:
+    try:
+        return client.v1.plans.retrieve(USAGE_PLAN).id
+    except stripe.InvalidRequestError:
+        return client.v1.plans.create(params={
+            "id": USAGE_PLAN, "amount": 0, "currency": "usd", "interval": "month",
+            "product": {"name": "kvrun dedicated endpoints"}}).id
+
+
+def do_attach_card(*, organization: Organization, card: dict[str, object]) -> BillingAccount:
+    """Make a card the customer's default payment method (tests, against a Stripe stand-in;
+    in production a card is added through Checkout, checkout_url)."""
+    account = do_ensure_customer(organization=organization)
+    client = _client()
+    method = client.v1.payment_methods.create(params={"type": "card", "card": card})
+    client.v1.payment_methods.attach(method.id, params={"customer": account.stripe_customer_id})
+    _use_payment_method(account, method)
+    return account
+
+
+def checkout_url(*, organization: Organization, return_url: str) -> str:
+    """A Stripe Checkout page (setup mode) where the customer adds a card; Stripe then sends
+    checkout.session.completed, and the card becomes the default at the next push."""
+    account = do_ensure_customer(organization=organization)
+    session = _client().v1.checkout.sessions.create(params={
+        "mode": "setup", "customer": account.stripe_customer_id, "currency": "usd",
+        "payment_method_types": ["card"], "success_url": return_url, "cancel_url": return_url})
+    return session.url
+
+
+def do_push_invoice(*, invoice_id: int) -> Invoice | None:
+    """Send a finalised invoice to Stripe and charge it; safe to run any number of times.
+    Returns None when the invoice is gone or Stripe is not configured."""
+    if not configured():
+        return None
+    try:
+        return _push(invoice_id)
+    except stripe.StripeError as exc:
+        raise StripeUnavailable(str(exc)) from exc
+
+
+def _push(invoice_id: int) -> Invoice | None:
+    with transaction.atomic():
+        invoice = (Invoice.objects.select_for_update().select_related("organization")
+                   .filter(id=invoice_id).first())
+        if invoice is None or invoice.stripe_invoice_id:
+            return invoice
+        account = do_ensure_customer(organization=invoice.organization)
+        client = _client()
+        customer = account.stripe_customer_id
+        stripe_invoice = _find_invoice(client, customer, invoice)
+        if stripe_invoice is None:
+            made = {_metadata(item).get("kvrun_line")
+                    for item in client.v1.invoice_items.list(params={"customer": customer,
+                                                                     "limit": 100})}
+            for line in invoice.lines.all():
+                if str(line.id) in made:
+                    continue
+                client.v1.invoice_items.create(params={
+                    "customer": customer, "amount": line.amount_cents,
+                    "currency": invoice.currency, "description": line.description,
+                    "metadata": {"kvrun_line": str(line.id), "kvrun_invoice": str(invoice.id)},
+                }, options={"idempotency_key": f"kvrun-line-{line.id}"})
+            stripe_invoice = client.v1.invoices.create(params={
+                "customer": customer,  # charged automatically, Stripe's default
+                "subscription": account.stripe_subscription_id,
+                "pending_invoice_items_behavior": "include",
+                "description": f"kvrun {invoice.number}",
+                "metadata": {"kvrun_invoice": str(invoice.id), "kvrun_number": invoice.number},
+            }, options={"idempotency_key": f"kvrun-invoice-{invoice.id}"})
+        Invoice.objects.filter(id=invoice.id).update(stripe_invoice_id=stripe_invoice.id,
+                                                     payment_status=PaymentStatus.OPEN)
+    _charge(client, stripe_invoice.id)
+    return Invoice.objects.get(id=invoice_id)
+
+
+def do_receive_webhook(*, payload: bytes, signature: str) -> StripeEvent | None:
+    """Verify a delivery, store it once, handle it. Raises InvalidWebhook, changing nothing,
+    for a bad payload or signature; returns None for an event already received."""
+    try:
+        event = stripe.Webhook.construct_event(payload, signature,
+                                               settings.STRIPE_WEBHOOK_SECRET,
+                                               tolerance=SIGNATURE_TOLERANCE_SECONDS)
+    except (ValueError, stripe.SignatureVerificationError) as exc:
+        raise InvalidWebhook(str(exc)) from exc
+    try:
+        with transaction.atomic():
+            stored = StripeEvent.objects.create(stripe_id=event.id, type=event.type,
+                                                payload=event.to_dict())
+    except IntegrityError:
+        return None
+    outcome = _handle(event) if event.type in HANDLED else "ignored"
+    StripeEvent.objects.filter(id=stored.id).update(handled_at=timezone.now(), outcome=outcome)
+    return stored
+
+
+def _handle(event: stripe.Event) -> str:
+    data = event.data.object
+    if event.type == "customer.subscription.deleted":
+        account = BillingAccount.objects.filter(stripe_customer_id=data.customer).first()
+        if account is None:
+            return "no organisation has this customer"
+        _mark_delinquent(account, "Its Stripe subscription was cancelled")
+        do_refresh_hold(organization=account.organization)
+        return "organisation marked unpaid"
+    # Any invoice event: the invoice as Stripe holds it now decides, whatever the order.
+    current = _client().v1.invoices.retrieve(data.id)
+    invoice = _ours(current)
+    if invoice is None:
+        return "not a kvrun invoice"
+    account = BillingAccount.objects.get(organization_id=invoice.organization_id)
+    if current.status == "paid":
+        Invoice.objects.filter(id=invoice.id).update(stripe_invoice_id=current.id,
+                                                     payment_status=PaymentStatus.PAID)
+        if not Invoice.objects.filter(organization_id=invoice.organization_id,
+                                      payment_status=PaymentStatus.FAILED).exists():
+            BillingAccount.objects.filter(id=account.id).update(delinquent_since=None,
+                                                                delinquent_reason="")
+        do_refresh_hold(organization=invoice.organization)
+        return f"invoice {invoice.number} paid"
+    if event.type == "invoice.payment_failed":
+        Invoice.objects.filter(id=invoice.id).update(stripe_invoice_id=current.id,
+                                                     payment_status=PaymentStatus.FAILED)
+        _mark_delinquent(account, f"The payment of invoice {invoice.number} "
+                                  f"({usd(invoice.total_cents)}) failed")
+        do_refresh_hold(organization=invoice.organization)
+        return f"invoice {invoice.number} payment failed"
+    Invoice.objects.filter(id=invoice.id, stripe_invoice_id="").update(
+        stripe_invoice_id=current.id, payment_status=PaymentStatus.OPEN)
+    return f"invoice {invoice.number} {current.status}"
+
+
+def _mark_delinquent(account: BillingAccount, what: str) -> None:
+    """Start the grace period, once: a second failure does not restart it."""
+    now = timezone.now()
+    ends = now + timedelta(seconds=settings.KVRUN_PAYMENT_GRACE_SECONDS)
+    reason = (f"{what}. Update the payment method under Usage & billing "
+              f"({settings.KVRUN_BASE_URL}/orgs/{account.organization.slug}/billing/): the "
+              f"endpoints stop on {ends:%Y-%m-%d %H:%M} UTC if it is still unpaid, and may "
+              f"start again once it is paid.")
+    BillingAccount.objects.filter(id=account.id, delinquent_since=None).update(
+        delinquent_since=now, delinquent_reason=reason)
+
+
+def _find_invoice(client: stripe.StripeClient, customer: str,
+                  invoice: Invoice) -> stripe.Invoice | None:
+    """The Stripe invoice an earlier push made of `invoice`: the one with its lines on it."""
+    for candidate in client.v1.invoices.list(params={"customer": customer, "limit": 100}):
+        if any(_metadata(line).get("kvrun_invoice") == str(invoice.id)
+               for line in candidate.lines):
+            return candidate
+    return None
+
+
+def _ours(stripe_invoice: stripe.Invoice) -> Invoice | None:
+    """kvrun's invoice for a Stripe invoice: by the id kvrun stored, else by its metadata or
+    its lines' (a webhook can arrive before kvrun has stored the id)."""
+    found = Invoice.objects.filter(stripe_invoice_id=stripe_invoice.id).first()
+    if found is not None:
+        return found
+    tags = [_metadata(stripe_invoice), *(_metadata(line) for line in stripe_invoice.lines)]
+    ids = {tag["kvrun_invoice"] for tag in tags if tag.get("kvrun_invoice", "").isdigit()}
+    return Invoice.objects.filter(id__in=[int(kvrun_id) for kvrun_id in ids]).first()
+
+
+def _charge(client: stripe.StripeClient, stripe_invoice_id: str) -> None:
+    """Finalise and pay; a declined card is Stripe's invoice.payment_failed to handle."""
+    current = client.v1.invoices.retrieve(stripe_invoice_id)
+    if current.status in ("paid", "void", "uncollectible"):
+        return
+    try:
+        client.v1.invoices.pay(stripe_invoice_id)
+    except stripe.StripeError as exc:
+        logger.warning("charging Stripe invoice %s failed: %s", stripe_invoice_id, exc)
+
+
+def _use_payment_method(account: BillingAccount, method: stripe.PaymentMethod) -> None:
+    _client().v1.customers.update(account.stripe_customer_id, params={
+        "invoice_settings": {"default_payment_method": method.id}})
+    card = method.card
+    BillingAccount.objects.filter(id=account.id).update(
+        payment_method=f"{getattr(card, 'brand', 'card')} …{getattr(card, 'last4', '')}")
+
+
+def _metadata(stripe_object: stripe.StripeObject) -> dict[str, str]:
+    metadata = getattr(stripe_object, "metadata", None)
+    return metadata.to_dict() if metadata else {}
+

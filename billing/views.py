@@ -1,0 +1,18 @@
+"""Stripe's webhook: the raw body verified against its signature, nothing else trusted."""
+
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from billing.payments import InvalidWebhook, do_receive_webhook
+
+
+@csrf_exempt  # Stripe signs the body instead
+@require_POST
+def stripe_webhook(request: HttpRequest) -> JsonResponse:
+    try:
+        stored = do_receive_webhook(payload=request.body,
+                                    signature=request.headers.get("Stripe-Signature", ""))
+    except InvalidWebhook as exc:
+        return JsonResponse({"error": f"Not a valid Stripe delivery: {exc}"}, status=400)
+    return JsonResponse({"received": True, "duplicate": stored is None})

@@ -1,0 +1,160 @@
+"""Stripe against localstripe: a finalised invoice pushed once however often the push runs,
+and webhooks verified, stored once and handled in any order."""
+
+import json
+import time
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import stripe
+import time_machine
+from django.conf import settings
+from django.test import Client
+
+from accounts.models import Organization
+from billing.budgets import do_enforce_budgets
+from billing.models import BillingAccount, Invoice, PaymentStatus, StripeEvent
+from billing.payments import do_attach_card, do_ensure_customer, do_push_invoice
+from endpoints.models import DesiredState, Endpoint, Node
+from tests.billing.conftest import WEBHOOK_SECRET
+from tests.billing.helpers import finalize_at, ready_for
+
+GOOD_CARD = {"number": "4242424242424242", "exp_month": 12, "exp_year": 2031, "cvc": "123"}
+DECLINED_CARD = {"number": "4000000000000341", "exp_month": 12, "exp_year": 2031, "cvc": "123"}
+WEBHOOK = "/billing/stripe/webhook"
+
+
+@pytest.fixture
+def invoice(cpu_endpoint: Endpoint, cpu_node: Node, stripe_on: str) -> Invoice:
+    """January's invoice, finalised: 10 h ready at $0.40 and its start-up and stop."""
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 10, 8, tzinfo=UTC), hours=10)
+    finalize_at(datetime(2026, 2, 1, 2, tzinfo=UTC))
+    return Invoice.objects.get()
+
+
+def stripe_client() -> stripe.StripeClient:
+    return stripe.StripeClient(settings.STRIPE_SECRET_KEY,
+                               base_addresses={"api": settings.STRIPE_API_BASE})
+
+
+def on_stripe(organization: Organization) -> tuple[list, list]:
+    """The customer's invoices (newest first) and invoice items as Stripe holds them."""
+    customer = BillingAccount.objects.get(organization=organization).stripe_customer_id
+    return (list(stripe_client().v1.invoices.list(params={"customer": customer})),
+            list(stripe_client().v1.invoice_items.list(params={"customer": customer})))
+
+
+def ours_on_stripe(organization: Organization) -> stripe.Invoice:
+    """The Stripe invoice with kvrun's lines (the usage plan makes $0 ones beside it)."""
+    invoices, _ = on_stripe(organization)
+    [ours] = [stripe_invoice for stripe_invoice in invoices if any(
+        line.metadata.to_dict().get("kvrun_invoice") for line in stripe_invoice.lines)]
+    return ours
+
+
+def deliver(web: Client, event_type: str, obj: dict, *, event_id: str | None = None,
+            secret: str = WEBHOOK_SECRET) -> object:
+    """POST a Stripe event as Stripe does: JSON body, signed with the endpoint's secret."""
+    payload = json.dumps({"id": event_id or f"evt_{time.time_ns()}", "object": "event",
+                          "type": event_type, "created": int(time.time()),
+                          "data": {"object": obj}})
+    header = stripe.WebhookSignature.generate_signature_header(payload, secret)
+    return web.post(WEBHOOK, payload, content_type="application/json",
+                    HTTP_STRIPE_SIGNATURE=header)
+
+
+def test_a_pushed_invoice_is_one_invoice_and_one_item_a_line_however_often_it_is_pushed(
+        invoice: Invoice, org: Organization) -> None:
+    do_attach_card(organization=org, card=GOOD_CARD)
+    lines = list(invoice.lines.order_by("id"))
+    # An earlier push was cut off after its first item.
+    customer = do_ensure_customer(organization=org).stripe_customer_id
+    stripe_client().v1.invoice_items.create(params={
+        "customer": customer, "amount": lines[0].amount_cents, "currency": "usd",
+        "description": lines[0].description,
+        "metadata": {"kvrun_line": str(lines[0].id), "kvrun_invoice": str(invoice.id)}})
+
+    do_push_invoice(invoice_id=invoice.id)
+    # Another whose answer was lost after Stripe made the invoice.
+    Invoice.objects.filter(id=invoice.id).update(stripe_invoice_id="")
+    do_push_invoice(invoice_id=invoice.id)
+    do_push_invoice(invoice_id=invoice.id)
+
+    ours = [ours_on_stripe(org)]  # exactly one
+    assert on_stripe(org)[1] == []  # no item left pending
+    items = [line for line in ours[0].lines if line.metadata.to_dict().get("kvrun_line")]
+    assert sorted(item.metadata.to_dict()["kvrun_line"] for item in items) == sorted(
+        str(line.id) for line in lines)
+    assert ours[0].total == invoice.total_cents == sum(item.amount for item in items)
+    assert ours[0].status == "paid"
+    assert Invoice.objects.get(id=invoice.id).stripe_invoice_id == ours[0].id
+
+
+def test_a_webhook_with_a_bad_signature_is_refused_and_changes_nothing(
+        invoice: Invoice, org: Organization, client: Client) -> None:
+    do_attach_card(organization=org, card=GOOD_CARD)
+    do_push_invoice(invoice_id=invoice.id)
+    stripe_invoice = ours_on_stripe(org)
+
+    forged = deliver(client, "invoice.payment_failed", stripe_invoice.to_dict(),
+                     secret="whsec_someone_else")
+    unsigned = client.post(WEBHOOK, "{}", content_type="application/json")
+
+    assert forged.status_code == 400 and "signature" in forged.json()["error"].lower()
+    assert unsigned.status_code == 400
+    assert not StripeEvent.objects.exists()
+    assert BillingAccount.objects.get(organization=org).delinquent_since is None
+
+
+def test_the_same_event_twice_has_one_effect_and_paid_before_created_ends_paid(
+        invoice: Invoice, org: Organization, client: Client) -> None:
+    do_attach_card(organization=org, card=GOOD_CARD)
+    do_push_invoice(invoice_id=invoice.id)
+    Invoice.objects.filter(id=invoice.id).update(payment_status=PaymentStatus.OPEN)
+    stripe_invoice = ours_on_stripe(org).to_dict()
+
+    first = deliver(client, "invoice.paid", stripe_invoice, event_id="evt_paid")
+    again = deliver(client, "invoice.paid", stripe_invoice, event_id="evt_paid")
+    created = deliver(client, "invoice.created", {**stripe_invoice, "status": "draft"})
+
+    assert (first.status_code, first.json()["duplicate"]) == (200, False)
+    assert (again.status_code, again.json()["duplicate"]) == (200, True)
+    assert created.status_code == 200
+    assert StripeEvent.objects.filter(stripe_id="evt_paid").count() == 1
+    assert Invoice.objects.get(id=invoice.id).payment_status == PaymentStatus.PAID
+    assert StripeEvent.objects.get(stripe_id="evt_paid").outcome.endswith("paid")
+
+
+def test_a_failed_payment_stops_the_endpoints_after_the_grace_and_paying_lifts_it(
+        invoice: Invoice, org: Organization, client: Client, cpu_endpoint: Endpoint) -> None:
+    do_attach_card(organization=org, card=DECLINED_CARD)
+    do_push_invoice(invoice_id=invoice.id)
+    stripe_invoice = ours_on_stripe(org)
+    assert stripe_invoice.status == "open"
+
+    failed = deliver(client, "invoice.payment_failed", stripe_invoice.to_dict())
+    deliver(client, "invoice.payment_failed", stripe_invoice.to_dict())  # Stripe retried
+
+    assert failed.status_code == 200
+    account = BillingAccount.objects.get(organization=org)
+    assert account.delinquent_since is not None
+    assert Invoice.objects.get(id=invoice.id).payment_status == PaymentStatus.FAILED
+    assert Organization.objects.get(id=org.id).billing_hold == ""  # in its grace period
+    with time_machine.travel(account.delinquent_since + timedelta(
+            seconds=settings.KVRUN_PAYMENT_GRACE_SECONDS - 60)):
+        do_enforce_budgets()
+    assert Organization.objects.get(id=org.id).billing_hold == ""
+    with time_machine.travel(account.delinquent_since + timedelta(
+            seconds=settings.KVRUN_PAYMENT_GRACE_SECONDS + 60)):
+        do_enforce_budgets()
+    hold = Organization.objects.get(id=org.id).billing_hold
+    assert f"The payment of invoice {invoice.number} ($4.00) failed" in hold
+    assert Endpoint.objects.get(id=cpu_endpoint.id).desired_state == DesiredState.STOPPED
+
+    do_attach_card(organization=org, card=GOOD_CARD)
+    paid = stripe_client().v1.invoices.pay(stripe_invoice.id)
+    deliver(client, "invoice.paid", paid.to_dict())
+
+    assert Invoice.objects.get(id=invoice.id).payment_status == PaymentStatus.PAID
+    assert BillingAccount.objects.get(organization=org).delinquent_since is None
+    assert Organization.objects.get(id=org.id).billing_hold == ""
