@@ -12,12 +12,14 @@ from django.http import HttpRequest
 from accounts.models import Organization
 from billing.invoicing import usd
 from billing.models import (
+    BillingAccount,
     Budget,
     BudgetEvent,
     GPUHour,
     GPUPrice,
     Invoice,
     InvoiceLine,
+    StripeEvent,
     TokenHour,
     TokenPrice,
     UsageRecord,
@@ -233,6 +235,40 @@ class BudgetEventAdmin(admin.ModelAdmin):
     search_fields = ["=organization__slug"]
     list_filter = ["stopped", "threshold"]
     readonly_fields = [field.name for field in BudgetEvent._meta.fields]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(BillingAccount)
+class BillingAccountAdmin(admin.ModelAdmin):
+    list_display = ["organization", "stripe_customer_id", "payment_method", "delinquent_since"]
+    list_select_related = ["organization"]
+    search_fields = ["=organization__slug", "=stripe_customer_id"]
+    readonly_fields = ["organization", "stripe_customer_id", "stripe_subscription_id",
+                       "payment_method", "delinquent_since", "delinquent_reason"]
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
+@admin.register(StripeEvent)
+class StripeEventAdmin(admin.ModelAdmin):
+    """Every webhook delivery as Stripe sent it, and what handling it did: read only."""
+
+    list_display = ["received_at", "type", "stripe_id", "handled_at", "outcome"]
+    list_filter = ["type"]
+    search_fields = ["=stripe_id"]
+    readonly_fields = ["stripe_id", "type", "payload", "received_at", "handled_at", "outcome"]
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

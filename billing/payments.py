@@ -101,12 +101,17 @@ def do_attach_card(*, organization: Organization, card: dict[str, object]) -> Bi
 
 
 def checkout_url(*, organization: Organization, return_url: str) -> str:
-    """A Stripe Checkout page (setup mode) where the customer adds a card; Stripe then sends
-    checkout.session.completed, and the card becomes the default at the next push."""
-    account = do_ensure_customer(organization=organization)
-    session = _client().v1.checkout.sessions.create(params={
-        "mode": "setup", "customer": account.stripe_customer_id, "currency": "usd",
-        "payment_method_types": ["card"], "success_url": return_url, "cancel_url": return_url})
+    """A Stripe Checkout page (setup mode) where the customer adds a card. Stripe attaches it
+    to the customer; set it as the default for invoices in Stripe's customer settings
+    ("Use the most recent payment method"). Raises StripeUnavailable."""
+    try:
+        account = do_ensure_customer(organization=organization)
+        session = _client().v1.checkout.sessions.create(params={
+            "mode": "setup", "customer": account.stripe_customer_id, "currency": "usd",
+            "payment_method_types": ["card"], "success_url": return_url,
+            "cancel_url": return_url})
+    except stripe.StripeError as exc:
+        raise StripeUnavailable(str(exc)) from exc
     return session.url
 
 

@@ -31,6 +31,8 @@ urlpatterns = [
     path("orgs/<slug:org_slug>/billing/budget/", billing.set_budget, name="budget-set"),
     path("orgs/<slug:org_slug>/billing/budget/remove/", billing.remove_budget,
          name="budget-remove"),
+    path("orgs/<slug:org_slug>/billing/payment-method/", billing.add_payment_method,
+         name="payment-method"),
     path("orgs/<slug:org_slug>/billing/<month:month>/", billing.invoice, name="invoice"),
     path("orgs/<slug:org_slug>/billing/<month:month>/csv/", billing.invoice_csv,
          name="invoice-csv"),

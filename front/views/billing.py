@@ -12,13 +12,14 @@ from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
-from billing import selectors
+from billing import payments, selectors
 from billing.budgets import do_remove_budget, do_set_budget
 from billing.invoicing import cents, lines_for_month, month_bounds, month_of
-from billing.models import Budget, BudgetEvent, LineKind
+from billing.models import BillingAccount, Budget, BudgetEvent, LineKind
 from front.forms import BudgetForm
 from front.scoping import Member, membership
 from kvrun.forms import add_service_errors
@@ -56,6 +57,8 @@ def billing(request: HttpRequest, org_slug: str, budget_form: BudgetForm | None 
         "thresholds": ", ".join(str(threshold) for threshold in budget.thresholds),
         "action": budget.action} if budget else None)
     return render(request, "front/billing.html", {
+        "account": BillingAccount.objects.filter(organization=organization).first(),
+        "stripe_on": payments.configured(),
         "budget": budget, "budget_form": form,
         "budget_events": BudgetEvent.objects.filter(organization=organization,
                                                     month=month_of(now)).order_by("at"),
@@ -99,6 +102,20 @@ def remove_budget(request: HttpRequest, org_slug: str) -> HttpResponse:
     do_remove_budget(organization=member.organization, actor_role=member.role)
     messages.success(request, "Budget removed.")
     return redirect("billing", org_slug=member.organization.slug)
+
+
+@login_required
+@require_POST
+def add_payment_method(request: HttpRequest, org_slug: str) -> HttpResponse:
+    """To Stripe Checkout, which takes the card and comes back to the billing page."""
+    member = _manager(request, org_slug)
+    back = request.build_absolute_uri(reverse("billing", args=[member.organization.slug]))
+    try:
+        return redirect(payments.checkout_url(organization=member.organization, return_url=back))
+    except payments.StripeUnavailable as exc:
+        messages.error(request, f"Stripe could not open its payment page ({exc}); try again "
+                                "in a minute.")
+        return redirect("billing", org_slug=member.organization.slug)
 
 
 @login_required

@@ -5,6 +5,7 @@ import json
 import time
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 import stripe
 import time_machine
@@ -15,9 +16,10 @@ from accounts.models import Organization
 from billing.budgets import do_enforce_budgets
 from billing.models import BillingAccount, Invoice, PaymentStatus, StripeEvent
 from billing.payments import do_attach_card, do_ensure_customer, do_push_invoice
-from endpoints.models import DesiredState, Endpoint, Node
+from endpoints.models import DesiredState, Endpoint, Node, Replica
 from tests.billing.conftest import WEBHOOK_SECRET
-from tests.billing.helpers import finalize_at, ready_for
+from tests.billing.helpers import demo_endpoint, finalize_at, ready_for
+from tests.helpers import wait_until
 
 GOOD_CARD = {"number": "4242424242424242", "exp_month": 12, "exp_year": 2031, "cvc": "123"}
 DECLINED_CARD = {"number": "4000000000000341", "exp_month": 12, "exp_year": 2031, "cvc": "123"}
@@ -158,3 +160,38 @@ def test_a_failed_payment_stops_the_endpoints_after_the_grace_and_paying_lifts_i
     assert Invoice.objects.get(id=invoice.id).payment_status == PaymentStatus.PAID
     assert BillingAccount.objects.get(organization=org).delinquent_since is None
     assert Organization.objects.get(id=org.id).billing_hold == ""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_stripe_s_own_deliveries_reach_kvrun_and_settle_the_invoice(
+        live_server: object, cpu_node: Node, org: Organization, stripe_on: str) -> None:
+    endpoint = demo_endpoint(org)
+    Replica.objects.create(endpoint=endpoint)
+    ready_for(endpoint, cpu_node, datetime(2026, 1, 10, 8, tzinfo=UTC), hours=10)
+    finalize_at(datetime(2026, 2, 1, 2, tzinfo=UTC))
+    invoice = Invoice.objects.get()
+    httpx.post(f"{stripe_on}/_config/webhooks/kvrun", data={
+        "url": f"{live_server.url}{WEBHOOK}", "secret": WEBHOOK_SECRET}).raise_for_status()
+    do_attach_card(organization=org, card=GOOD_CARD)
+
+    do_push_invoice(invoice_id=invoice.id)
+
+    # localstripe signs and posts each event a second after it happens.
+    assert wait_until(lambda: StripeEvent.objects.filter(
+        type="invoice.payment_succeeded", outcome=f"invoice {invoice.number} paid").exists(), 20)
+    assert Invoice.objects.get(id=invoice.id).payment_status == PaymentStatus.PAID
+    assert StripeEvent.objects.filter(type="invoice.created").exists()
+
+
+def test_the_billing_page_shows_the_card_and_sends_people_to_stripe_for_a_new_one(
+        invoice: Invoice, org: Organization, owner: object, client: Client) -> None:
+    client.force_login(owner)
+    do_attach_card(organization=org, card=GOOD_CARD)
+
+    page = client.get(f"/orgs/{org.slug}/billing/")
+    # The stand-in has no Checkout: what a person sees when Stripe cannot open it.
+    checkout = client.post(f"/orgs/{org.slug}/billing/payment-method/", follow=True)
+
+    assert b"visa \xe2\x80\xa64242" in page.content
+    assert checkout.status_code == 200
+    assert b"Stripe could not open its payment page" in checkout.content
