@@ -4,7 +4,9 @@ CPU engine.
 
 sign up → create an endpoint in the wizard → the progress bar reaches ready → the playground
 streams an answer → the charts show the request → create an API key → the copied Python
-snippet, run as a script, gets an answer → revoke the key → the snippet is refused.
+snippet, run as a script, gets an answer → a budget below the month's cost stops the endpoint
+and the gateway refuses the snippet with the budget's message → revoke the key → the snippet
+is refused.
 """
 
 import subprocess
@@ -13,10 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey, KeyPurpose
-from billing.models import TokenHour, UsageRecord
+from billing.invoicing import month_bounds, month_of
+from billing.models import GPUPrice, TokenHour, UsageRecord
 from billing.tasks import ingest_usage, roll_up_usage
 from endpoints.models import Endpoint, Node, Replica, State
 from tests.helpers import api_servers, drive, wait_until
@@ -128,6 +132,27 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
     answered = run_snippet(snippet, secret, tmp_path)
     assert answered.returncode == 0, answered.stderr
     assert answered.stdout.strip()
+
+    # An operator's price of $1 a second makes the month cost more than a $1.00 budget set to
+    # stop: the endpoint stops, every page says why, and the gateway refuses the snippet with
+    # the budget's message (once the key's cached state has expired).
+    GPUPrice.objects.create(gpu_type=endpoint.gpu_type, hourly_price_usd=3600,
+                            effective_from=month_bounds(month_of(timezone.now()))[0])
+    nav.get_by_role("link", name="Usage & billing").click()
+    page.get_by_label("Monthly limit (USD)").fill("1.00")
+    page.get_by_label("At 100 %").select_option("stop")
+    page.get_by_role("button", name="Set a budget").click()
+    expect(page.get_by_test_id("billing-hold")).to_contain_text(
+        "monthly budget of $1.00 is reached")
+    shot("journey-12-budget")
+    refusals: list[str] = []
+
+    def refused_for_the_budget() -> bool:
+        refusals.append(run_snippet(snippet, secret, tmp_path).stderr)
+        return "monthly budget of $1.00 is reached" in refusals[-1]
+    assert wait_until(refused_for_the_budget, 30, interval=1), refusals[-1]
+    assert "402" in refusals[-1]
+    assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.STOPPED, 60)
 
     nav.get_by_role("link", name="API keys").click()
     page.get_by_role("button", name="Revoke").click()
