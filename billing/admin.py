@@ -28,6 +28,19 @@ from endpoints.models import Endpoint
 from kvrun.paginators import BoundedCountPaginator
 
 
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Ledger rows and what is derived from them: written by kvrun alone, never changed here."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+
 class StatusFilter(admin.SimpleListFilter):
     title = "status"
     parameter_name = "status"
@@ -62,7 +75,7 @@ class OperationFilter(admin.SimpleListFilter):
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(admin.ModelAdmin):
+class UsageRecordAdmin(ReadOnlyAdmin):
     list_display = ["request_id", "organization", "endpoint", "key", "operation", "status_code",
                     "tokens", "time_to_first_token_ms", "duration_ms", "started_at"]
     list_filter = [StatusFilter, OperationFilter, "stream", "client_disconnected", "started_at"]
@@ -79,15 +92,6 @@ class UsageRecordAdmin(admin.ModelAdmin):
               "time_to_first_token_ms", "duration_ms", "gateway_overhead_ms", "ingested_at"]
     readonly_fields = fields
 
-    # The ledger is written once by the ingester and never changed, here or anywhere.
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet[UsageRecord],
                            search_term: str) -> tuple[QuerySet[UsageRecord], bool]:
@@ -109,7 +113,7 @@ class UsageRecordAdmin(admin.ModelAdmin):
         return f"{record.prompt_tokens} + {record.completion_tokens}"
 
 
-class RollupAdmin(admin.ModelAdmin):
+class RollupAdmin(ReadOnlyAdmin):
     """Hourly lines the rollup derives from the ledger: read only, rewritten by it alone."""
 
     list_select_related = ["organization", "endpoint"]
@@ -121,14 +125,6 @@ class RollupAdmin(admin.ModelAdmin):
     show_full_result_count = False
     show_facets = admin.ShowFacets.NEVER
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
 
 
 @admin.register(TokenHour)
@@ -187,7 +183,7 @@ class InvoiceLineInline(admin.TabularInline):
 
 
 @admin.register(Invoice)
-class InvoiceAdmin(admin.ModelAdmin):
+class InvoiceAdmin(ReadOnlyAdmin):
     """Finalised invoices: ledger rows, read only."""
 
     list_display = ["number", "organization", "month", "total", "finalized_at"]
@@ -199,14 +195,6 @@ class InvoiceAdmin(admin.ModelAdmin):
     readonly_fields = fields
     inlines = [InvoiceLineInline]
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
 
     @admin.display(description="total")
     def total(self, invoice: Invoice) -> str:
@@ -228,7 +216,7 @@ class BudgetAdmin(admin.ModelAdmin):
 
 
 @admin.register(BudgetEvent)
-class BudgetEventAdmin(admin.ModelAdmin):
+class BudgetEventAdmin(ReadOnlyAdmin):
     list_display = ["at", "organization", "month", "threshold", "limit_cents", "spend_cents",
                     "projected_cents", "stopped"]
     list_select_related = ["organization"]
@@ -236,14 +224,6 @@ class BudgetEventAdmin(admin.ModelAdmin):
     list_filter = ["stopped", "threshold"]
     readonly_fields = [field.name for field in BudgetEvent._meta.fields]
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
 
 
 @admin.register(BillingAccount)
@@ -262,7 +242,7 @@ class BillingAccountAdmin(admin.ModelAdmin):
 
 
 @admin.register(StripeEvent)
-class StripeEventAdmin(admin.ModelAdmin):
+class StripeEventAdmin(ReadOnlyAdmin):
     """Every webhook delivery as Stripe sent it, and what handling it did: read only."""
 
     list_display = ["received_at", "type", "stripe_id", "handled_at", "outcome"]
@@ -270,11 +250,3 @@ class StripeEventAdmin(admin.ModelAdmin):
     search_fields = ["=stripe_id"]
     readonly_fields = ["stripe_id", "type", "payload", "received_at", "handled_at", "outcome"]
 
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        return False

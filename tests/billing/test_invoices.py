@@ -1,21 +1,19 @@
 """Monthly invoices: priced at each hour's price, final after the grace period, once, with
 late usage as an adjustment on the next invoice."""
 
-import threading
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
 import pytest
 import time_machine
 from django.core.exceptions import ValidationError
-from django.db import connection
 
 from accounts.models import APIKey, Organization
 from billing.invoicing import do_finalize_due_invoices, draft_lines
 from billing.models import GPUPrice, Invoice, InvoiceLine, TokenPrice
 from billing.rollup import do_roll_up_usage
 from endpoints.models import Endpoint, Node, Replica
-from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, record
+from tests.billing.helpers import at_once, demo_endpoint, finalize_at, ready_for, record
 from tests.factories import inference_key
 
 JAN = date(2026, 1, 1)
@@ -121,22 +119,11 @@ def test_two_workers_finalising_at_once_store_one_invoice(cpu_node: Node,
     ready_for(endpoint, cpu_node, datetime(2026, 1, 5, tzinfo=UTC), hours=3)
     with time_machine.travel(FEB_1 + timedelta(hours=2), tick=False):
         do_roll_up_usage()
-    barrier = threading.Barrier(2)
-    finalized: list[int] = []
+    def finalize() -> int:
+        with time_machine.travel(FEB_1 + timedelta(hours=2), tick=False):
+            return do_finalize_due_invoices()
 
-    def worker() -> None:
-        try:
-            barrier.wait(10)
-            with time_machine.travel(FEB_1 + timedelta(hours=2), tick=False):
-                finalized.append(do_finalize_due_invoices())
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    finalized = at_once(finalize)
 
     assert sorted(finalized) == [0, 1]
     assert Invoice.objects.count() == 1

@@ -17,7 +17,7 @@ from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint
-from tests.billing.helpers import demo_endpoint, run_replica
+from tests.billing.helpers import at_once, demo_endpoint, run_replica
 from tests.factories import inference_key, usage_report
 
 T0 = datetime(2026, 1, 31, 23, 30, tzinfo=UTC)  # half an hour before a month ends
@@ -129,21 +129,7 @@ def test_the_rollup_run_twice_or_by_two_workers_at_once_gives_the_same_totals(
                 tuple(TokenHour.objects.order_by("hour").values_list(
                     "hour", "requests", "prompt_tokens", "completion_tokens")))
 
-    barrier = threading.Barrier(2)
-    runs: list[object] = []
-
-    def worker() -> None:
-        try:
-            barrier.wait(10)
-            runs.append(do_roll_up_usage(now=now))
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=worker) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    runs = at_once(lambda: do_roll_up_usage(now=now))
     concurrent = totals()
     do_roll_up_usage(now=now)
 
