@@ -28,7 +28,7 @@ from django.db import connection  # noqa: E402
 from accounts.models import User  # noqa: E402
 from accounts.services import do_create_organization  # noqa: E402
 from billing.models import GPUHour, TokenHour  # noqa: E402
-from billing.rollup import do_roll_up_usage, mark_stale_hours  # noqa: E402
+from billing.rollup import Rollup, do_roll_up_usage, mark_stale_hours  # noqa: E402
 from endpoints.models import Endpoint, GPUType, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
 from tests.factories import inference_key  # noqa: E402
@@ -115,10 +115,11 @@ def floor_seconds() -> float:
     return time.perf_counter() - started
 
 
-def timed_rollup() -> float:
+def timed_rollup() -> tuple[float, Rollup]:
     started = time.perf_counter()
-    assert do_roll_up_usage(now=NOW) is not None
-    return time.perf_counter() - started
+    rollup = do_roll_up_usage(now=NOW)
+    assert rollup is not None
+    return time.perf_counter() - started, rollup
 
 
 def main() -> int:
@@ -127,23 +128,24 @@ def main() -> int:
     hours = DAYS * 24
     first = seed("1x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
     floor = min(floor_seconds() for _ in range(3))
-    full = timed_rollup()
+    full, parts = timed_rollup()
     lines_1x = TokenHour.objects.count(), GPUHour.objects.count()
 
     # 1 % more: records of the last hour, and intervals that start in it.
     extra = seed("1x-new", owner, records=RECORDS // 100, intervals=INTERVALS // 100, hours=1)
-    incremental = timed_rollup()
+    incremental, _ = timed_rollup()
 
     second = seed("2x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
     TokenHour.objects.all().delete()
     GPUHour.objects.all().delete()
     mark_stale_hours(records=stored_hours([endpoint.id for endpoint in first + extra + second]))
-    doubled = timed_rollup()
+    doubled, _ = timed_rollup()
 
     result = {
         "records": RECORDS, "intervals": INTERVALS, "endpoints": ENDPOINTS, "days": DAYS,
         "token_hour_lines": lines_1x[0], "gpu_hour_lines": lines_1x[1],
-        "full_s": round(full, 3), "floor_s": round(floor, 3),
+        "full_s": round(full, 3), "full_tokens_s": round(parts.token_seconds, 3),
+        "full_gpu_s": round(parts.gpu_seconds, 3), "floor_s": round(floor, 3),
         "incremental_s": round(incremental, 3), "doubled_s": round(doubled, 3),
         "records_per_s": round(RECORDS / full), "floor_records_per_s": round(RECORDS / floor),
         "growth_ratio_2x": round(doubled / full, 2),
@@ -168,6 +170,8 @@ def report(result: dict) -> None:
           f"{result['floor_records_per_s']:>12,}")
     print(f"  {'kvrun: full rollup, 1x':<44}{result['full_s']:>9.3f}"
           f"{result['records_per_s']:>12,}")
+    print(f"  {'  of which tokens':<44}{result['full_tokens_s']:>9.3f}")
+    print(f"  {'  of which GPU time':<44}{result['full_gpu_s']:>9.3f}")
     print(f"  {'kvrun: incremental, 1 % new':<44}{result['incremental_s']:>9.3f}")
     print(f"  {'kvrun: full rollup, 2x':<44}{result['doubled_s']:>9.3f}")
     print(f"  records/s {result['records_per_s']:,} (goal ≥ {GOALS['records_per_s']:,}; floor "

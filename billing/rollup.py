@@ -10,6 +10,7 @@ before the latest line on: that covers every interval still open, and intervals 
 settled an hour after the latest line has moved past it.
 """
 
+import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ RECORDS_PER_INDEXED_HOUR = 100
 class Rollup:
     token_hours: int  # endpoint-hours rewritten
     gpu_hours: int  # lines written
+    token_seconds: float  # how long each part took
+    gpu_seconds: float
 
 
 def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
@@ -50,8 +53,13 @@ def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
         # A first run, or one after a long stop, aggregates millions of rows: in memory.
         cursor.execute("SET LOCAL work_mem = '256MB'")
         started = timezone.now()
-        return Rollup(token_hours=_roll_up_tokens(cursor, started),
-                      gpu_hours=_roll_up_gpu_time(cursor, now or started, started))
+        clock = time.perf_counter()
+        token_hours = _roll_up_tokens(cursor, started)
+        tokens_done = time.perf_counter()
+        gpu_hours = _roll_up_gpu_time(cursor, now or started, started)
+        return Rollup(token_hours=token_hours, gpu_hours=gpu_hours,
+                      token_seconds=tokens_done - clock,
+                      gpu_seconds=time.perf_counter() - tokens_done)
 
 
 def lock_rollups() -> None:

@@ -25,8 +25,9 @@ def roll_up_usage() -> None:
     """Bring the hourly token and GPU-time lines up to date; safe to run any number of times."""
     rollup = do_roll_up_usage()
     if rollup is not None:
-        logger.info("rolled up %d usage hour(s), wrote %d GPU-hour line(s)", rollup.token_hours,
-                    rollup.gpu_hours)
+        logger.info("rolled up %d usage hour(s) in %.3f s, wrote %d GPU-hour line(s) in %.3f s",
+                    rollup.token_hours, rollup.token_seconds, rollup.gpu_hours,
+                    rollup.gpu_seconds)
 
 
 @shared_task(name="billing.finalize_invoices", ignore_result=True)
