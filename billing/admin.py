@@ -24,6 +24,7 @@ from billing.models import (
     TokenPrice,
     UsageRecord,
 )
+from billing.rollup import do_write_down_list_prices
 from endpoints.models import Endpoint
 from kvrun.paginators import BoundedCountPaginator
 
@@ -159,6 +160,11 @@ class GPUPriceAdmin(PriceAdmin):
     list_display = ["gpu_type", "hourly_price_usd", "effective_from", "created_at"]
     list_filter = ["gpu_type"]
     fields = ["gpu_type", "hourly_price_usd", "effective_from", "created_at"]
+
+    def save_model(self, request: HttpRequest, obj: GPUPrice, form: object,
+                   change: bool) -> None:
+        do_write_down_list_prices()  # the hours before the new price keep the list price
+        super().save_model(request, obj, form, change)
 
 
 @admin.register(TokenPrice)

@@ -1,6 +1,6 @@
 """The billing REST API: an organisation's invoices (drafts and finalised), their lines and
-the ledger rows behind each line, for owners and admins; and what each endpoint costs, for
-every member (as the dashboard shows it on the endpoint's page)."""
+the ledger rows behind each line, for owners and admins; daily usage and what each endpoint
+costs, for every member (as the dashboard shows them)."""
 
 from datetime import date
 
@@ -17,11 +17,13 @@ from billing import selectors
 from billing.invoicing import Line, month_of
 from billing.models import LineKind
 from billing.serializers import (
+    DailyUsageSerializer,
     EndpointCostSerializer,
     IntervalSerializer,
     InvoiceDetailSerializer,
     InvoiceSerializer,
     RecordSerializer,
+    UsageQuery,
 )
 from endpoints.selectors import endpoints_of
 
@@ -70,13 +72,14 @@ class LineUsage(BillingView):
         component_name="LineUsage", serializers=[IntervalSerializer, RecordSerializer],
         resource_type_field_name=None, many=True))
     def get(self, request: Request, month: date, number: int, **kwargs: str) -> Response:
-        lines = self.invoice(month).lines
+        shown = self.invoice(month)
+        lines = shown.lines
         if not 1 <= number <= len(lines):
             raise Http404(f"The invoice for {month:%Y-%m} has {len(lines)} line(s).")
         line: Line = lines[number - 1]
         serializer = IntervalSerializer if line.kind == LineKind.GPU_TIME else RecordSerializer
-        page = self.paginate_queryset(selectors.usage_behind(organization=self.organization,
-                                                             line=line))
+        page = self.paginate_queryset(selectors.usage_behind(
+            organization=self.organization, line=line, billed_at=shown.finalized_at))
         return self.get_paginated_response(serializer(page, many=True).data)
 
 
@@ -99,3 +102,18 @@ class EndpointCost(OrganizationScoped, GenericAPIView):
             "endpoint": endpoint.name, "hourly_price_usd": endpoint.hourly_price_usd,
             "month_to_date_cents": month.get(endpoint.id, 0), "last_hour": costs[1],
             "last_day": costs[24]}).data)
+
+
+class DailyUsage(OrganizationScoped, GenericAPIView):
+    """GPU-hours (billed phases) and tokens per UTC day over the last `days` days (30 by
+    default, at most 366), oldest first, days without usage included; for every member."""
+
+    serializer_class = DailyUsageSerializer
+
+    @extend_schema(parameters=[UsageQuery], responses=DailyUsageSerializer(many=True))
+    def get(self, request: Request, **kwargs: str) -> Response:
+        query = UsageQuery(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        days = selectors.daily_usage(organization=self.organization,
+                                     days=query.validated_data["days"])
+        return Response(DailyUsageSerializer(days, many=True).data)

@@ -68,7 +68,7 @@ def do_remove_budget(*, organization: Organization, actor_role: str | None) -> N
     require_manager(actor_role, "remove the budget")
     with transaction.atomic():
         Budget.objects.filter(organization=organization).delete()
-        do_set_billing_hold(organization_id=organization.id, reason="")
+        do_refresh_hold(organization=organization)
 
 
 def do_enforce_budgets(*, now: datetime | None = None) -> int:
@@ -91,10 +91,12 @@ def do_check_budget(*, budget: Budget, now: datetime | None = None) -> list[Budg
     limit = budget.monthly_limit_cents
     # Once this limit has stopped the month, it stays stopped: with the endpoints stopped the
     # projection falls back under the limit, and must not start them again.
-    stopped_before = BudgetEvent.objects.filter(organization=organization, month=spend.month,
-                                                limit_cents=limit, stopped=True).exists()
+    stopped_before = (budget.stopped_month, budget.stopped_limit_cents) == (spend.month, limit)
     stop = budget.action == BudgetAction.STOP and (spend.projected_cents >= limit
                                                    or stopped_before)
+    if stop and not stopped_before:
+        Budget.objects.filter(id=budget.id).update(stopped_month=spend.month,
+                                                   stopped_limit_cents=limit)
     reached = [threshold for threshold in budget.thresholds
                if spend.projected_cents * 100 >= threshold * limit]
     new = [event for event in (_record(budget, spend, threshold, stop and threshold >= 100, now)

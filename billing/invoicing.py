@@ -9,6 +9,7 @@ invoices have billed, so the total billed for a month always converges on what i
 """
 
 import calendar
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
@@ -22,14 +23,12 @@ from django.utils import timezone
 
 from accounts.models import Organization
 from billing.models import Invoice, InvoiceLine, LineKind
-from billing.rollup import lock_rollups
+from billing.rollup import do_write_down_list_prices, lock_rollups
 from endpoints.models import BilledPhase
 
+logger = logging.getLogger(__name__)
+
 GPU_HOUR, MILLION_TOKENS = "GPU-hour", "1M tokens"
-# The price of a GPU type with no price version yet is its catalog list price, written down as
-# a version from this moment the first time it is billed, so that a later catalog change
-# cannot reprice a past hour.
-FIRST_PRICE_FROM = datetime(2000, 1, 1, tzinfo=UTC)
 
 
 @dataclass(frozen=True)
@@ -126,8 +125,8 @@ def do_finalize_invoice(*, organization: Organization, month: date) -> Invoice |
     with transaction.atomic():
         # With rollups kept out, every line this reads was stamped before finalized_at, and
         # every later one after it: it is an adjustment for the next invoice.
-        lock_rollups()
-        _write_down_list_prices()
+        finalized_at = lock_rollups()
+        do_write_down_list_prices()
         lines = draft_lines(organization_id=organization.id, month=month)
         if not lines:
             return None
@@ -137,7 +136,7 @@ def do_finalize_invoice(*, organization: Organization, month: date) -> Invoice |
                     organization=organization, month=month,
                     number=f"KVR-{month:%Y%m}-{organization.slug}",
                     total_cents=sum(line.amount_cents for line in lines),
-                    finalized_at=timezone.now())
+                    finalized_at=finalized_at)
         except IntegrityError:
             return None
         InvoiceLine.objects.bulk_create([
@@ -164,7 +163,11 @@ def do_finalize_due_invoices(*, now: datetime | None = None) -> int:
     finalized = 0
     for organization_id, month in due:
         organization = Organization.objects.get(id=organization_id)
-        finalized += do_finalize_invoice(organization=organization, month=month) is not None
+        try:
+            finalized += do_finalize_invoice(organization=organization, month=month) is not None
+        except Exception:  # one organisation's invoice must not hold back the others'
+            logger.exception("the %s invoice of %s could not be finalised", f"{month:%Y-%m}",
+                             organization.slug)
     return finalized
 
 
@@ -240,8 +243,7 @@ def _line_from_billed(key: tuple, month: date) -> Line:
     kind, endpoint_id, gpu_type_id, phase, unit_price = key
     earlier = (InvoiceLine.objects.filter(kind=kind, endpoint_id=endpoint_id,
                                           gpu_type_id=gpu_type_id, phase=phase,
-                                          unit_price_usd=unit_price, usage_month=month,
-                                          adjustment=False)
+                                          unit_price_usd=unit_price, usage_month=month)
                .select_related("endpoint").first())
     return Line(kind=kind, endpoint_id=endpoint_id, endpoint_name=earlier.endpoint.name,
                 gpu_type_id=gpu_type_id, phase=phase, usage_month=month,
@@ -309,16 +311,6 @@ def _unbilled_months(*, before: date, since: date) -> Iterable[tuple[UUID, date]
                                 AND invoice.month = used.month)
             ORDER BY used.month""", {"start": start, "end": end})
         return cursor.fetchall()
-
-
-def _write_down_list_prices() -> None:
-    with connection.cursor() as cursor:
-        cursor.execute("""
-            INSERT INTO billing_gpuprice (gpu_type_id, hourly_price_usd, effective_from,
-                                          created_at)
-            SELECT id, hourly_price_usd, %s, now() FROM endpoints_gputype gpu
-            WHERE NOT EXISTS (SELECT 1 FROM billing_gpuprice WHERE gpu_type_id = gpu.id)
-            ON CONFLICT DO NOTHING""", [FIRST_PRICE_FROM])
 
 
 def billed_phases() -> list[str]:

@@ -212,7 +212,7 @@ class Invoice(models.Model):
     organization = models.ForeignKey("accounts.Organization", on_delete=models.PROTECT,
                                      related_name="invoices")
     month = models.DateField(help_text="The first day of the month billed.")
-    number = models.CharField(max_length=40, unique=True)
+    number = models.CharField(max_length=80, unique=True)  # KVR-YYYYMM-<slug>
     currency = models.CharField(max_length=3, default="usd")
     total_cents = models.BigIntegerField()
     finalized_at = models.DateTimeField()
@@ -289,6 +289,10 @@ class Budget(models.Model):
                             help_text="Percentages of the limit, such as 50, 80, 100.")
     action = models.CharField(max_length=10, choices=BudgetAction.choices,
                               default=BudgetAction.ALERT)
+    # The month, and the limit, for which it stopped the organisation's endpoints: they stay
+    # stopped for that month while the limit is unchanged, though the spend no longer grows.
+    stopped_month = models.DateField(null=True, blank=True)
+    stopped_limit_cents = models.PositiveBigIntegerField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     def __str__(self) -> str:

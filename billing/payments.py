@@ -17,6 +17,7 @@ from datetime import timedelta
 import stripe
 from django.conf import settings
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import Organization
@@ -61,8 +62,8 @@ def do_ensure_customer(*, organization: Organization) -> BillingAccount:
     client = _client()
     tag = {"kvrun_organization": str(organization.id)}
     if not account.stripe_customer_id:
-        existing = [customer for customer in client.v1.customers.list(params={"limit": 100})
-                    if _metadata(customer) == tag]
+        existing = [customer for customer in client.v1.customers.list(
+            params={"limit": 100}).auto_paging_iter() if _metadata(customer) == tag]
         customer = existing[0] if existing else client.v1.customers.create(
             params={"name": organization.name, "metadata": tag},
             options={"idempotency_key": f"kvrun-customer-{organization.id}"})
@@ -116,8 +117,10 @@ def checkout_url(*, organization: Organization, return_url: str) -> str:
 
 
 def do_push_invoice(*, invoice_id: int) -> Invoice | None:
-    """Send a finalised invoice to Stripe and charge it; safe to run any number of times.
-    Returns None when the invoice is gone or Stripe is not configured."""
+    """Send a finalised invoice to Stripe and charge it, after any older invoice of its
+    organisation still unsent (Stripe bills every pending item of a customer at once, so
+    they must go in order); safe to run any number of times. Returns None when the invoice
+    is gone or Stripe is not configured; raises StripeUnavailable for a later retry."""
     if not configured():
         return None
     try:
@@ -127,57 +130,80 @@ def do_push_invoice(*, invoice_id: int) -> Invoice | None:
 
 
 def _push(invoice_id: int) -> Invoice | None:
+    invoice = Invoice.objects.select_related("organization").filter(id=invoice_id).first()
+    if invoice is None:
+        return None
+    account = do_ensure_customer(organization=invoice.organization)
+    client = _client()
     with transaction.atomic():
-        invoice = (Invoice.objects.select_for_update().select_related("organization")
-                   .filter(id=invoice_id).first())
-        if invoice is None or invoice.stripe_invoice_id:
-            return invoice
-        account = do_ensure_customer(organization=invoice.organization)
-        client = _client()
-        customer = account.stripe_customer_id
-        stripe_invoice = _find_invoice(client, customer, invoice)
-        if stripe_invoice is None:
-            made = {_metadata(item).get("kvrun_line")
-                    for item in client.v1.invoice_items.list(params={"customer": customer,
-                                                                     "limit": 100})}
-            for line in invoice.lines.all():
-                if str(line.id) in made:
-                    continue
-                client.v1.invoice_items.create(params={
-                    "customer": customer, "amount": line.amount_cents,
-                    "currency": invoice.currency, "description": line.description,
-                    "metadata": {"kvrun_line": str(line.id), "kvrun_invoice": str(invoice.id)},
-                }, options={"idempotency_key": f"kvrun-line-{line.id}"})
-            stripe_invoice = client.v1.invoices.create(params={
-                "customer": customer,  # charged automatically, Stripe's default
-                "subscription": account.stripe_subscription_id,
-                "pending_invoice_items_behavior": "include",
-                "description": f"kvrun {invoice.number}",
-                "metadata": {"kvrun_invoice": str(invoice.id), "kvrun_number": invoice.number},
-            }, options={"idempotency_key": f"kvrun-invoice-{invoice.id}"})
-        Invoice.objects.filter(id=invoice.id).update(stripe_invoice_id=stripe_invoice.id,
-                                                     payment_status=PaymentStatus.OPEN)
-    _charge(client, stripe_invoice.id)
+        # One push per organisation at a time.
+        BillingAccount.objects.select_for_update().filter(id=account.id).first()
+        for older in (Invoice.objects.filter(organization_id=invoice.organization_id,
+                                             id__lte=invoice_id)
+                      .filter(Q(stripe_invoice_id="") | Q(payment_status=PaymentStatus.OPEN))
+                      .order_by("id")):
+            _push_one(client, account, older)
     return Invoice.objects.get(id=invoice_id)
+
+
+def _push_one(client: stripe.StripeClient, account: BillingAccount, invoice: Invoice) -> None:
+    """Make the Stripe invoice, unless an earlier push did, and charge it if it is unpaid."""
+    customer = account.stripe_customer_id
+    stripe_invoice = (client.v1.invoices.retrieve(invoice.stripe_invoice_id)
+                      if invoice.stripe_invoice_id else _find_invoice(client, customer, invoice))
+    if stripe_invoice is None:
+        made = {_metadata(item).get("kvrun_line") for item in client.v1.invoice_items.list(
+            params={"customer": customer, "limit": 100}).auto_paging_iter()}
+        for line in invoice.lines.all():
+            if str(line.id) in made:
+                continue
+            client.v1.invoice_items.create(params={
+                "customer": customer, "amount": line.amount_cents,
+                "currency": invoice.currency, "description": line.description,
+                "metadata": {"kvrun_line": str(line.id), "kvrun_invoice": str(invoice.id)},
+            }, options={"idempotency_key": f"kvrun-line-{line.id}"})
+        stripe_invoice = client.v1.invoices.create(params={
+            "customer": customer,  # charged automatically, Stripe's default
+            "subscription": account.stripe_subscription_id,
+            "pending_invoice_items_behavior": "include",
+            "description": f"kvrun {invoice.number}",
+            "metadata": {"kvrun_invoice": str(invoice.id), "kvrun_number": invoice.number},
+        }, options={"idempotency_key": f"kvrun-invoice-{invoice.id}"})
+    Invoice.objects.filter(id=invoice.id, payment_status=PaymentStatus.UNSENT).update(
+        payment_status=PaymentStatus.OPEN)
+    Invoice.objects.filter(id=invoice.id).update(stripe_invoice_id=stripe_invoice.id)
+    if stripe_invoice.status in ("draft", "open"):
+        try:
+            client.v1.invoices.pay(stripe_invoice.id)
+        except stripe.CardError as exc:  # declined: Stripe's invoice.payment_failed says so
+            logger.warning("the card for Stripe invoice %s was declined: %s",
+                           stripe_invoice.id, exc)
 
 
 def do_receive_webhook(*, payload: bytes, signature: str) -> StripeEvent | None:
     """Verify a delivery, store it once, handle it. Raises InvalidWebhook, changing nothing,
-    for a bad payload or signature; returns None for an event already received."""
+    for a bad payload or signature, and StripeUnavailable when Stripe cannot be asked about
+    it (nothing stored: Stripe delivers it again); returns None for an event already
+    received."""
     try:
         event = stripe.Webhook.construct_event(payload, signature,
                                                settings.STRIPE_WEBHOOK_SECRET,
                                                tolerance=SIGNATURE_TOLERANCE_SECONDS)
     except (ValueError, stripe.SignatureVerificationError) as exc:
         raise InvalidWebhook(str(exc)) from exc
+    # Stored and handled in one transaction: a delivery whose handling fails leaves nothing,
+    # and Stripe's retry of it is handled afresh.
     try:
         with transaction.atomic():
             stored = StripeEvent.objects.create(stripe_id=event.id, type=event.type,
                                                 payload=event.to_dict())
+            stored.outcome = _handle(event) if event.type in HANDLED else "ignored"
+            stored.handled_at = timezone.now()
+            stored.save(update_fields=["outcome", "handled_at"])
     except IntegrityError:
         return None
-    outcome = _handle(event) if event.type in HANDLED else "ignored"
-    StripeEvent.objects.filter(id=stored.id).update(handled_at=timezone.now(), outcome=outcome)
+    except stripe.StripeError as exc:
+        raise StripeUnavailable(str(exc)) from exc
     return stored
 
 
@@ -232,7 +258,8 @@ def _mark_delinquent(account: BillingAccount, what: str) -> None:
 def _find_invoice(client: stripe.StripeClient, customer: str,
                   invoice: Invoice) -> stripe.Invoice | None:
     """The Stripe invoice an earlier push made of `invoice`: the one with its lines on it."""
-    for candidate in client.v1.invoices.list(params={"customer": customer, "limit": 100}):
+    for candidate in client.v1.invoices.list(
+            params={"customer": customer, "limit": 100}).auto_paging_iter():
         if any(_metadata(line).get("kvrun_invoice") == str(invoice.id)
                for line in candidate.lines):
             return candidate
@@ -248,17 +275,6 @@ def _ours(stripe_invoice: stripe.Invoice) -> Invoice | None:
     tags = [_metadata(stripe_invoice), *(_metadata(line) for line in stripe_invoice.lines)]
     ids = {tag["kvrun_invoice"] for tag in tags if tag.get("kvrun_invoice", "").isdigit()}
     return Invoice.objects.filter(id__in=[int(kvrun_id) for kvrun_id in ids]).first()
-
-
-def _charge(client: stripe.StripeClient, stripe_invoice_id: str) -> None:
-    """Finalise and pay; a declined card is Stripe's invoice.payment_failed to handle."""
-    current = client.v1.invoices.retrieve(stripe_invoice_id)
-    if current.status in ("paid", "void", "uncollectible"):
-        return
-    try:
-        client.v1.invoices.pay(stripe_invoice_id)
-    except stripe.StripeError as exc:
-        logger.warning("charging Stripe invoice %s failed: %s", stripe_invoice_id, exc)
 
 
 def _use_payment_method(account: BillingAccount, method: stripe.PaymentMethod) -> None:

@@ -24,6 +24,8 @@ from billing.models import StaleUsageHour
 # One run at a time across workers; another that finds it held leaves the work to it.
 ROLLUP_LOCK = zlib.crc32(b"kvrun.billing.rollup")
 GPU_SETTLE = timedelta(hours=1)
+# Where a GPU type's first price version starts: before anything kvrun can have billed.
+FIRST_PRICE_FROM = datetime(2000, 1, 1, tzinfo=UTC)
 # An index range scan per stale hour costs about as much as reading this many records in one
 # pass (measured on the embedded PostgreSQL: 40 µs against 0.35 µs a row).
 RECORDS_PER_INDEXED_HOUR = 100
@@ -40,9 +42,9 @@ class Rollup:
 def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
     """Bring TokenHour and GPUHour up to date with the ledger as of `now`, in one transaction.
 
-    Open intervals count until `now` (by default, the time the run starts), so the current
-    hour's lines grow from run to run. Lines written are stamped with that start, after the
-    lock is held, so a finalised invoice sees every line written before it (lock_rollups).
+    Open intervals count until `now` (by default, now), so the current hour's lines grow from
+    run to run. Lines written are stamped with the database's time once the lock is held, so
+    a finalised invoice sees every line stamped before it (lock_rollups).
     Returns None, doing nothing, when another run or a finalisation holds the lock: the totals
     are the same.
     """
@@ -52,20 +54,29 @@ def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
             return None
         # A first run, or one after a long stop, aggregates millions of rows: in memory.
         cursor.execute("SET LOCAL work_mem = '256MB'")
-        started = timezone.now()
+        started = _database_time(cursor)
+        do_write_down_list_prices()
         clock = time.perf_counter()
         token_hours = _roll_up_tokens(cursor, started)
         tokens_done = time.perf_counter()
-        gpu_hours = _roll_up_gpu_time(cursor, now or started, started)
+        gpu_hours = _roll_up_gpu_time(cursor, now or timezone.now(), started)
         return Rollup(token_hours=token_hours, gpu_hours=gpu_hours,
                       token_seconds=tokens_done - clock,
                       gpu_seconds=time.perf_counter() - tokens_done)
 
 
-def lock_rollups() -> None:
-    """Wait for a running rollup, then keep rollups out until the current transaction ends."""
+def lock_rollups() -> datetime:
+    """Wait for a running rollup, then keep rollups out until the current transaction ends.
+    Returns the time then, as rollups stamp their lines: by the database's clock, the one
+    clock every worker shares."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ROLLUP_LOCK])
+        return _database_time(cursor)
+
+
+def _database_time(cursor: object) -> datetime:
+    cursor.execute("SELECT clock_timestamp()")
+    return cursor.fetchone()[0]
 
 
 def mark_stale_hours(*, records: Iterable[tuple[object, datetime]]) -> None:
@@ -166,3 +177,16 @@ def _roll_up_gpu_time(cursor: object, now: datetime, started: datetime) -> int:
         GROUP BY hour, organization_id, endpoint_id, gpu_type_id, phase
         HAVING sum(gpu_seconds) > 0""", {"now": now, "since": since, "started": started})
     return cursor.rowcount
+
+
+def do_write_down_list_prices() -> None:
+    """Give every GPU type without a price version its catalog list price as its first
+    version, from FIRST_PRICE_FROM: every rollup, finalisation and operator's new price does,
+    so that a later catalog change cannot reprice an hour already run."""
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO billing_gpuprice (gpu_type_id, hourly_price_usd, effective_from,
+                                          created_at)
+            SELECT id, hourly_price_usd, %s, now() FROM endpoints_gputype gpu
+            WHERE NOT EXISTS (SELECT 1 FROM billing_gpuprice WHERE gpu_type_id = gpu.id)
+            ON CONFLICT DO NOTHING""", [FIRST_PRICE_FROM])

@@ -113,9 +113,11 @@ def invoice_of(*, organization: Organization, month: date) -> InvoiceView:
     return _final(invoice) if invoice is not None else _draft(organization, month)
 
 
-def usage_behind(*, organization: Organization, line: Line) -> QuerySet:
+def usage_behind(*, organization: Organization, line: Line,
+                 billed_at: datetime | None = None) -> QuerySet:
     """The ledger rows a line bills: replica intervals for GPU time, usage records for
-    tokens; for an adjustment, the records of its month stored after that month's invoice."""
+    tokens; for an adjustment, the records of its month stored after that month's invoice
+    and, on a finalised invoice (`billed_at`, when it was finalised), before this one."""
     if line.kind == LineKind.GPU_TIME:
         return (ReplicaInterval.objects.filter(
             organization=organization, endpoint_id=line.endpoint_id, gpu_type_id=line.gpu_type_id,
@@ -130,11 +132,19 @@ def usage_behind(*, organization: Organization, line: Line) -> QuerySet:
         billed = (Invoice.objects.filter(organization=organization, month=line.usage_month)
                   .values_list("finalized_at", flat=True).first())
         records = records.filter(ingested_at__gt=billed)
+        if billed_at is not None:
+            records = records.filter(ingested_at__lte=billed_at)
     return records.order_by("started_at", "id")
 
 
 def _draft(organization: Organization, month: date) -> InvoiceView:
-    lines = draft_lines(organization_id=organization.id, month=month)
+    """The month's lines, and the adjustments for finalised months unless the month before
+    is still in its grace period: its invoice will carry them."""
+    previous = month_of(month_bounds(month)[0] - timedelta(days=1))
+    waiting = (not Invoice.objects.filter(organization=organization, month=previous).exists()
+               and lines_for_month(organization_id=organization.id, month=previous))
+    lines = (lines_for_month(organization_id=organization.id, month=month) if waiting
+             else draft_lines(organization_id=organization.id, month=month))
     return InvoiceView(month=month, status="draft", number="", currency="usd",
                        total_cents=sum(line.amount_cents for line in lines), finalized_at=None,
                        lines=lines)

@@ -110,3 +110,14 @@ class EndpointCostSerializer(serializers.Serializer):
     month_to_date_cents = serializers.IntegerField()
     last_hour = WindowCostSerializer()
     last_day = WindowCostSerializer()
+
+
+class DailyUsageSerializer(serializers.Serializer):
+    day = serializers.DateField()
+    gpu_hours = serializers.DecimalField(max_digits=20, decimal_places=6)
+    prompt_tokens = serializers.IntegerField()
+    completion_tokens = serializers.IntegerField()
+
+
+class UsageQuery(serializers.Serializer):
+    days = serializers.IntegerField(min_value=1, max_value=366, default=30)

@@ -28,4 +28,5 @@ urlpatterns = [
          name="api-invoice-line-usage"),
     path("organizations/<slug:org_slug>/endpoints/<slug:name>/cost/", api.EndpointCost.as_view(),
          name="api-endpoint-cost"),
+    path("organizations/<slug:org_slug>/usage/", api.DailyUsage.as_view(), name="api-usage"),
 ]

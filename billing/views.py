@@ -4,7 +4,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from billing.payments import InvalidWebhook, do_receive_webhook
+from billing.payments import InvalidWebhook, StripeUnavailable, do_receive_webhook
 
 
 @csrf_exempt  # Stripe signs the body instead
@@ -15,4 +15,7 @@ def stripe_webhook(request: HttpRequest) -> JsonResponse:
                                     signature=request.headers.get("Stripe-Signature", ""))
     except InvalidWebhook as exc:
         return JsonResponse({"error": f"Not a valid Stripe delivery: {exc}"}, status=400)
+    except StripeUnavailable as exc:  # nothing was stored: Stripe delivers it again
+        return JsonResponse({"error": f"Stripe could not be asked about it: {exc}"},
+                            status=503)
     return JsonResponse({"received": True, "duplicate": stored is None})

@@ -73,7 +73,8 @@ def _record_phase(*, replica_id: UUID, endpoint: Endpoint, to_state: str, now: d
     if current is not None and current.phase == phase:
         return
     if current is not None:
-        ended_at = min(now, max(held_until or now, current.started_at))
+        # Never before it started, whatever another host's clock said then.
+        ended_at = max(current.started_at, min(now, held_until or now))
         ReplicaInterval.objects.filter(id=current.id, ended_at=None).update(ended_at=ended_at)
     if phase is not None:
         ReplicaInterval.objects.create(

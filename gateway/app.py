@@ -186,8 +186,8 @@ class Gateway:
             raise GatewayError(403, "This API key has the manage scope; the OpenAI-compatible "
                                "API takes keys with the inference scope.",
                                code="insufficient_scope")
-        if identity.billing_hold:  # a spend cap reached: the message says how to lift it
-            raise GatewayError(402, identity.billing_hold, code="budget_exceeded",
+        if identity.billing_hold:  # a budget reached or a payment overdue: the message says
+            raise GatewayError(402, identity.billing_hold, code="billing_hold",
                                kind="insufficient_quota")
         return identity
 

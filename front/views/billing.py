@@ -133,7 +133,8 @@ def invoice_line(request: HttpRequest, org_slug: str, month: date, number: int) 
     if not 1 <= number <= len(shown.lines):
         raise Http404("No such line on this invoice.")
     line = shown.lines[number - 1]
-    rows = selectors.usage_behind(organization=member.organization, line=line)
+    rows = selectors.usage_behind(organization=member.organization, line=line,
+                                  billed_at=shown.finalized_at)
     return render(request, "front/invoice_line.html", {
         "member": member, "organization": member.organization, "section": "billing",
         "invoice": shown, "line": line, "number": number, "count": rows.count(),

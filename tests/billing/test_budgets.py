@@ -133,3 +133,20 @@ def test_members_cannot_set_the_budget(org: Organization) -> None:
     with pytest.raises(PermissionDenied, match="owners and admins"):
         do_set_budget(organization=org, actor_role=Role.MEMBER, monthly_limit_cents=100,
                       thresholds=[100], action=BudgetAction.STOP)
+
+
+def test_a_stop_budget_without_a_100_percent_threshold_stays_stopped_for_the_month(
+        running: Endpoint, org: Organization) -> None:
+    with time_machine.travel(START, tick=False):
+        do_set_budget(organization=org, actor_role=Role.OWNER, monthly_limit_cents=50,
+                      thresholds=[50, 80], action=BudgetAction.STOP)
+    check_at(START + timedelta(hours=2))  # $0.80 spent
+    assert Endpoint.objects.get(id=running.id).desired_state == DesiredState.STOPPED
+
+    replica = Replica.objects.get(endpoint=running)
+    with time_machine.travel(START + timedelta(hours=2, seconds=5), tick=False):
+        do_transition_replica(replica_id=replica.id, from_states=[replica.state],
+                              to_state=State.STOPPED, message="engine stopped")
+    check_at(START + timedelta(hours=5))
+
+    assert "monthly budget of $0.50 is reached" in Organization.objects.get(id=org.id).billing_hold

@@ -14,7 +14,7 @@ from billing.models import GPUPrice, Invoice, InvoiceLine, TokenPrice
 from billing.rollup import do_roll_up_usage
 from endpoints.models import Endpoint, Node, Replica
 from tests.billing.helpers import at_once, demo_endpoint, finalize_at, ready_for, record
-from tests.factories import inference_key
+from tests.factories import inference_key, organization_with_owner
 
 JAN = date(2026, 1, 1)
 FEB = date(2026, 2, 1)
@@ -172,3 +172,14 @@ def test_an_adjustment_is_billed_even_without_usage_in_the_next_month(
     assert [(line.adjustment, line.usage_month, line.amount_cents)
             for line in february.lines.all()] == [(True, JAN, 100)]
     assert february.total_cents == 100
+
+
+def test_an_organisation_with_the_longest_slug_is_invoiced(cpu_node: Node) -> None:
+    organization = organization_with_owner("A" * 50 + " Laboratories of Inference")
+    endpoint = demo_endpoint(organization)
+    Replica.objects.create(endpoint=endpoint)
+    ready_for(endpoint, cpu_node, datetime(2026, 1, 10, 8, tzinfo=UTC), hours=1)
+
+    assert finalize_at(FEB_1 + timedelta(hours=2)) == 1
+
+    assert Invoice.objects.get().number == f"KVR-202601-{organization.slug}"

@@ -126,3 +126,22 @@ def test_an_endpoint_s_cost_per_million_tokens_over_the_last_hour_and_day(
                      "usd_per_million_tokens": "2.0000"},
     }
     assert api.get(f"/api/v1/organizations/{org.slug}/endpoints/nope/cost/").status_code == 404
+
+
+def test_daily_usage_lists_gpu_hours_and_tokens_per_day_for_every_member(
+        api: APIClient, org: Organization, billed: Endpoint) -> None:
+    member = UserFactory()
+    Membership.objects.create(organization=org, user=member, role=Role.MEMBER)
+    api.force_authenticate(member)
+
+    with time_machine.travel(NOW, tick=False):
+        response = api.get(f"/api/v1/organizations/{org.slug}/usage/", {"days": "32"})
+        refused = api.get(f"/api/v1/organizations/{org.slug}/usage/", {"days": "0"})
+
+    assert response.status_code == 200
+    days = {row["day"]: row for row in response.json()}
+    assert len(days) == 32
+    assert days["2026-01-10"]["gpu_hours"] == "10.009722"  # 10 h ready, 35 s around it
+    assert (days["2026-01-10"]["completion_tokens"], days["2026-02-03"]["completion_tokens"]) == (
+        1_000, 5_000)
+    assert refused.status_code == 400 and "days" in refused.json()["error"]["fields"]

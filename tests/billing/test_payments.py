@@ -195,3 +195,14 @@ def test_the_billing_page_shows_the_card_and_sends_people_to_stripe_for_a_new_on
     assert b"visa \xe2\x80\xa64242" in page.content
     assert checkout.status_code == 200
     assert b"Stripe could not open its payment page" in checkout.content
+
+
+def test_a_delivery_stripe_cannot_be_asked_about_is_stored_only_once_handled(
+        invoice: Invoice, org: Organization, client: Client) -> None:
+    do_attach_card(organization=org, card=GOOD_CARD)
+    unknown = {"id": "in_unknown", "object": "invoice", "status": "paid"}
+
+    failed = deliver(client, "invoice.paid", unknown, event_id="evt_retried")
+
+    assert failed.status_code == 503
+    assert not StripeEvent.objects.filter(stripe_id="evt_retried").exists()

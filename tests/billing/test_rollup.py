@@ -185,3 +185,14 @@ def test_records_stored_while_a_rollup_runs_are_rolled_up_by_the_next(
 
     assert first.token_hours == 0 and second.token_hours == 1
     assert TokenHour.objects.get().requests == 1
+
+
+def test_a_transition_on_a_host_whose_clock_is_behind_never_ends_an_interval_before_it_began(
+        replica: Replica, cpu_node: Node) -> None:
+    run_replica(replica, cpu_node, [(T0, State.SCHEDULING)])
+    run_replica(replica, cpu_node, [(T0 - timedelta(seconds=5), State.STARTING),
+                                    (T0 - timedelta(seconds=4), State.LOADING)])
+
+    assert list(replica.intervals.order_by("id").values_list(
+        "phase", "started_at", "ended_at")) == [("starting", T0, T0),
+                                                ("loading", T0 - timedelta(seconds=4), None)]

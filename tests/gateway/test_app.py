@@ -863,4 +863,4 @@ def test_an_organisation_held_by_its_budget_is_refused_with_the_budget_s_message
                       settings.KVRUN_API_KEY_CACHE_SECONDS + 1, interval=0.2)
     refused = gateway.post(secret, {"model": "chat", "prompt": "hello"}).json()["error"]
     assert (refused["message"], refused["code"], refused["type"]) == (
-        reason, "budget_exceeded", "insufficient_quota")
+        reason, "billing_hold", "insufficient_quota")
