@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from accounts.scoping import OrganizationScoped
 from accounts.services import require_manager
 from billing import selectors
-from billing.invoicing import Line, month_of
+from billing.invoicing import Line, month_label, month_of
 from billing.models import LineKind
 from billing.serializers import (
     DailyUsageSerializer,
@@ -29,6 +29,7 @@ from endpoints.selectors import endpoints_of
 
 
 class BillingView(OrganizationScoped, GenericAPIView):
+    filter_backends = ()  # lists kvrun builds itself, in their own order
     def initial(self, request: Request, *args: object, **kwargs: object) -> None:
         super().initial(request, *args, **kwargs)
         if not getattr(self, "swagger_fake_view", False):
@@ -49,6 +50,7 @@ class InvoiceList(BillingView):
 
     serializer_class = InvoiceSerializer
 
+    @extend_schema(responses=InvoiceSerializer(many=True))
     def get(self, request: Request, **kwargs: str) -> Response:
         page = self.paginate_queryset(selectors.invoices_of(organization=self.organization))
         return self.get_paginated_response(
@@ -75,7 +77,7 @@ class LineUsage(BillingView):
         shown = self.invoice(month)
         lines = shown.lines
         if not 1 <= number <= len(lines):
-            raise Http404(f"The invoice for {month:%Y-%m} has {len(lines)} line(s).")
+            raise Http404(f"The invoice for {month_label(month)} has {len(lines)} line(s).")
         line: Line = lines[number - 1]
         serializer = IntervalSerializer if line.kind == LineKind.GPU_TIME else RecordSerializer
         page = self.paginate_queryset(selectors.usage_behind(
@@ -109,6 +111,8 @@ class DailyUsage(OrganizationScoped, GenericAPIView):
     default, at most 366), oldest first, days without usage included; for every member."""
 
     serializer_class = DailyUsageSerializer
+    pagination_class = None  # a series, not pages
+    filter_backends = ()
 
     @extend_schema(parameters=[UsageQuery], responses=DailyUsageSerializer(many=True))
     def get(self, request: Request, **kwargs: str) -> Response:

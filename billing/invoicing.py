@@ -60,6 +60,11 @@ def month_bounds(month: date) -> tuple[datetime, datetime]:
     return start, start + timedelta(days=days)
 
 
+def month_label(month: date) -> str:
+    """2026-01: a month as URLs, CSV and the API name it (strftime would not pad year 454)."""
+    return f"{month.year:04d}-{month.month:02d}"
+
+
 def month_of(moment: datetime) -> date:
     return moment.astimezone(UTC).date().replace(day=1)
 
@@ -166,7 +171,7 @@ def do_finalize_due_invoices(*, now: datetime | None = None) -> int:
         try:
             finalized += do_finalize_invoice(organization=organization, month=month) is not None
         except Exception:  # one organisation's invoice must not hold back the others'
-            logger.exception("the %s invoice of %s could not be finalised", f"{month:%Y-%m}",
+            logger.exception("the %s invoice of %s could not be finalised", month_label(month),
                              organization.slug)
     return finalized
 

@@ -5,14 +5,10 @@ from django.urls import reverse
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from billing.invoicing import Line
+from billing.invoicing import Line, month_label
 from billing.models import LineKind
 from billing.selectors import InvoiceView
 from endpoints.models import BilledPhase, ReplicaInterval
-
-
-def month_label(month: object) -> str:
-    return f"{month:%Y-%m}"
 
 
 class LineSerializer(serializers.Serializer):

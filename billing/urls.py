@@ -3,6 +3,7 @@ from datetime import date
 from django.urls import path, register_converter
 
 from billing import api
+from billing.invoicing import month_label
 
 
 class MonthConverter:
@@ -14,7 +15,7 @@ class MonthConverter:
         return date(int(value[:4]), int(value[5:7]), 1)
 
     def to_url(self, value: date | str) -> str:
-        return value if isinstance(value, str) else f"{value:%Y-%m}"
+        return value if isinstance(value, str) else month_label(value)
 
 
 register_converter(MonthConverter, "month")

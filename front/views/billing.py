@@ -18,7 +18,7 @@ from django.views.decorators.http import require_POST
 
 from billing import payments, selectors
 from billing.budgets import do_remove_budget, do_set_budget
-from billing.invoicing import cents, lines_for_month, month_bounds, month_of
+from billing.invoicing import cents, lines_for_month, month_bounds, month_label, month_of
 from billing.models import BillingAccount, Budget, BudgetEvent, LineKind
 from front.forms import BudgetForm
 from front.scoping import Member, membership
@@ -147,7 +147,7 @@ def invoice_csv(request: HttpRequest, org_slug: str, month: date) -> HttpRespons
     member = _manager(request, org_slug)
     shown = _invoice(member, month)
     response = HttpResponse(content_type="text/csv; charset=utf-8")
-    name = shown.number or f"draft-{month:%Y-%m}"
+    name = shown.number or f"draft-{month_label(month)}"
     response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
     writer = csv.writer(response)
     writer.writerow(["invoice", "status", "month", "line", "description", "kind", "endpoint",
@@ -155,8 +155,8 @@ def invoice_csv(request: HttpRequest, org_slug: str, month: date) -> HttpRespons
                      "quantity", "unit", "unit_price_usd", "amount_usd"])
     for number, line in enumerate(shown.lines, 1):
         writer.writerow([
-            shown.number, shown.status, f"{month:%Y-%m}", number, line.description, line.kind,
-            line.endpoint_name, line.phase, f"{line.usage_month:%Y-%m}", line.adjustment,
+            shown.number, shown.status, month_label(month), number, line.description, line.kind,
+            line.endpoint_name, line.phase, month_label(line.usage_month), line.adjustment,
             line.period_start.isoformat(), line.period_end.isoformat(), line.quantity,
             line.unit, line.unit_price_usd, Decimal(line.amount_cents) / 100])
     return response

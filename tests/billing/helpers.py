@@ -9,22 +9,25 @@ from typing import TypeVar
 import time_machine
 from django.db import connection
 
-from accounts.models import APIKey, Organization, Role
+from accounts.models import APIKey, Organization
 from billing.invoicing import do_finalize_due_invoices
 from billing.rollup import do_roll_up_usage
 from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
-from endpoints.services import do_create_endpoint
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from tests.factories import usage_report
 
 T = TypeVar("T")
 
 
 def demo_endpoint(org: Organization) -> Endpoint:
-    return do_create_endpoint(
-        organization=org, actor_role=Role.OWNER, created_by=None, name="chat",
-        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048, concurrency=4)
+    """An endpoint of the demo model on the CPU, as created, without the reconciler pass a
+    create asks for: these tests move its replicas themselves, and a control worker running
+    for other tests of the session must not move them too."""
+    return Endpoint.objects.create(
+        organization=org, name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        context_length=2048, concurrency=4, gpu_type=GPUType.objects.get(slug="cpu"),
+        gpu_count=1, hourly_price_usd=GPUType.objects.get(slug="cpu").hourly_price_usd)
 
 
 def run_replica(replica: Replica, node: Node, steps: list[tuple[datetime, str]]) -> None:
