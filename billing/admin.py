@@ -29,7 +29,7 @@ from endpoints.models import Endpoint
 from kvrun.paginators import BoundedCountPaginator
 
 
-class ReadOnlyAdmin(admin.ModelAdmin):
+class LedgerAdmin(admin.ModelAdmin):
     """Ledger rows and what is derived from them: written by kvrun alone, never changed here."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
@@ -76,7 +76,7 @@ class OperationFilter(admin.SimpleListFilter):
 
 
 @admin.register(UsageRecord)
-class UsageRecordAdmin(ReadOnlyAdmin):
+class UsageRecordAdmin(LedgerAdmin):
     list_display = ["request_id", "organization", "endpoint", "key", "operation", "status_code",
                     "tokens", "time_to_first_token_ms", "duration_ms", "started_at"]
     list_filter = [StatusFilter, OperationFilter, "stream", "client_disconnected", "started_at"]
@@ -114,7 +114,7 @@ class UsageRecordAdmin(ReadOnlyAdmin):
         return f"{record.prompt_tokens} + {record.completion_tokens}"
 
 
-class RollupAdmin(ReadOnlyAdmin):
+class RollupAdmin(LedgerAdmin):
     """Hourly lines the rollup derives from the ledger: read only, rewritten by it alone."""
 
     list_select_related = ["organization", "endpoint"]
@@ -189,7 +189,7 @@ class InvoiceLineInline(admin.TabularInline):
 
 
 @admin.register(Invoice)
-class InvoiceAdmin(ReadOnlyAdmin):
+class InvoiceAdmin(LedgerAdmin):
     """Finalised invoices: ledger rows, read only."""
 
     list_display = ["number", "organization", "month", "total", "finalized_at"]
@@ -222,7 +222,7 @@ class BudgetAdmin(admin.ModelAdmin):
 
 
 @admin.register(BudgetEvent)
-class BudgetEventAdmin(ReadOnlyAdmin):
+class BudgetEventAdmin(LedgerAdmin):
     list_display = ["at", "organization", "month", "threshold", "limit_cents", "spend_cents",
                     "projected_cents", "stopped"]
     list_select_related = ["organization"]
@@ -248,7 +248,7 @@ class BillingAccountAdmin(admin.ModelAdmin):
 
 
 @admin.register(StripeEvent)
-class StripeEventAdmin(ReadOnlyAdmin):
+class StripeEventAdmin(LedgerAdmin):
     """Every webhook delivery as Stripe sent it, and what handling it did: read only."""
 
     list_display = ["received_at", "type", "stripe_id", "handled_at", "outcome"]

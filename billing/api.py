@@ -14,7 +14,7 @@ from rest_framework.response import Response
 from accounts.scoping import OrganizationScoped
 from accounts.services import require_manager
 from billing import selectors
-from billing.invoicing import Line, month_label, month_of
+from billing.invoicing import month_label
 from billing.models import LineKind
 from billing.serializers import (
     DailyUsageSerializer,
@@ -36,9 +36,10 @@ class BillingView(OrganizationScoped, GenericAPIView):
             require_manager(self.actor_role, "see the organisation's invoices")
 
     def invoice(self, month: date) -> selectors.InvoiceView:
-        if month > month_of(timezone.now()):
+        invoice = selectors.invoice_of(organization=self.organization, month=month)
+        if invoice is None:
             raise Http404("That month has not begun.")
-        return selectors.invoice_of(organization=self.organization, month=month)
+        return invoice
 
     def context(self) -> dict:
         return {"org_slug": self.organization.slug}
@@ -75,10 +76,10 @@ class LineUsage(BillingView):
         resource_type_field_name=None, many=True))
     def get(self, request: Request, month: date, number: int, **kwargs: str) -> Response:
         shown = self.invoice(month)
-        lines = shown.lines
-        if not 1 <= number <= len(lines):
-            raise Http404(f"The invoice for {month_label(month)} has {len(lines)} line(s).")
-        line: Line = lines[number - 1]
+        line = shown.line(number)
+        if line is None:
+            raise Http404(f"The invoice for {month_label(month)} has {len(shown.lines)} "
+                          f"line(s).")
         serializer = IntervalSerializer if line.kind == LineKind.GPU_TIME else RecordSerializer
         page = self.paginate_queryset(selectors.usage_behind(
             organization=self.organization, line=line, billed_at=shown.finalized_at))

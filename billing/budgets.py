@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 class Spend:
     month: date
     so_far_cents: int
+    run_rate_usd: Decimal  # what the replicas holding GPUs now cost an hour
     projected_cents: int  # so far, plus what runs now costs until the next check
 
 
@@ -46,9 +47,10 @@ def spend_of(*, organization: Organization, now: datetime | None = None) -> Spen
     month = month_of(now)
     so_far = sum(line.amount_cents for line in lines_for_month(organization_id=organization.id,
                                                                month=month))
-    ahead = hourly_run_rate(organization=organization) * Decimal(
-        settings.KVRUN_BUDGET_CHECK_SECONDS) / 3600
-    return Spend(month=month, so_far_cents=so_far, projected_cents=so_far + cents(ahead))
+    rate = hourly_run_rate(organization=organization)
+    ahead = rate * Decimal(settings.KVRUN_BUDGET_CHECK_SECONDS) / 3600
+    return Spend(month=month, so_far_cents=so_far, run_rate_usd=rate,
+                 projected_cents=so_far + cents(ahead))
 
 
 def do_set_budget(*, organization: Organization, actor_role: str | None,

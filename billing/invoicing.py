@@ -79,6 +79,14 @@ def usd(amount_cents: int) -> str:
     return f"{'-' if amount_cents < 0 else ''}${dollars:,.2f}"
 
 
+def gpu_price_at(moment: str) -> str:
+    """SQL for the hourly price of GPU type `gpu` at the SQL time `moment`: its latest price
+    version in effect then, else its catalog list price."""
+    return f"""coalesce((SELECT hourly_price_usd FROM billing_gpuprice
+                         WHERE gpu_type_id = gpu.id AND effective_from <= {moment}
+                         ORDER BY effective_from DESC LIMIT 1), gpu.hourly_price_usd)"""
+
+
 def lines_for_month(*, organization_id: UUID, month: date) -> list[Line]:
     """Every line that `month`'s usage of the organisation comes to now, priced at each hour's
     price: GPU time per endpoint, GPU type, billed phase and price; tokens per endpoint, kind
@@ -179,17 +187,13 @@ def do_finalize_due_invoices(*, now: datetime | None = None) -> int:
 def _gpu_lines(organization_id: UUID, month: date) -> list[Line]:
     start, end = month_bounds(month)
     with connection.cursor() as cursor:
-        cursor.execute("""
+        cursor.execute(f"""
             SELECT line.endpoint_id, endpoint.name, line.gpu_type_id, gpu.name, line.phase,
-                   coalesce(price.hourly_price_usd, gpu.hourly_price_usd),
+                   {gpu_price_at("line.hour")},
                    min(line.hour), max(line.hour) + interval '1 hour', sum(line.gpu_seconds)
             FROM billing_gpuhour line
             JOIN endpoints_endpoint endpoint ON endpoint.id = line.endpoint_id
             JOIN endpoints_gputype gpu ON gpu.id = line.gpu_type_id
-            LEFT JOIN LATERAL (
-                SELECT hourly_price_usd FROM billing_gpuprice
-                WHERE gpu_type_id = line.gpu_type_id AND effective_from <= line.hour
-                ORDER BY effective_from DESC LIMIT 1) price ON true
             WHERE line.organization_id = %s AND line.hour >= %s AND line.hour < %s
               AND line.phase = ANY(%s)
             GROUP BY 1, 2, 3, 4, 5, 6

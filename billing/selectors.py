@@ -17,6 +17,7 @@ from billing.invoicing import (
     Line,
     billed_phases,
     draft_lines,
+    gpu_price_at,
     lines_for_month,
     month_bounds,
     month_of,
@@ -88,6 +89,10 @@ class InvoiceView:
     finalized_at: datetime | None
     lines: list[Line]
 
+    def line(self, number: int) -> Line | None:
+        """The line numbered `number` on the invoice, from 1; None when there is none."""
+        return self.lines[number - 1] if 1 <= number <= len(self.lines) else None
+
 
 def invoices_of(*, organization: Organization, now: datetime | None = None
                 ) -> list[InvoiceView]:
@@ -103,9 +108,11 @@ def invoices_of(*, organization: Organization, now: datetime | None = None
     return drafts + [_final(invoice) for invoice in final]
 
 
-def invoice_of(*, organization: Organization, month: date) -> InvoiceView:
+def invoice_of(*, organization: Organization, month: date) -> InvoiceView | None:
     """The month's invoice: the stored one once finalised, otherwise its draft (which may
-    have no lines)."""
+    have no lines); None for a month that has not begun."""
+    if month > month_of(timezone.now()):
+        return None
     invoice = (Invoice.objects.filter(organization=organization, month=month)
                .prefetch_related(Prefetch("lines",
                                           InvoiceLine.objects.select_related("endpoint")))
@@ -163,10 +170,7 @@ def _final(invoice: Invoice) -> InvoiceView:
                     adjustment=line.adjustment) for line in invoice.lines.all()])
 
 
-# The price a GPU type has now: its latest version in effect, else its list price.
-CURRENT_PRICE = """coalesce((SELECT hourly_price_usd FROM billing_gpuprice
-                            WHERE gpu_type_id = gpu.id AND effective_from <= now()
-                            ORDER BY effective_from DESC LIMIT 1), gpu.hourly_price_usd)"""
+CURRENT_PRICE = gpu_price_at("now()")
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from billing import payments, selectors
-from billing.budgets import do_remove_budget, do_set_budget
-from billing.invoicing import cents, lines_for_month, month_bounds, month_label, month_of
+from billing.budgets import do_remove_budget, do_set_budget, spend_of
+from billing.invoicing import cents, month_bounds, month_label
 from billing.models import BillingAccount, Budget, BudgetEvent, LineKind
 from front.forms import BudgetForm
 from front.scoping import Member, membership
@@ -35,9 +35,10 @@ def _manager(request: HttpRequest, org_slug: str) -> Member:
 
 
 def _invoice(member: Member, month: date) -> selectors.InvoiceView:
-    if month > month_of(timezone.now()):
+    invoice = selectors.invoice_of(organization=member.organization, month=month)
+    if invoice is None:
         raise Http404("That month has not begun.")
-    return selectors.invoice_of(organization=member.organization, month=month)
+    return invoice
 
 
 @login_required
@@ -46,10 +47,8 @@ def billing(request: HttpRequest, org_slug: str, budget_form: BudgetForm | None 
     member = _manager(request, org_slug)
     organization = member.organization
     now = timezone.now()
-    so_far = sum(line.amount_cents for line in lines_for_month(
-        organization_id=organization.id, month=month_of(now)))
-    run_rate = selectors.hourly_run_rate(organization=organization)
-    hours_left = Decimal((month_bounds(month_of(now))[1] - now).total_seconds()) / 3600
+    spend = spend_of(organization=organization, now=now)
+    hours_left = Decimal((month_bounds(spend.month)[1] - now).total_seconds()) / 3600
     daily = selectors.daily_usage(organization=organization, now=now)
     budget = Budget.objects.filter(organization=organization).first()
     form = budget_form or BudgetForm(initial={
@@ -61,10 +60,11 @@ def billing(request: HttpRequest, org_slug: str, budget_form: BudgetForm | None 
         "stripe_on": payments.configured(),
         "budget": budget, "budget_form": form,
         "budget_events": BudgetEvent.objects.filter(organization=organization,
-                                                    month=month_of(now)).order_by("at"),
+                                                    month=spend.month).order_by("at"),
         "member": member, "organization": organization, "section": "billing",
-        "so_far_cents": so_far, "run_rate_usd": run_rate,
-        "projected_cents": so_far + cents(run_rate * hours_left), "month": month_of(now),
+        "so_far_cents": spend.so_far_cents, "run_rate_usd": spend.run_rate_usd,
+        "projected_cents": spend.so_far_cents + cents(spend.run_rate_usd * hours_left),
+        "month": spend.month,
         "invoices": selectors.invoices_of(organization=organization, now=now),
         "daily": {"days": [f"{row['day']:%Y-%m-%d}" for row in daily],
                   "gpu_hours": [float(round(row["gpu_hours"], 3)) for row in daily],
@@ -130,9 +130,9 @@ def invoice(request: HttpRequest, org_slug: str, month: date) -> HttpResponse:
 def invoice_line(request: HttpRequest, org_slug: str, month: date, number: int) -> HttpResponse:
     member = _manager(request, org_slug)
     shown = _invoice(member, month)
-    if not 1 <= number <= len(shown.lines):
+    line = shown.line(number)
+    if line is None:
         raise Http404("No such line on this invoice.")
-    line = shown.lines[number - 1]
     rows = selectors.usage_behind(organization=member.organization, line=line,
                                   billed_at=shown.finalized_at)
     return render(request, "front/invoice_line.html", {
