@@ -1,11 +1,12 @@
 """`make bench` target `billing`: the hourly rollup (billing.rollup) over a month of ledger.
 
   1x           1,000,000 usage records and 10,000 replica intervals of 100 endpoints over 30
-               days, every hour stale, no lines yet: the first run after an upgrade
-  floor        in the same run, one SQL GROUP BY date_trunc('hour', ...) over those records:
-               the least any rollup of them can cost on this database
+               days, every hour stale, no lines yet: the first run after an upgrade (best of 3)
+  floor        in the same run, one SQL GROUP BY date_trunc('hour', ...) over those records
+               read back to Python: the plain aggregate the rollup is measured against
   incremental  then 1 % more of each in the last hour, as the ingester marks them
-  2x           then as much again for 100 more endpoints, everything rolled up afresh
+  2x           then as much again for 100 more endpoints, everything rolled up afresh from
+               no lines, as 1x was (best of 3)
 
 Goals: at least 500,000 records/s for 1x (within 2x of the floor), 2x taking at most 2.2 times
 as long as 1x, and the incremental run at most 5 % of 1x. Writes bench/results/billing.json.
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 RECORDS, INTERVALS, ENDPOINTS, DAYS = 1_000_000, 10_000, 100, 30
 NOW = datetime.now(UTC).replace(minute=30, second=0, microsecond=0)
+TRIES = 3  # each full run and the floor: the best of three, as the two cores allow
 GOALS = {"records_per_s": 500_000, "growth_ratio_2x": 2.2, "incremental_fraction": 0.05}
 
 
@@ -88,8 +90,9 @@ def seed(label: str, owner: User, *, records: int, intervals: int, hours: int) -
                         "per_replica": intervals // len(replicas),
                         "replicas": [replica.id for replica in replicas],
                         "endpoints": [replica.endpoint_id for replica in replicas]})
-        cursor.execute("ANALYZE billing_usagerecord")
-        cursor.execute("ANALYZE endpoints_replicainterval")
+        # What autovacuum does to new rows soon after they land, done now rather than during
+        # a timed run on these two cores.
+        cursor.execute("VACUUM (ANALYZE) billing_usagerecord, endpoints_replicainterval")
     mark_stale_hours(records=stored_hours([endpoint.id for endpoint in endpoints]))
     return endpoints
 
@@ -122,13 +125,25 @@ def timed_rollup() -> tuple[float, Rollup]:
     return time.perf_counter() - started, rollup
 
 
+def best_full_rollup(endpoints: list) -> tuple[float, Rollup]:
+    """The fastest of TRIES rollups of everything these endpoints ran, each from no lines
+    with every hour stale, as the first run after an upgrade finds them."""
+    runs = []
+    for _ in range(TRIES):
+        with connection.cursor() as cursor:
+            cursor.execute("TRUNCATE billing_tokenhour, billing_gpuhour")
+        mark_stale_hours(records=stored_hours([endpoint.id for endpoint in endpoints]))
+        runs.append(timed_rollup())
+    return min(runs, key=lambda run: run[0])
+
+
 def main() -> int:
     do_load_catalogs()
     owner = User.objects.create_superuser(email="bench@example.com", password=None)
     hours = DAYS * 24
     first = seed("1x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
-    floor = min(floor_seconds() for _ in range(3))
-    full, parts = timed_rollup()
+    floor = min(floor_seconds() for _ in range(TRIES))
+    full, parts = best_full_rollup(first)
     lines_1x = TokenHour.objects.count(), GPUHour.objects.count()
 
     # 1 % more: records of the last hour, and intervals that start in it.
@@ -136,10 +151,7 @@ def main() -> int:
     incremental, _ = timed_rollup()
 
     second = seed("2x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
-    TokenHour.objects.all().delete()
-    GPUHour.objects.all().delete()
-    mark_stale_hours(records=stored_hours([endpoint.id for endpoint in first + extra + second]))
-    doubled, _ = timed_rollup()
+    doubled, _ = best_full_rollup(first + extra + second)
 
     result = {
         "records": RECORDS, "intervals": INTERVALS, "endpoints": ENDPOINTS, "days": DAYS,

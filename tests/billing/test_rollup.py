@@ -9,6 +9,7 @@ import pytest
 import time_machine
 from django.db import connection, transaction
 from django.db.models import Sum
+from django.test.utils import CaptureQueriesContext
 
 from accounts.models import Organization
 from billing.models import GPUHour, StaleUsageHour, TokenHour, UsageRecord
@@ -154,6 +155,34 @@ def test_records_of_an_hour_already_rolled_up_are_added_to_it(
     assert (line.hour, line.api_key_id, line.requests, line.prompt_tokens,
             line.completion_tokens) == (datetime(2026, 1, 31, 23, tzinfo=UTC), key.id, 2, 107, 8)
     assert UsageRecord.objects.count() == 2
+
+
+@pytest.mark.parametrize(("shape", "records_per_indexed_hour", "marker"),
+                         [("one pass", 10**12, "date_bin"), ("by index", 0, "LATERAL")])
+def test_either_shape_of_the_token_rollup_writes_the_lines_of_the_records(
+        replica: Replica, org: Organization, monkeypatch: pytest.MonkeyPatch, shape: str,
+        records_per_indexed_hour: int, marker: str) -> None:
+    first, second = inference_key(org)[0], inference_key(org)[0]
+    endpoint = replica.endpoint
+    hour = datetime(2026, 1, 31, 23, tzinfo=UTC)
+    moments = {first: [hour - timedelta(microseconds=1), hour, hour + timedelta(minutes=59)],
+               second: [hour + timedelta(minutes=59, seconds=59, microseconds=999_999),
+                        hour + timedelta(hours=1)]}
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=moment).encode()
+                              for key, keyed in moments.items() for moment in keyed])
+    with connection.cursor() as cursor:  # so that reltuples counts the records
+        cursor.execute("ANALYZE billing_usagerecord")
+    monkeypatch.setattr("billing.rollup.RECORDS_PER_INDEXED_HOUR", records_per_indexed_hour)
+
+    with CaptureQueriesContext(connection) as queries:
+        do_roll_up_usage(now=hour + timedelta(hours=2))
+
+    assert any(marker in query["sql"] and "billing_tokenhour" in query["sql"]
+               for query in queries), f"the {shape} shape did not run"
+    lines = set(TokenHour.objects.values_list("hour", "api_key_id", "requests",
+                                              "prompt_tokens"))
+    assert lines == {(hour - timedelta(hours=1), first.id, 1, 7), (hour, first.id, 2, 14),
+                     (hour, second.id, 1, 7), (hour + timedelta(hours=1), second.id, 1, 7)}
 
 
 @pytest.mark.django_db(transaction=True)
