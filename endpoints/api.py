@@ -54,11 +54,14 @@ class GPUCatalogViewSet(viewsets.ReadOnlyModelViewSet):
 @extend_schema(request=SizingInput, responses={200: OpenApiTypes.OBJECT})
 @api_view(["POST"])
 def size(request: Request) -> Response:
-    """What an endpoint would need and cost, without creating it."""
+    """The capacity planner: what an endpoint (model, context, concurrency, GPU and count, KV
+    policy) would need, hold and cost, without creating it; a policy that does not fit is a
+    400 saying what would."""
     data = validated(SizingInput, request)
     decided = plan(model=data["model"], context_length=data["context_length"],
                    concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
-                   gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"))
+                   gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
+                   host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"])
     return Response(decided.summary)
 
 

@@ -5,6 +5,8 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
+from engine.kv_policy import KVPolicy
+
 # A hard cap, whatever an organisation's quota: a reconcile pass over one endpoint costs the
 # square of its replicas, on the queue that also carries usage ingestion.
 MAX_REPLICAS_PER_ENDPOINT = 16
@@ -146,6 +148,18 @@ class KVCacheDtype(models.TextChoices):
     FP8 = "fp8", "fp8 (half the memory)"
 
 
+class CacheIsolation(models.TextChoices):
+    """Whose requests may reuse one another's cached prefixes (vLLM's cache_salt)."""
+
+    ORGANIZATION = "organization", "within the organisation"
+    KEY = "key", "within each API key"
+
+
+# A host tier beyond this is a typo, not a plan: the largest hosts have a few TiB of memory.
+MAX_HOST_TIER_GIB = 4096
+MAX_DISK_TIER_GIB = 65536
+
+
 class Endpoint(models.Model):
     """A dedicated deployment of one model for one organisation.
 
@@ -165,6 +179,15 @@ class Endpoint(models.Model):
     kv_cache_dtype = models.CharField(max_length=8, choices=KVCacheDtype.choices,
                                       default=KVCacheDtype.AUTO)
     prefix_caching = models.BooleanField(default=True)
+    host_tier_gib = models.PositiveIntegerField(
+        default=0, help_text="Host-memory KV tier per replica, GiB; 0 for none.")
+    disk_tier_gib = models.PositiveIntegerField(
+        default=0, help_text="Disk KV tier per replica (LMCache), GiB; 0 for none.")
+    cache_isolation = models.CharField(max_length=12, choices=CacheIsolation.choices,
+                                       default=CacheIsolation.ORGANIZATION)
+    prefix_affinity = models.BooleanField(
+        default=True, help_text="Send requests that share a prompt prefix to the same replica, "
+                                "where its cache holds that prefix (with two or more replicas).")
     min_replicas = models.PositiveSmallIntegerField(default=1)
     max_replicas = models.PositiveSmallIntegerField(default=1)
     desired_replicas = models.PositiveSmallIntegerField(default=1)
@@ -188,6 +211,11 @@ class Endpoint(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def kv_policy(self) -> KVPolicy:
+        return KVPolicy(kv_cache_dtype=self.kv_cache_dtype, prefix_caching=self.prefix_caching,
+                        host_tier_gib=self.host_tier_gib, disk_tier_gib=self.disk_tier_gib)
 
 
 class Replica(models.Model):

@@ -18,7 +18,8 @@ from django.db.models import QuerySet
 
 from endpoints.models import GPUType, ModelSpec, NodeState
 from engine import sizing
-from engine.sizing import CPU
+from engine.kv_policy import KVPolicy, refusals
+from engine.sizing import CPU, GPU
 
 # How to bring a node of a missing kind online, in words a newcomer can follow.
 ADD_NODE_ADVICE = ("start a node agent on a host with one (manage.py node_agent; the README's "
@@ -115,10 +116,12 @@ def online_gpu_type_ids() -> set[int]:
 
 
 def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dtype: str,
-         gpu_type: GPUType | None = None, gpu_count: int | None = None) -> Plan:
-    """The hardware for an endpoint, chosen or checked. Raises ValidationError naming the
-    field to change: a GPU count vLLM cannot split the model over, or `Unfit` saying what
-    would fit when the request fits nothing offered."""
+         gpu_type: GPUType | None = None, gpu_count: int | None = None,
+         host_tier_gib: int = 0, disk_tier_gib: int = 0) -> Plan:
+    """The hardware for an endpoint, chosen or checked, with its KV policy admitted. Raises
+    ValidationError naming the field to change: a GPU count vLLM cannot split the model
+    over, a KV tier the chosen hardware's vLLM build cannot use (saying why), or `Unfit`
+    saying what would fit when the request fits nothing offered."""
     candidates = _candidate_types(gpu_type)
     if not candidates:
         raise ValidationError({"gpu_type": ["The GPU catalog is empty; an operator loads it "
@@ -137,8 +140,15 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     if decision.choice is None:
         raise Unfit(_advice(model, request, candidates, gpu_type=gpu_type))
     choice = decision.choice
-    return Plan(gpu_type=by_slug[choice.accelerator.slug], gpu_count=choice.count,
-                summary=_summary(model, request, decision, is_cpu))
+    chosen = by_slug[choice.accelerator.slug]
+    policy = KVPolicy(kv_cache_dtype=kv_cache_dtype, host_tier_gib=host_tier_gib,
+                      disk_tier_gib=disk_tier_gib)
+    refused = refusals(policy, device=CPU if chosen.slug == CPU else GPU)
+    if refused:
+        raise ValidationError({field: [f"{reason} (the plan: {choice.count} × {chosen.name})"]
+                               for field, reason in refused.items()})
+    return Plan(gpu_type=chosen, gpu_count=choice.count,
+                summary=_summary(model, request, decision, is_cpu, policy))
 
 
 def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str) -> list[Option]:
@@ -295,26 +305,37 @@ def models_that_fit_online(*, context_length: int, concurrency: int,
 
 
 def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decision,
-             is_cpu: bool) -> dict[str, Any]:
+             is_cpu: bool, policy: KVPolicy) -> dict[str, Any]:
     choice = decision.choice
     shape = shape_of(model)
+    per_token = sizing.kv_bytes_per_token(shape, kv_dtype=request.kv_dtype, tp=choice.count)
+    # A host tier's size is the whole replica's, over all its ranks (vLLM's
+    # --kv-offloading-size); LMCache's disk tier likewise.
+    per_token_all_ranks = per_token * choice.count
+    # A CPU engine gets the KV space it needs (VLLM_CPU_KVCACHE_SPACE), a GPU engine what
+    # is left of its devices after the weights and the runtime.
+    cpu_kv_space_gib = max(1, math.ceil(choice.kv_needed_per_gpu / sizing.GIB)) if is_cpu else None
+    kv_pool_bytes = cpu_kv_space_gib * sizing.GIB if is_cpu else choice.kv_available_per_gpu
     return {
         "explanation": decision.explanation,
         "gpu_type": choice.accelerator.slug,
         "gpu_count": choice.count,
         "hourly_price_usd": str(choice.hourly_price),
         "weight_bytes_per_gpu": choice.weight_bytes_per_gpu,
-        "kv_bytes_per_token": sizing.kv_bytes_per_token(shape, kv_dtype=request.kv_dtype,
-                                                        tp=choice.count),
+        "kv_bytes_per_token": per_token,
         "kv_needed_bytes_per_gpu": choice.kv_needed_per_gpu,
         "kv_available_bytes_per_gpu": choice.kv_available_per_gpu,
         "runtime_overhead_bytes_per_gpu": choice.overhead_bytes_per_gpu,
         "block_tokens": request.block_tokens,
+        "kv_cache_tokens": kv_pool_bytes // per_token,
+        "host_tier_gib": policy.host_tier_gib,
+        "host_tier_tokens": policy.host_tier_gib * sizing.GIB // per_token_all_ranks,
+        "disk_tier_gib": policy.disk_tier_gib,
+        "disk_tier_tokens": policy.disk_tier_gib * sizing.GIB // per_token_all_ranks,
         "max_concurrency_at_context": sizing.largest_concurrency(shape, request, choice),
         "max_context_at_concurrency": sizing.largest_context(
             shape, request, choice, concurrency=request.concurrency),
-        "cpu_kv_space_gib": max(1, math.ceil(choice.kv_needed_per_gpu / sizing.GIB))
-        if is_cpu else None,
+        "cpu_kv_space_gib": cpu_kv_space_gib,
         "alternatives": _alternatives(model, request, choice),
     }
 

@@ -2,7 +2,10 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from endpoints.models import (
+    MAX_DISK_TIER_GIB,
+    MAX_HOST_TIER_GIB,
     MAX_REPLICAS_PER_ENDPOINT,
+    CacheIsolation,
     Endpoint,
     EndpointEvent,
     GPUType,
@@ -51,7 +54,8 @@ class EndpointSerializer(serializers.ModelSerializer):
     class Meta:
         model = Endpoint
         fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
-                  "kv_cache_dtype", "prefix_caching", "min_replicas", "max_replicas",
+                  "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
+                  "cache_isolation", "prefix_affinity", "min_replicas", "max_replicas",
                   "desired_replicas", "desired_state", "state", "failure_reason", "progress",
                   "hourly_price_usd", "sizing", "replicas", "created_at"]
 
@@ -91,6 +95,12 @@ class SizingInput(StrictSerializer):
                                           "lists them."})
     gpu_count = serializers.ChoiceField(choices=[1, 2, 4, 8], required=False, allow_null=True)
     kv_cache_dtype = serializers.ChoiceField(choices=KVCacheDtype.choices, default="auto")
+    host_tier_gib = serializers.IntegerField(
+        default=0, min_value=0, max_value=MAX_HOST_TIER_GIB,
+        help_text="Host-memory KV tier per replica, GiB (vLLM's native offloading); 0 for none.")
+    disk_tier_gib = serializers.IntegerField(
+        default=0, min_value=0, max_value=MAX_DISK_TIER_GIB,
+        help_text="Disk KV tier per replica, GiB (LMCache; needs a host tier); 0 for none.")
 
 
 class EndpointInput(SizingInput):
@@ -99,6 +109,11 @@ class EndpointInput(SizingInput):
     max_replicas = serializers.IntegerField(required=False, allow_null=True,
                                             max_value=MAX_REPLICAS_PER_ENDPOINT)
     prefix_caching = serializers.BooleanField(default=True)
+    cache_isolation = serializers.ChoiceField(
+        choices=CacheIsolation.choices, default=CacheIsolation.ORGANIZATION,
+        help_text="Whose requests may reuse one another's cached prefixes.")
+    prefix_affinity = serializers.BooleanField(
+        default=True, help_text="Send requests sharing a prompt prefix to the same replica.")
 
 
 class ScaleInput(StrictSerializer):

@@ -15,6 +15,7 @@ from accounts.selectors import quota_of
 from accounts.services import require_manager
 from endpoints.models import (
     MAX_REPLICAS_PER_ENDPOINT,
+    CacheIsolation,
     DesiredState,
     Endpoint,
     EndpointEvent,
@@ -111,14 +112,16 @@ def do_create_endpoint(
     *, organization: Organization, actor_role: str | None, created_by: User | None, name: str,
     model: ModelSpec, context_length: int, concurrency: int, gpu_type: GPUType | None = None,
     gpu_count: int | None = None, min_replicas: int = 1, max_replicas: int | None = None,
-    kv_cache_dtype: str = "auto", prefix_caching: bool = True,
+    kv_cache_dtype: str = "auto", prefix_caching: bool = True, host_tier_gib: int = 0,
+    disk_tier_gib: int = 0, cache_isolation: str = CacheIsolation.ORGANIZATION,
+    prefix_affinity: bool = True,
 ) -> Endpoint:
     """Size and create an endpoint that should run; the reconciler starts its replicas.
 
     Raises ValidationError naming the field to change: a name that does not start with a
     letter, a context above the model's maximum, replicas out of range (at most
     MAX_REPLICAS_PER_ENDPOINT), a duplicate name, or a request that fits no GPU (saying what
-    does); and one naming the quota when the organisation's endpoints, GPUs or replicas would
+    does, or a KV tier the hardware's vLLM cannot use, saying why); and one naming the quota when the organisation's endpoints, GPUs or replicas would
     pass it. The organisation row is held while its quota is checked, so that two creates
     at once cannot both take its last room.
     """
@@ -146,7 +149,8 @@ def do_create_endpoint(
     if errors:
         raise ValidationError(errors)
     decided = plan(model=model, context_length=context_length, concurrency=concurrency,
-                   kv_cache_dtype=kv_cache_dtype, gpu_type=gpu_type, gpu_count=gpu_count)
+                   kv_cache_dtype=kv_cache_dtype, gpu_type=gpu_type, gpu_count=gpu_count,
+                   host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib)
     try:
         with transaction.atomic():
             _hold_quota(organization_id=organization.id, new_endpoint=True,
@@ -157,6 +161,8 @@ def do_create_endpoint(
                 context_length=context_length, concurrency=concurrency,
                 gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
                 kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+                host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib,
+                cache_isolation=cache_isolation, prefix_affinity=prefix_affinity,
                 min_replicas=min_replicas, max_replicas=max_replicas,
                 desired_replicas=min_replicas, sizing=decided.summary,
                 hourly_price_usd=decided.gpu_type.hourly_price_usd * decided.gpu_count,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 
+from engine.kv_policy import EngineKV, KVPolicy, build_for, engine_kv, lmcache_yaml
 from engine.processes import OWNER_VARIABLE, REPLICA_VARIABLE, own_group_dying_with_parent
 from engine.sizing import CPU, GPU
 
@@ -37,8 +38,11 @@ class EngineSpec:
     host: str = "127.0.0.1"
     device: str = GPU  # or CPU
     tensor_parallel: int = 1
-    kv_cache_dtype: str = "auto"
-    prefix_caching: bool = True
+    kv_policy: KVPolicy = field(default_factory=KVPolicy)
+    # The replica's own directory for its KV tiers on disk and their config; its owner
+    # deletes it when the replica stops.
+    cache_dir: str = ""
+    vllm_version: str | None = None  # the installed build's; None: the pinned one
     gpu_memory_utilization: float = 0.90
     cpu_kv_space_gib: int = 1
     device_indices: tuple[int, ...] = ()
@@ -59,17 +63,18 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         "-tp", str(spec.tensor_parallel),
         "--max-model-len", str(spec.max_model_len),
         "--max-num-seqs", str(spec.max_num_seqs),
-        "--kv-cache-dtype", spec.kv_cache_dtype,
-        "--enable-prefix-caching" if spec.prefix_caching else "--no-enable-prefix-caching",
         # Usage then reports cached prompt tokens, which the gateway meters.
         "--enable-prompt-tokens-details",
     ]
+    kv = _engine_kv(spec)
+    argv += kv.argv
     if spec.api_key:
         # vLLM checks the key under /v1 only; this checks it on every other path but /health.
         argv += ["--middleware", "engine.key_guard.RequireEngineKey"]
     # The key goes in the environment: an argv is readable by every user through `ps`.
     env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key,
-           OWNER_VARIABLE: spec.owner, REPLICA_VARIABLE: spec.replica, **spec.extra_env}
+           OWNER_VARIABLE: spec.owner, REPLICA_VARIABLE: spec.replica, **kv.env,
+           **spec.extra_env}
     if spec.device == CPU:
         argv.append("--enforce-eager")  # no CUDA graphs on the CPU backend
         env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kv_space_gib)
@@ -77,6 +82,11 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.2f}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.device_indices)
     return argv, env
+
+
+def _engine_kv(spec: EngineSpec) -> EngineKV:
+    return engine_kv(spec.kv_policy, build=build_for(spec.device, spec.vllm_version),
+                     cache_dir=Path(spec.cache_dir))
 
 
 # What an engine sees of the environment it is started from: what the system, Python,
@@ -100,6 +110,10 @@ def engine_environment(inherited: Mapping[str, str], additions: Mapping[str, str
 def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
     """Start the engine in its own process group, output appended to `log_path`."""
     argv, env = build_command(spec)
+    lmcache_config = _engine_kv(spec).lmcache_config
+    if lmcache_config is not None:
+        Path(spec.cache_dir).mkdir(parents=True, exist_ok=True)
+        Path(env["LMCACHE_CONFIG_FILE"]).write_text(lmcache_yaml(lmcache_config))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(argv, env=engine_environment(os.environ, env), stdout=log,

@@ -24,6 +24,7 @@ from accounts import tokens
 from accounts.principals import KeyIdentity
 from accounts.selectors import key_identity_from_database
 from endpoints.selectors import endpoints_for_gateway, progress_of
+from gateway.affinity import Ring
 from gateway.errors import GatewayError
 from kvrun.digests import engine_api_key, secret_digest
 
@@ -61,7 +62,11 @@ class Route:
     progress: dict[str, Any]
     created: int
     context_length: int
+    concurrency: int
+    cache_isolation: str
+    prefix_affinity: bool
     upstreams: tuple[Upstream, ...] = field(default=())
+    ring: Ring = field(default=Ring(points=(), owners=()))
 
 
 @dataclass(frozen=True)
@@ -84,7 +89,10 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
                       organization_slug=endpoint.organization.slug, state=endpoint.state,
                       progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),
                       created=int(endpoint.created_at.timestamp()),
-                      context_length=endpoint.context_length)
+                      context_length=endpoint.context_length,
+                      concurrency=endpoint.concurrency,
+                      cache_isolation=endpoint.cache_isolation,
+                      prefix_affinity=endpoint.prefix_affinity)
         replicas = tuple(_ReplicaRow(replica_id=str(replica.id),
                                      base_url=_base_url(replica.node.address, replica.port))
                          for replica in endpoint.ready_replicas)
@@ -168,7 +176,7 @@ class Directory:
                                     authorization=f"Bearer {engine_api_key(replica.replica_id)}")
                 self._upstreams[replica.replica_id] = upstream
             upstreams.append(upstream)
-        return replace(route, upstreams=tuple(upstreams))
+        return replace(route, upstreams=tuple(upstreams), ring=Ring.of(upstreams))
 
     async def _once(self, key: object, load: Callable[[], Awaitable[Any]]) -> Any:
         pending = self._loading.get(key)
@@ -189,9 +197,17 @@ def _stale(entry: tuple[float, Any] | None, error: Exception) -> Any:
     return entry[1]
 
 
-def choose_upstream(route: Route, *, tried: set[Upstream]) -> Upstream | None:
-    """The ready replica with the fewest requests in flight, not yet tried for this request;
-    replicas that recently refused a connection come last. Ties go round-robin."""
+def choose_upstream(route: Route, *, tried: set[Upstream], key: int | None = None
+                    ) -> Upstream | None:
+    """The replica for a request not yet tried for it: by its prompt's `key` on the route's
+    ring where it has one (gateway.affinity), else, or when every replica is past its load
+    bound, the ready replica with the fewest requests in flight; replicas that recently
+    refused a connection come last. Ties go round-robin."""
+    if key is not None:
+        chosen = route.ring.choose(key, upstreams=route.upstreams, tried=tried,
+                                   concurrency=route.concurrency)
+        if chosen is not None:
+            return chosen
     candidates = [upstream for upstream in route.upstreams if upstream not in tried]
     if not candidates:
         return None

@@ -17,6 +17,8 @@ import aiohttp
 import orjson
 from django.conf import settings
 
+from endpoints.models import CacheIsolation
+from gateway.affinity import prefix_key
 from gateway.asgi import JSON, Receive, Send, respond, response_headers
 from gateway.directory import Upstream, choose_upstream, mark_down
 from gateway.errors import GatewayError, engine_message, from_engine
@@ -47,18 +49,24 @@ class Proxy:
     async def forward(self, exchange: Exchange, payload: dict[str, Any], receive: Receive,
                       send: Send) -> bytes | None:
         """Send the request to a replica and the answer to the client; returns the answer
-        body when it was not streamed. The organisation's cache salt replaces any the client
-        sent, and streams always carry running usage upstream, for metering."""
-        assert exchange.identity is not None and exchange.route is not None
+        body when it was not streamed. The tenant's cache salt (the organisation's, or the
+        key's where the endpoint isolates keys) replaces any the client sent, and streams
+        always carry running usage upstream, for metering."""
+        identity, route = exchange.identity, exchange.route
+        assert identity is not None and route is not None
         client_options = payload.get("stream_options") or {}
-        payload["cache_salt"] = cache_salt(exchange.identity.organization_id)
+        salt = cache_salt(identity.organization_id,
+                          identity.id if route.cache_isolation == CacheIsolation.KEY else None)
+        payload["cache_salt"] = salt
+        affinity = (prefix_key(payload, salt=salt)
+                    if route.prefix_affinity and len(route.upstreams) > 1 else None)
         if exchange.stream:
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         upstream_body = orjson.dumps(payload)
         watcher = asyncio.get_running_loop().create_task(
             _watch_disconnect(receive, exchange, asyncio.current_task()))
         try:
-            response = await self._connect(exchange, upstream_body)
+            response = await self._connect(exchange, upstream_body, affinity)
             async with response:
                 if exchange.stream and response.status == 200:
                     await _relay_stream(
@@ -105,14 +113,16 @@ class Proxy:
             if exchange.upstream is not None:
                 exchange.upstream.in_flight -= 1
 
-    async def _connect(self, exchange: Exchange, body: bytes) -> aiohttp.ClientResponse:
-        """The engine's response headers from the least busy ready replica; a replica that
-        refuses the connection (nothing was sent) is skipped for the next one."""
+    async def _connect(self, exchange: Exchange, body: bytes, affinity: int | None
+                       ) -> aiohttp.ClientResponse:
+        """The engine's response headers from the replica its prompt's `affinity` picks, or
+        the least busy ready one; a replica that refuses the connection (nothing was sent)
+        is skipped for the next one."""
         route = exchange.route
         assert route is not None
         path = ENGINE_PATHS[exchange.operation]
         tried: set[Upstream] = set()
-        while (upstream := choose_upstream(route, tried=tried)) is not None:
+        while (upstream := choose_upstream(route, tried=tried, key=affinity)) is not None:
             tried.add(upstream)
             upstream.in_flight += 1
             upstream.served += 1

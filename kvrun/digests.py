@@ -36,6 +36,8 @@ def playground_secret(key_id: UUID | str) -> str:
 
 
 @functools.lru_cache(maxsize=100_000)
-def cache_salt(organization_id: object) -> str:
-    """The organisation's vLLM cache salt: its cached prefixes are reused for it alone."""
-    return _keyed(f"cache-salt:{organization_id}")[:32]
+def cache_salt(organization_id: object, key_id: object = None) -> str:
+    """A vLLM cache salt: the organisation's, whose cached prefixes are reused for it alone,
+    or, given `key_id`, that API key's alone within it."""
+    scope = f"cache-salt:{organization_id}" + (f":key:{key_id}" if key_id else "")
+    return _keyed(scope)[:32]

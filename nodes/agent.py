@@ -10,6 +10,7 @@ the heartbeat's thread, and a replica is settled only once its engine is confirm
 """
 
 import logging
+import shutil
 import subprocess
 import threading
 import time
@@ -24,7 +25,7 @@ from django.utils import timezone
 
 from endpoints.lifecycle import do_fail_replica, do_set_replica_progress, do_transition_replica
 from endpoints.models import Node, Replica, State
-from engine import demo_model, processes, supervisor
+from engine import demo_model, kv_policy, processes, supervisor
 from engine.sizing import CPU, GPU
 from kvrun.digests import engine_api_key
 from nodes.services import do_record_node_heartbeat
@@ -44,6 +45,12 @@ _shutting_down = threading.Event()
 
 def log_path(replica_id: UUID | str) -> Path:
     return Path(settings.KVRUN_ENGINE_LOG_DIR) / f"{replica_id}.log"
+
+
+def cache_dir(replica_id: UUID | str) -> Path:
+    """The replica's KV tier on disk and its config: deleted when the replica stops or fails,
+    so that nothing of a tenant's cache outlives its engine."""
+    return Path(settings.KVRUN_STATE_DIR) / "kv" / str(replica_id)
 
 
 def owner(node_name: str) -> str:
@@ -71,8 +78,9 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
         max_num_seqs=endpoint.concurrency,
         device=CPU if cpu else GPU,
         tensor_parallel=endpoint.gpu_count,
-        kv_cache_dtype=endpoint.kv_cache_dtype,
-        prefix_caching=endpoint.prefix_caching,
+        kv_policy=endpoint.kv_policy,
+        cache_dir=str(cache_dir(replica.id)),
+        vllm_version=kv_policy.installed_version(CPU if cpu else GPU),
         cpu_kv_space_gib=endpoint.sizing.get("cpu_kv_space_gib") or 1,
         device_indices=tuple(replica.device_indices),
         api_key=engine_api_key(replica.id),
@@ -118,7 +126,8 @@ def start_replica(replica_id: str) -> None:
                 replica_id=replica.id, state=State.LOADING, stage="engine healthy, loading API",
                 percent=90),
         )
-    except (supervisor.EngineFailed, OSError) as exc:
+    except (supervisor.EngineFailed, OSError, ValueError) as exc:
+        # ValueError: a KV policy this node's vLLM cannot run (engine.kv_policy says why).
         if process is not None:
             _forget_and_stop(str(replica.id), process)
         _record_failure(replica.id, str(exc), log, from_states=[State.LOADING])
@@ -155,6 +164,7 @@ def stop_replica(replica_id: str) -> None:
     while (replica.port and not processes.port_is_free(replica.port, host)
            and time.monotonic() < deadline):
         time.sleep(0.2)
+    shutil.rmtree(cache_dir(replica.id), ignore_errors=True)
     do_transition_replica(replica_id=replica.id, from_states=[State.STOPPING],
                           to_state=State.STOPPED, message="engine stopped, port freed",
                           stopped_at=timezone.now(), pid=None, log_tail=supervisor.tail(
@@ -226,6 +236,7 @@ def do_fail_replicas_of_previous_agent(*, node: Node) -> int:
 
 
 def _record_failure(replica_id: UUID, reason: str, log: Path, *, from_states: list[str]) -> bool:
+    shutil.rmtree(cache_dir(replica_id), ignore_errors=True)  # its engine is gone
     last_lines = supervisor.tail(log)
     full = f"{reason}. Last engine log lines:\n{last_lines}" if last_lines else reason
     logger.warning("replica %s failed: %s", replica_id, reason)

@@ -50,9 +50,10 @@ def inference_key(organization: Organization, **limits: object) -> tuple[APIKey,
 
 
 def ready_endpoint(organization: Organization, name: str, ports: list[int],
-                   state: str = State.READY) -> Endpoint:
+                   state: str = State.READY, **policy: object) -> Endpoint:
     """An endpoint whose replicas are ready at 127.0.0.1 on `ports`, as the reconciler leaves
-    one once its engines serve; here the engines are test stand-ins."""
+    one once its engines serve; here the engines are test stand-ins. `policy` sets KV policy
+    fields (cache_isolation, prefix_affinity, ...)."""
     do_load_catalogs()
     cpu = GPUType.objects.get(slug="cpu")
     node, _ = Node.objects.get_or_create(name="stub-node", defaults=dict(
@@ -60,7 +61,7 @@ def ready_endpoint(organization: Organization, name: str, ports: list[int],
     endpoint = Endpoint.objects.create(
         organization=organization, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
         context_length=2048, concurrency=8, gpu_type=cpu, gpu_count=1, hourly_price_usd=0,
-        state=state)
+        state=state, **policy)
     for port in ports:
         Replica.objects.create(endpoint=endpoint, node=node, state=state, port=port,
                                ready_at=timezone.now())

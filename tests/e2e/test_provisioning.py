@@ -93,10 +93,13 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
     assert "VLLM_API_KEY" in names
     assert not names & {"SECRET_KEY", "KVRUN_KEY_PEPPER", "DATABASE_URL", "REDIS_URL"}
-    # Sizing reproduces the capacity the engine itself logged (1 GiB of CPU KV space).
+    # Sizing reproduces the capacity the engine itself logged (1 GiB of CPU KV space), and
+    # the planner's figure is that one.
     demo = shape_of(ModelSpec.objects.get(slug="kvrun-demo-tiny"))
     assert abs(replica.kv_cache_tokens - kv_cache_tokens(demo, kv_bytes=GIB)) <= (
         0.01 * replica.kv_cache_tokens)
+    predicted = Endpoint.objects.get(name="chat").sizing["kv_cache_tokens"]
+    assert abs(replica.kv_cache_tokens - predicted) <= 0.01 * replica.kv_cache_tokens
     detail = owner_api.get(f"/api/v1/organizations/{org.slug}/endpoints/chat/").json()
     assert detail["progress"] == {"stage": "ready", "percent": 100}
     assert detail["replicas"][0]["kv_cache_tokens"] == replica.kv_cache_tokens

@@ -7,7 +7,16 @@ from rest_framework.test import APIClient
 
 from accounts.models import Membership, Organization, Role, Scope
 from endpoints import services
-from endpoints.models import DesiredState, Endpoint, EndpointEvent, ModelSpec, Node, Replica, State
+from endpoints.models import (
+    DesiredState,
+    Endpoint,
+    EndpointEvent,
+    GPUType,
+    ModelSpec,
+    Node,
+    Replica,
+    State,
+)
 from endpoints.services import do_create_endpoint, do_load_catalogs
 from tests.factories import UserFactory, api_key
 from tests.helpers import wait_until
@@ -73,6 +82,14 @@ def test_without_nodes_it_sizes_against_the_gpu_catalog(owner_api: APIClient,
         ({"max_replicas": 32767}, "max_replicas", "less than or equal to 16"),
         ({"min_replicas": 17}, "min_replicas", "less than or equal to 16"),
         ({"colour": "blue"}, "colour", "Unknown field"),
+        ({"host_tier_gib": -1}, "host_tier_gib", "greater than or equal to 0"),
+        ({"disk_tier_gib": 10**6}, "disk_tier_gib", "less than or equal to 65536"),
+        ({"cache_isolation": "nobody"}, "cache_isolation", "not a valid choice"),
+        # The CPU node's vLLM build cannot use either tier: refused before anything starts.
+        ({"host_tier_gib": 4}, "host_tier_gib",
+         "CPU Offloading is currently only supported on CUDA-alike"),
+        ({"host_tier_gib": 4, "disk_tier_gib": 20}, "disk_tier_gib",
+         "LMCache 0.5.6 runs on CUDA only"),
     ],
 )
 def test_bad_input_says_what_to_change_and_writes_nothing(
@@ -194,6 +211,39 @@ def test_sizing_preview_creates_nothing(owner_api: APIClient, cpu_node: Node) ->
     assert response.json()["kv_bytes_per_token"] * response.json()["gpu_count"] >= 131_072
     assert not Endpoint.objects.exists()
     assert not Replica.objects.exists()
+
+
+def test_the_planner_gives_kv_tokens_tiers_memory_and_price_for_a_policy(
+        owner_api: APIClient) -> None:
+    body = {"model": "llama-3.1-8b-instruct", "context_length": 8192, "concurrency": 16,
+            "gpu_type": "h100-80gb", "gpu_count": 1, "kv_cache_dtype": "fp8",
+            "host_tier_gib": 64, "disk_tier_gib": 1000}
+
+    response = owner_api.post("/api/v1/sizing/", body, format="json")
+
+    assert response.status_code == 200, response.content
+    plan = response.json()
+    # Llama-3.1-8B: 32 layers × 8 KV heads × 128 dims × K and V × 1 byte (fp8).
+    assert plan["kv_bytes_per_token"] == 65_536
+    assert plan["kv_cache_tokens"] == plan["kv_available_bytes_per_gpu"] // 65_536
+    assert plan["host_tier_tokens"] == 64 * 2**30 // 65_536 == 1_048_576
+    assert plan["disk_tier_tokens"] == 1000 * 2**30 // 65_536
+    assert plan["max_concurrency_at_context"] == plan["kv_available_bytes_per_gpu"] // (
+        8192 * 65_536)
+    assert plan["weight_bytes_per_gpu"] > 16 * 10**9
+    assert plan["hourly_price_usd"] == str(GPUType.objects.get(slug="h100-80gb").hourly_price_usd)
+    assert not Endpoint.objects.exists()
+
+
+def test_a_disk_tier_without_a_host_tier_is_refused_saying_what_to_set(
+        owner_api: APIClient) -> None:
+    response = owner_api.post("/api/v1/sizing/", {
+        "model": "llama-3.1-8b-instruct", "context_length": 8192, "concurrency": 4,
+        "gpu_type": "h100-80gb", "disk_tier_gib": 100}, format="json")
+
+    assert response.status_code == 400
+    assert "set a host tier of at least 1 GiB" in response.json()["error"]["fields"][
+        "host_tier_gib"][0]
 
 
 def test_the_service_caps_replicas_per_endpoint_whatever_the_caller(org: Organization,

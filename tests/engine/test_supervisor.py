@@ -3,6 +3,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.kv_policy import KVPolicy
 from engine.processes import free_port
 from engine.supervisor import (
     EngineFailed,
@@ -24,7 +25,7 @@ def spec(**overrides: object) -> EngineSpec:
 
 def test_a_gpu_command_pins_devices_and_memory() -> None:
     argv, env = build_command(spec(device="gpu", tensor_parallel=2, device_indices=(2, 3),
-                                   kv_cache_dtype="fp8"), python="python")
+                                   kv_policy=KVPolicy(kv_cache_dtype="fp8")), python="python")
 
     assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     joined = " ".join(argv)
@@ -40,7 +41,8 @@ def test_a_gpu_command_pins_devices_and_memory() -> None:
 
 
 def test_a_cpu_command_sets_the_kv_space_and_eager_mode() -> None:
-    argv, env = build_command(spec(device="cpu", cpu_kv_space_gib=2, prefix_caching=False))
+    argv, env = build_command(spec(device="cpu", cpu_kv_space_gib=2,
+                                   kv_policy=KVPolicy(prefix_caching=False)))
 
     assert "--enforce-eager" in argv and "--no-enable-prefix-caching" in argv
     assert "--gpu-memory-utilization" not in argv

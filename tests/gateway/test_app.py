@@ -122,10 +122,11 @@ def test_a_stream_shows_usage_only_as_the_client_asked(
     assert all(record.time_to_first_token_ms is not None for record in UsageRecord.objects.all())
 
 
-def documented_cache_salt(organization_id: object) -> str:
+def documented_cache_salt(organization_id: object, key_id: object = None) -> str:
     """kvrun.digests' formula, worked out here apart from it: the first 32 hex digits of
-    HMAC-SHA256(pepper, "cache-salt:<organisation id>")."""
-    message = f"cache-salt:{organization_id}".encode()
+    HMAC-SHA256(pepper, "cache-salt:<organisation id>"), with ":key:<key id>" after it where
+    an endpoint keeps keys apart."""
+    message = (f"cache-salt:{organization_id}" + (f":key:{key_id}" if key_id else "")).encode()
     return hmac.new(settings.KVRUN_KEY_PEPPER.encode(), message, hashlib.sha256).hexdigest()[:32]
 
 
@@ -285,7 +286,7 @@ def test_a_refused_connection_is_retried_on_another_replica(
     stubs: list[httpx.Client]
 ) -> None:
     dead_port = free_port()
-    endpoint = ready_endpoint(org, "sturdy", [dead_port, stub_ports[0]])
+    endpoint = ready_endpoint(org, "sturdy", [dead_port, stub_ports[0]], prefix_affinity=False)
     live = endpoint.replicas.get(port=stub_ports[0])
     dead = endpoint.replicas.get(port=dead_port)
 
@@ -320,7 +321,7 @@ def test_requests_go_to_the_replica_with_the_fewest_in_flight(
     gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
     stubs: list[httpx.Client]
 ) -> None:
-    ready_endpoint(org, "pair", stub_ports)
+    ready_endpoint(org, "pair", stub_ports, prefix_affinity=False)
 
     async def quick_ones_beside_a_long_stream() -> list[int]:
         long = asyncio.ensure_future(gateway.send(secret, {"model": "pair", "prompt": "slow",
@@ -336,6 +337,70 @@ def test_requests_go_to_the_replica_with_the_fewest_in_flight(
     # Round-robin would have sent a quick one to the replica busy with the stream.
     prompts = sorted([sent["body"]["prompt"] for sent in received(stub)] for stub in stubs)
     assert prompts == [["hello"] * 3, ["slow"]]
+
+
+CHAT = "/v1/chat/completions"
+
+
+def with_system_prompt(system: str, user: str) -> dict:
+    return {"model": "pair", "messages": [{"role": "system", "content": system},
+                                          {"role": "user", "content": user}]}
+
+
+def test_requests_that_share_a_prefix_go_to_one_replica_and_prefixes_spread(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    ready_endpoint(org, "pair", stub_ports)
+    handbook = "You answer questions about the staff handbook. " * 30  # ~1,400 characters
+
+    for question in ("Holidays?", "Sick leave?", "Expenses?", "Parking?", "Pensions?"):
+        assert gateway.post(secret, with_system_prompt(handbook, question), CHAT).status_code == 200
+    by_replica = [len(received(stub)) for stub in stubs]
+    assert sorted(by_replica) == [0, 5]
+
+    for stub in stubs:
+        stub.delete("/_requests")
+    for tenant in range(16):
+        prompt = with_system_prompt(f"Tenant {tenant}'s own assistant. " * 40, "Hello")
+        assert gateway.post(secret, prompt, CHAT).status_code == 200
+    # Sixteen prefixes on two replicas: all on one would happen once in 32,768 runs.
+    assert all(received(stub) for stub in stubs)
+
+
+def test_a_hot_prefix_spills_to_another_replica_past_its_load_bound(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    ready_endpoint(org, "pair", stub_ports)
+    shared = "One very popular system prompt. " * 40
+
+    async def at_once() -> list[int]:
+        # "slow": the stand-in engine takes a second, so all four are in flight together.
+        sent = [gateway.send(secret, with_system_prompt(shared, "slow"), CHAT)
+                for _ in range(4)]
+        return [response.status_code for response in await asyncio.gather(*sent)]
+
+    assert gateway.run(at_once()) == [200] * 4
+    # Bounded at 1.25 × the average in flight: the second replica takes the third request.
+    assert sorted(len(received(stub)) for stub in stubs) == [1, 3]
+
+
+def test_an_endpoint_may_keep_each_key_s_cache_apart(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    ready_endpoint(org, "solo", stub_ports[:1], cache_isolation="key")
+    first = APIKey.objects.get(organization=org)
+    second, second_secret = inference_key(org)
+
+    for key in (secret, second_secret):
+        assert gateway.post(key, {"model": "solo", "prompt": "hello"}).status_code == 200
+
+    salts = [sent["body"]["cache_salt"] for sent in received(stubs[0])]
+    assert salts == [documented_cache_salt(org.id, key_id=first.id),
+                     documented_cache_salt(org.id, key_id=second.id)]
+    assert documented_cache_salt(org.id) not in salts
 
 
 def test_a_stream_that_breaks_ends_with_an_error_frame_and_done(
