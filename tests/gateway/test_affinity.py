@@ -17,7 +17,7 @@ def test_the_leading_prompt_is_the_messages_roles_and_texts_cut_at_the_limit() -
     chat = {"messages": [{"role": "system", "content": "Be brief."},
                          {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]}
 
-    assert leading_prompt(chat) == "system\x1fBe brief.\x1fuser\x1fHi".encode()
+    assert leading_prompt(chat) == b"system\x1fBe brief.\x1fuser\x1fHi"
     assert leading_prompt({"prompt": "x" * 5000}) == b"x" * PREFIX_CHARACTERS
     assert leading_prompt({"prompt": [[1, 2, 3]]}) == b"1,2,3"  # token ids, first of a batch
     assert leading_prompt({"prompt": ["first", "second"]}) == b"first"
