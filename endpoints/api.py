@@ -17,6 +17,7 @@ from endpoints.serializers import (
     EventSerializer,
     GPUTypeSerializer,
     ModelSpecSerializer,
+    PolicyInput,
     ScaleInput,
     SizingInput,
 )
@@ -94,6 +95,17 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
         endpoint = services.do_scale_endpoint(endpoint=self.get_object(),
                                               actor_role=self.actor_role, **data)
         return Response(self.get_serializer(self._fresh(endpoint)).data)
+
+    @extend_schema(request=PolicyInput, responses=EndpointSerializer)
+    @action(detail=True, methods=["patch"])
+    def policy(self, request: Request, **kwargs: str) -> Response:
+        """Change the KV policy; the answer's `rollout` says whether and how replicas
+        restart."""
+        data = validated(PolicyInput, request)
+        endpoint = self.get_object()
+        rollout = services.do_change_endpoint_policy(endpoint=endpoint,
+                                                     actor_role=self.actor_role, changes=data)
+        return Response({**self.get_serializer(self._fresh(endpoint)).data, "rollout": rollout})
 
     @extend_schema(request=None, responses=EndpointSerializer)
     @action(detail=True, methods=["post"])

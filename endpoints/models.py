@@ -188,6 +188,9 @@ class Endpoint(models.Model):
     prefix_affinity = models.BooleanField(
         default=True, help_text="Send requests that share a prompt prefix to the same replica, "
                                 "where its cache holds that prefix (with two or more replicas).")
+    policy_version = models.PositiveIntegerField(
+        default=1, help_text="Raised by each change to what engines start with; replicas "
+                             "started under an older one are replaced one at a time.")
     min_replicas = models.PositiveSmallIntegerField(default=1)
     max_replicas = models.PositiveSmallIntegerField(default=1)
     desired_replicas = models.PositiveSmallIntegerField(default=1)
@@ -233,6 +236,8 @@ class Replica(models.Model):
     port = models.PositiveIntegerField(null=True, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
     kv_cache_tokens = models.BigIntegerField(null=True, blank=True)
+    policy_version = models.PositiveIntegerField(
+        default=1, help_text="The endpoint's policy version its engine started with.")
     restarts = models.PositiveSmallIntegerField(default=0)
     next_start_at = models.DateTimeField(null=True, blank=True, help_text="Restart backoff.")
     log_tail = models.TextField(blank=True)

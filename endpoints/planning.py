@@ -138,7 +138,7 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     decision = sizing.choose(shape_of(model), request,
                              [accelerator_of(gpu) for gpu in candidates], counts)
     if decision.choice is None:
-        raise Unfit(_advice(model, request, candidates, gpu_type=gpu_type))
+        raise Unfit(_advice(model, request, candidates, gpu_type=gpu_type, gpu_count=gpu_count))
     choice = decision.choice
     chosen = by_slug[choice.accelerator.slug]
     policy = KVPolicy(kv_cache_dtype=kv_cache_dtype, host_tier_gib=host_tier_gib,
@@ -188,13 +188,15 @@ def _candidate_types(gpu_type: GPUType | None) -> list[GPUType]:
 
 
 def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType], *,
-            gpu_type: GPUType | None) -> Advice:
+            gpu_type: GPUType | None, gpu_count: int | None) -> Advice:
     shape = shape_of(model)
     weights = sizing.weight_bytes(shape, request.weight_dtype)
     holder = _cheapest_holder(model, request)
     holder_text = _holder_text(holder, request)
+    # What the asked hardware holds: at the asked count where there is one.
     fits = [sizing.evaluate(shape, request, accelerator_of(gpu), count)
-            for gpu in candidates for count in counts_for(gpu) if sizing.valid_tp(shape, count)]
+            for gpu in candidates for count in counts_for(gpu)
+            if sizing.valid_tp(shape, count) and gpu_count in (None, count)]
     best = max(fits, key=lambda fit: sizing.largest_concurrency(shape, request, fit)
                if fit.kv_available_per_gpu > 0 else -1, default=None)
     where = (gpu_type.name if gpu_type else "any GPU in the catalog"

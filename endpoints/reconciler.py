@@ -50,6 +50,7 @@ def reconcile_endpoint(*, endpoint_id: UUID) -> None:
         if endpoint.desired_state == DesiredState.RUNNING and endpoint.deleted_at is None:
             if endpoint.state != State.FAILED:
                 _retry_failed(endpoint)
+                _roll_to_new_policy(endpoint)
                 _match_replica_count(endpoint)
                 _schedule_pending(endpoint)
                 _fail_stuck(endpoint)
@@ -95,6 +96,21 @@ def _retry_failed(endpoint: Endpoint) -> None:
                 message=f"restarting (attempt {replica.restarts + 1})", node=None,
                 device_indices=[], pid=None, port=None,
             )
+
+
+def _roll_to_new_policy(endpoint: Endpoint) -> None:
+    """Replace the replicas started under an older policy one at a time, the next only once
+    every replica is ready again: an endpoint of two or more replicas serves throughout.
+    The replica stopped here is replaced by _match_replica_count in the same pass."""
+    live = list(endpoint.replicas.filter(state__in=LIVE).select_related("node"))
+    outdated = [replica for replica in live
+                if replica.policy_version < endpoint.policy_version]
+    if (not outdated or len(live) < endpoint.desired_replicas
+            or any(replica.state != State.READY for replica in live)):
+        return
+    oldest = min(outdated, key=lambda replica: replica.created_at)
+    do_stop_replica(replica=oldest, reason=f"replaced by one with the endpoint's new policy "
+                                           f"(version {endpoint.policy_version})")
 
 
 def _match_replica_count(endpoint: Endpoint) -> None:

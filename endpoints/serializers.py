@@ -55,7 +55,8 @@ class EndpointSerializer(serializers.ModelSerializer):
         model = Endpoint
         fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
                   "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
-                  "cache_isolation", "prefix_affinity", "min_replicas", "max_replicas",
+                  "cache_isolation", "prefix_affinity", "policy_version", "min_replicas",
+                  "max_replicas",
                   "desired_replicas", "desired_state", "state", "failure_reason", "progress",
                   "hourly_price_usd", "sizing", "replicas", "created_at"]
 
@@ -114,6 +115,21 @@ class EndpointInput(SizingInput):
         help_text="Whose requests may reuse one another's cached prefixes.")
     prefix_affinity = serializers.BooleanField(
         default=True, help_text="Send requests sharing a prompt prefix to the same replica.")
+
+
+class PolicyInput(StrictSerializer):
+    """A change of KV policy: only the fields sent change."""
+
+    context_length = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False)
+    concurrency = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    kv_cache_dtype = serializers.ChoiceField(choices=KVCacheDtype.choices, required=False)
+    prefix_caching = serializers.BooleanField(required=False)
+    host_tier_gib = serializers.IntegerField(min_value=0, max_value=MAX_HOST_TIER_GIB,
+                                             required=False)
+    disk_tier_gib = serializers.IntegerField(min_value=0, max_value=MAX_DISK_TIER_GIB,
+                                             required=False)
+    cache_isolation = serializers.ChoiceField(choices=CacheIsolation.choices, required=False)
+    prefix_affinity = serializers.BooleanField(required=False)
 
 
 class ScaleInput(StrictSerializer):

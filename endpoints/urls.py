@@ -16,6 +16,8 @@ urlpatterns = [
          endpoint.as_view({"get": "list", "post": "create"}), name="api-endpoints"),
     path(f"{ENDPOINT}/", endpoint.as_view({"get": "retrieve", "delete": "destroy"}),
          name="api-endpoint"),
+    path(f"{ENDPOINT}/policy/", endpoint.as_view({"patch": "policy"}),
+         name="api-endpoint-policy"),
     path(f"{ENDPOINT}/scale/", endpoint.as_view({"post": "scale"}), name="api-endpoint-scale"),
     path(f"{ENDPOINT}/stop/", endpoint.as_view({"post": "stop"}), name="api-endpoint-stop"),
     path(f"{ENDPOINT}/start/", endpoint.as_view({"post": "start"}), name="api-endpoint-start"),

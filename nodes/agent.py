@@ -97,9 +97,10 @@ def start_replica(replica_id: str) -> None:
     if replica is None:
         return
     port = processes.free_port(replica.node.address)
+    # The engine starts with the endpoint's policy as read above, and says which one.
     if not do_transition_replica(replica_id=replica.id, from_states=[State.STARTING],
                                  to_state=State.LOADING, message="starting the engine",
-                                 port=port):
+                                 port=port, policy_version=replica.endpoint.policy_version):
         return
     log = log_path(replica.id)
     process = None

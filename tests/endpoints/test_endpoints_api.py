@@ -130,6 +130,61 @@ def test_a_duplicate_name_is_refused(owner_api: APIClient, org: Organization,
     assert Endpoint.objects.count() == 1
 
 
+def test_a_kv_policy_change_says_how_replicas_restart_and_records_it(
+        owner_api: APIClient, org: Organization, cpu_node: Node) -> None:
+    owner_api.post(url(org), {**DEMO, "min_replicas": 2}, format="json")
+
+    response = owner_api.patch(url(org, "demo/policy/"),
+                               {"kv_cache_dtype": "fp8", "prefix_caching": False}, format="json")
+
+    assert response.status_code == 200, response.content
+    assert "2 replicas restart one at a time" in response.json()["rollout"]
+    endpoint = Endpoint.objects.get(name="demo")
+    assert (endpoint.kv_cache_dtype, endpoint.prefix_caching, endpoint.policy_version) == (
+        "fp8", False, 2)
+    assert endpoint.sizing["kv_bytes_per_token"] == response.json()["sizing"][
+        "kv_bytes_per_token"]
+    assert endpoint.events.filter(message__startswith="policy changed (kv_cache_dtype fp8, "
+                                                      "prefix_caching False)").exists()
+
+
+def test_a_routing_change_restarts_nothing_and_a_lone_replica_is_said_to_restart(
+        owner_api: APIClient, org: Organization, cpu_node: Node) -> None:
+    owner_api.post(url(org), DEMO, format="json")
+
+    routing = owner_api.patch(url(org, "demo/policy/"),
+                              {"cache_isolation": "key", "prefix_affinity": False}, format="json")
+    engine = owner_api.patch(url(org, "demo/policy/"), {"concurrency": 2}, format="json")
+
+    assert routing.status_code == 200 and "no replica restarts" in routing.json()["rollout"]
+    assert engine.status_code == 200 and "Its one replica restarts" in engine.json()["rollout"]
+    endpoint = Endpoint.objects.get(name="demo")
+    assert (endpoint.cache_isolation, endpoint.prefix_affinity, endpoint.concurrency,
+            endpoint.policy_version) == ("key", False, 2, 2)
+
+
+@pytest.mark.parametrize(("change", "field", "phrase"), [
+    ({"host_tier_gib": 8}, "host_tier_gib", "CPU Offloading is currently only supported"),
+    ({"context_length": 4096}, "context_length", "at most 2,048"),
+    ({"disk_tier_gib": 10, "host_tier_gib": 1}, "disk_tier_gib", "runs on CUDA only"),
+    ({"concurrency": 0}, "concurrency", "greater than or equal to 1"),
+    ({"colour": "blue"}, "colour", "Unknown field"),
+])
+def test_a_policy_that_does_not_fit_is_refused_and_changes_nothing(
+        owner_api: APIClient, org: Organization, cpu_node: Node, change: dict, field: str,
+        phrase: str) -> None:
+    owner_api.post(url(org), DEMO, format="json")
+    before = Endpoint.objects.values().get(name="demo")
+    events = EndpointEvent.objects.count()
+
+    response = owner_api.patch(url(org, "demo/policy/"), change, format="json")
+
+    assert response.status_code == 400
+    assert phrase in " ".join(response.json()["error"]["fields"][field])
+    assert Endpoint.objects.values().get(name="demo") == before
+    assert EndpointEvent.objects.count() == events
+
+
 def test_scale_stop_start_and_delete(owner_api: APIClient, org: Organization,
                                      cpu_node: Node) -> None:
     owner_api.post(url(org), {**DEMO, "max_replicas": 3}, format="json")
@@ -373,3 +428,23 @@ def test_two_creates_at_once_cannot_both_take_the_last_room(
     assert outcomes["first"] == "created"
     assert RAISE_IT in outcomes["second"]
     assert list(Endpoint.objects.values_list("name", flat=True)) == ["first"]
+
+
+def test_a_policy_past_the_endpoint_s_hardware_names_the_largest_fit(org: Organization) -> None:
+    do_load_catalogs()
+    endpoint = do_create_endpoint(
+        organization=org, actor_role=Role.OWNER, created_by=None, name="big",
+        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), context_length=8192,
+        concurrency=2, gpu_type=GPUType.objects.get(slug="l4"), gpu_count=1)
+
+    with pytest.raises(ValidationError) as refused:
+        services.do_change_endpoint_policy(endpoint=endpoint, actor_role=Role.OWNER,
+                                           changes={"context_length": 131072, "concurrency": 64})
+
+    # About the asked count: what one L4 holds, not what eight would.
+    message = refused.value.message_dict["gpu_type"][0]
+    assert "1 × NVIDIA L4 24 GB has 3.3 GiB left" in message
+    assert "which holds 0 at this context. To fit, lower the context length to 416" in message
+    endpoint.refresh_from_db()
+    assert (endpoint.context_length, endpoint.concurrency, endpoint.policy_version) == (
+        8192, 2, 1)

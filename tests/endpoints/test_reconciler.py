@@ -230,3 +230,55 @@ def test_a_stop_nobody_confirmed_is_sent_again_and_keeps_its_devices(
     with django_capture_on_commit_callbacks() as sent_again:
         reconcile_endpoint(endpoint_id=endpoint.id)
     assert sent_again == []  # once per quiet period, not at every pass
+
+
+def ready_all(endpoint: Endpoint) -> None:
+    """As the agent leaves replicas once their engines serve, with the policy they read."""
+    for replica in endpoint.replicas.filter(state__in=[State.STARTING, State.LOADING]):
+        Replica.objects.filter(id=replica.id).update(
+            state=State.READY, policy_version=Endpoint.objects.get(id=endpoint.id).policy_version)
+    Replica.objects.filter(endpoint=endpoint, state=State.STOPPING).update(state=State.STOPPED)
+
+
+def test_a_policy_change_replaces_replicas_one_at_a_time_while_the_rest_serve() -> None:
+    node = h100_node("n")
+    endpoint = make_endpoint(node.gpu_type, gpu_count=2, replicas=2)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    ready_all(endpoint)
+    first, second = endpoint.replicas.order_by("created_at")
+    Endpoint.objects.filter(id=endpoint.id).update(policy_version=2)
+
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    first.refresh_from_db(), second.refresh_from_db()
+    assert (first.state, second.state) == (State.STOPPING, State.READY)
+    fresh = endpoint.replicas.exclude(id__in=[first.id, second.id]).get()
+    assert fresh.state == State.STARTING  # placed on the devices still free
+    reconcile_endpoint(endpoint_id=endpoint.id)  # the new one is not ready: nothing more
+    assert endpoint.replicas.filter(state=State.STOPPING).count() == 1
+    assert Replica.objects.get(id=second.id).state == State.READY
+
+    ready_all(endpoint)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    assert Replica.objects.get(id=second.id).state == State.STOPPING
+    assert sorted(endpoint.replicas.exclude(state=State.STOPPED).values_list("state", flat=True)
+                  ) == [State.READY, State.STARTING, State.STOPPING]
+    ready_all(endpoint)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    assert sorted(endpoint.replicas.filter(state=State.READY)
+                  .values_list("policy_version", flat=True)) == [2, 2]
+    assert not endpoint.replicas.filter(state=State.STOPPING).exists()
+
+
+def test_a_policy_change_restarts_a_lone_replica_at_once() -> None:
+    node = h100_node("n")
+    endpoint = make_endpoint(node.gpu_type, gpu_count=2, replicas=1)
+    reconcile_endpoint(endpoint_id=endpoint.id)
+    ready_all(endpoint)
+    Endpoint.objects.filter(id=endpoint.id).update(policy_version=2)
+
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    assert sorted(endpoint.replicas.values_list("state", flat=True)) == [
+        State.STARTING, State.STOPPING]
