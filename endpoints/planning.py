@@ -7,7 +7,6 @@ largest concurrency and context that do. `options` lists the real alternatives: 
 type at the fewest GPUs that hold a request, with the concurrency it reaches and its price.
 """
 
-import math
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -314,10 +313,10 @@ def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decisio
     # A host tier's size is the whole replica's, over all its ranks (vLLM's
     # --kv-offloading-size); LMCache's disk tier likewise.
     per_token_all_ranks = per_token * choice.count
-    # A CPU engine gets the KV space it needs (VLLM_CPU_KVCACHE_SPACE), a GPU engine what
-    # is left of its devices after the weights and the runtime.
-    cpu_kv_space_gib = max(1, math.ceil(choice.kv_needed_per_gpu / sizing.GIB)) if is_cpu else None
-    kv_pool_bytes = cpu_kv_space_gib * sizing.GIB if is_cpu else choice.kv_available_per_gpu
+    # A CPU engine's KV pool is exactly what its policy needs (the concurrency at the
+    # context, in whole blocks): host memory is shared by the node's engines. A GPU engine
+    # gets what is left of its own devices after the weights and the runtime.
+    kv_pool_bytes = choice.kv_needed_per_gpu if is_cpu else choice.kv_available_per_gpu
     return {
         "explanation": decision.explanation,
         "gpu_type": choice.accelerator.slug,
@@ -337,7 +336,7 @@ def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decisio
         "max_concurrency_at_context": sizing.largest_concurrency(shape, request, choice),
         "max_context_at_concurrency": sizing.largest_context(
             shape, request, choice, concurrency=request.concurrency),
-        "cpu_kv_space_gib": cpu_kv_space_gib,
+        "cpu_kv_cache_bytes": kv_pool_bytes if is_cpu else None,
         "alternatives": _alternatives(model, request, choice),
     }
 

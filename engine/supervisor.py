@@ -21,7 +21,7 @@ import httpx
 
 from engine.kv_policy import EngineKV, KVPolicy, build_for, engine_kv, lmcache_yaml
 from engine.processes import OWNER_VARIABLE, REPLICA_VARIABLE, own_group_dying_with_parent
-from engine.sizing import CPU, GPU
+from engine.sizing import CPU, GIB, GPU
 
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -44,7 +44,7 @@ class EngineSpec:
     cache_dir: str = ""
     vllm_version: str | None = None  # the installed build's; None: the pinned one
     gpu_memory_utilization: float = 0.90
-    cpu_kv_space_gib: int = 1
+    cpu_kv_cache_bytes: int = GIB  # a CPU engine's KV pool: what its policy budgets
     device_indices: tuple[int, ...] = ()
     api_key: str = ""
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
@@ -76,8 +76,10 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
            OWNER_VARIABLE: spec.owner, REPLICA_VARIABLE: spec.replica, **kv.env,
            **spec.extra_env}
     if spec.device == CPU:
-        argv.append("--enforce-eager")  # no CUDA graphs on the CPU backend
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(spec.cpu_kv_space_gib)
+        argv += ["--enforce-eager",  # no CUDA graphs on the CPU backend
+                 "--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
+        # vLLM's older whole-GiB setting would override the exact budget: never inherited.
+        env["VLLM_CPU_KVCACHE_SPACE"] = ""
     else:
         argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.2f}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.device_indices)

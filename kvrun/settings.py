@@ -44,6 +44,7 @@ INSTALLED_APPS = [
     "endpoints",
     "nodes",
     "billing",
+    "telemetry",
     "front",
 ]
 
@@ -239,6 +240,8 @@ KVRUN_BILLED_PHASES = env.list("KVRUN_BILLED_PHASES",
                                default=["starting", "loading", "ready", "stopping"])
 
 KVRUN_NODE_HEARTBEAT_SECONDS = env.int("KVRUN_NODE_HEARTBEAT_SECONDS", default=5)
+# How often a node agent reads each of its engines' /metrics into the database.
+KVRUN_ENGINE_SCRAPE_SECONDS = env.float("KVRUN_ENGINE_SCRAPE_SECONDS", default=5.0)
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
 # The private address a node agent's engines listen on (one that web processes reach).
 KVRUN_NODE_ADDRESS = env.str("KVRUN_NODE_ADDRESS", default="127.0.0.1")
@@ -251,6 +254,9 @@ KVRUN_ENGINE_LOG_DIR = Path(env.str("KVRUN_ENGINE_LOG_DIR",
 KVRUN_RECONCILE_SECONDS = env.float("KVRUN_RECONCILE_SECONDS", default=3.0)
 KVRUN_ENGINE_START_TIMEOUT_SECONDS = env.int("KVRUN_ENGINE_START_TIMEOUT_SECONDS", default=600)
 KVRUN_ENGINE_STOP_GRACE_SECONDS = env.int("KVRUN_ENGINE_STOP_GRACE_SECONDS", default=15)
+# Before an engine is stopped: how long its requests in flight may take to finish (the
+# gateways stop sending it new ones first). Well under the reconciler's patience with a stop.
+KVRUN_ENGINE_DRAIN_SECONDS = env.float("KVRUN_ENGINE_DRAIN_SECONDS", default=10.0)
 # After this many failed starts in a row the endpoint is `failed` with the engine's last lines.
 KVRUN_ENGINE_MAX_FAILURES = env.int("KVRUN_ENGINE_MAX_FAILURES", default=3)
 KVRUN_ENGINE_BACKOFF_SECONDS = env.int("KVRUN_ENGINE_BACKOFF_SECONDS", default=5)
@@ -309,6 +315,7 @@ CELERY_TASK_ROUTES = {
     "accounts.*": {"queue": "control"},
     "endpoints.*": {"queue": "control"},
     "billing.*": {"queue": "control"},
+    "telemetry.*": {"queue": "control"},
 }
 CELERY_BEAT_SCHEDULE = {
     "endpoints.mark_lost_nodes": {
@@ -322,6 +329,7 @@ CELERY_BEAT_SCHEDULE = {
     "billing.finalize_invoices": {"task": "billing.finalize_invoices", "schedule": 300.0},
     "billing.enforce_budgets": {"task": "billing.enforce_budgets",
                                 "schedule": float(KVRUN_BUDGET_CHECK_SECONDS)},
+    "telemetry.downsample_samples": {"task": "telemetry.downsample_samples", "schedule": 300.0},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

@@ -19,22 +19,29 @@ from pathlib import Path
 from subprocess import Popen
 from uuid import UUID
 
+import httpx
 from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
 from endpoints.lifecycle import do_fail_replica, do_set_replica_progress, do_transition_replica
 from endpoints.models import Node, Replica, State
-from engine import demo_model, kv_policy, processes, supervisor
-from engine.sizing import CPU, GPU
+from engine import demo_model, kv_policy, metrics, processes, supervisor
+from engine.sizing import CPU, GIB, GPU
 from kvrun.digests import engine_api_key
 from nodes.services import do_record_node_heartbeat
+from telemetry.services import do_record_engine_samples
 
 logger = logging.getLogger(__name__)
 
 DEMO_SLUG = "kvrun-demo-tiny"
 # The agent's own supervisor (the launcher, Docker) gives it 10 s to stop.
 SHUTDOWN_GRACE_SECONDS = 5.0
+# An engine busy with a long prefill may answer /metrics late; the next scrape comes soon.
+SCRAPE_TIMEOUT_SECONDS = 2.0
+# After a gateway's route cache would have expired, before an engine is taken as dropped.
+ROUTE_MARGIN_SECONDS = 0.5
+
 _engines: dict[str, Popen] = {}
 # Held while an engine is spawned, and while a heartbeat finds the engines and reports them,
 # so that no engine appears between the two.
@@ -81,7 +88,8 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
         kv_policy=endpoint.kv_policy,
         cache_dir=str(cache_dir(replica.id)),
         vllm_version=kv_policy.installed_version(CPU if cpu else GPU),
-        cpu_kv_space_gib=endpoint.sizing.get("cpu_kv_space_gib") or 1,
+        # Endpoints sized before the exact budget had a whole GiB.
+        cpu_kv_cache_bytes=endpoint.sizing.get("cpu_kv_cache_bytes") or GIB,
         device_indices=tuple(replica.device_indices),
         api_key=engine_api_key(replica.id),
         owner=owner(replica.node.name),
@@ -149,6 +157,7 @@ def stop_replica(replica_id: str) -> None:
     replica = Replica.objects.select_related("node").filter(id=replica_id).first()
     if replica is None or replica.state != State.STOPPING or replica.node is None:
         return
+    _drain(replica)
     marker = owner(replica.node.name)
     with _engines_lock:
         process = _engines.pop(str(replica.id), None)
@@ -170,6 +179,29 @@ def stop_replica(replica_id: str) -> None:
                           to_state=State.STOPPED, message="engine stopped, port freed",
                           stopped_at=timezone.now(), pid=None, log_tail=supervisor.tail(
                               log_path(replica.id)))
+
+
+def _drain(replica: Replica) -> None:
+    """Let a stopping replica's engine finish its work before it stops: first until every
+    gateway has dropped it (they route to ready replicas only, and hold their routes for
+    KVRUN_GATEWAY_ROUTE_CACHE_SECONDS), then until its requests in flight have finished, at
+    most KVRUN_ENGINE_DRAIN_SECONDS in all. An engine that does not answer is not waited
+    for. Without this, a rolling change or a scale-down cuts requests off mid-answer."""
+    deadline = time.monotonic() + settings.KVRUN_ENGINE_DRAIN_SECONDS
+    time.sleep(min(settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS + ROUTE_MARGIN_SECONDS,
+                   settings.KVRUN_ENGINE_DRAIN_SECONDS))
+    while time.monotonic() < deadline and replica.port:
+        try:
+            response = httpx.get(f"http://{replica.node.address}:{replica.port}/metrics",
+                                 headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"},
+                                 timeout=SCRAPE_TIMEOUT_SECONDS)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return
+        busy = metrics.snapshot(response.text)
+        if busy.running + busy.waiting == 0:
+            return
+        time.sleep(0.5)
 
 
 def beat(*, name: str) -> bool:
@@ -200,6 +232,25 @@ def beat(*, name: str) -> bool:
     for rid, process in exited.items():
         _in_background(_fail_once_stopped, rid, process)
     return True
+
+
+def scrape(*, name: str) -> int:
+    """Read the /metrics of each ready engine of the node `name` into the database
+    (telemetry); an engine that does not answer in SCRAPE_TIMEOUT_SECONDS is left out this
+    time. Returns how many samples were stored."""
+    ready = Replica.objects.filter(node__name=name, state=State.READY).values_list(
+        "id", "endpoint_id", "node__address", "port")
+    samples = []
+    for replica_id, endpoint_id, address, port in ready:
+        try:
+            response = httpx.get(f"http://{address}:{port}/metrics",
+                                 headers={"Authorization": f"Bearer {engine_api_key(replica_id)}"},
+                                 timeout=SCRAPE_TIMEOUT_SECONDS)
+            response.raise_for_status()
+        except httpx.HTTPError:
+            continue
+        samples.append((replica_id, endpoint_id, timezone.now(), metrics.snapshot(response.text)))
+    return do_record_engine_samples(samples=samples)
 
 
 def stop_engines_left_behind(*, name: str) -> int:

@@ -160,3 +160,15 @@ def group_members(pgid: int) -> list[int]:
     from engine.processes import live_processes
 
     return [pid for pid, group in live_processes() if group == pgid]
+
+
+def records_for(request_ids: list[str]) -> list:
+    """The usage records of these requests, once the worker has ingested them all."""
+    from billing.models import UsageRecord
+    from billing.tasks import ingest_usage
+
+    def stored() -> bool:
+        ingest_usage.delay()
+        return UsageRecord.objects.filter(request_id__in=request_ids).count() == len(request_ids)
+    assert wait_until(stored, 30, interval=0.5), "usage records did not arrive"
+    return list(UsageRecord.objects.filter(request_id__in=request_ids))

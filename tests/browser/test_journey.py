@@ -70,9 +70,10 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
                  READY_WITHIN), "the endpoint did not become ready"
     expect(page.get_by_test_id("state")).to_have_text("ready", timeout=10_000)
     expect(page.get_by_role("progressbar")).to_have_count(0)
-    # What kvrun sized is what the engine allocated: 1 GiB of KV on the CPU node.
+    # What kvrun sized is what the engine allocated: on a CPU node, the KV the policy needs
+    # (8 requests of 2,048 tokens), to the block.
     expect(page.get_by_test_id("engine-kv")).to_contain_text(
-        "2,097,152 tokens: 1,024 requests of 2,048 tokens")
+        "16,384 tokens: 8 requests of 2,048 tokens")
     shot("journey-05-ready")
 
     page.get_by_role("link", name="Open the playground").click()

@@ -24,7 +24,7 @@ from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_c
 from engine.metrics import engine_token_totals, totals
 from kvrun.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
-from tests.helpers import api_servers, drive, wait_until
+from tests.helpers import api_servers, drive, records_for, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -69,14 +69,6 @@ def served(django_db_blocker: object, agent: object, web: str) -> Iterator[Serve
         assert drive(lambda: not api_servers("chat") and not Replica.objects.filter(
             endpoint=endpoint).exclude(state=State.STOPPED).exists(), 60)
         call_command("flush", interactive=False, verbosity=0)
-
-
-def records_for(request_ids: list[str]) -> list[UsageRecord]:
-    def stored() -> bool:
-        ingest_usage.delay()
-        return UsageRecord.objects.filter(request_id__in=request_ids).count() == len(request_ids)
-    assert wait_until(stored, 30, interval=0.5), "usage records did not arrive"
-    return list(UsageRecord.objects.filter(request_id__in=request_ids))
 
 
 def test_the_openai_client_works_against_kvrun(served: Served) -> None:

@@ -20,7 +20,7 @@ from endpoints.dispatch import START_REPLICA
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.planning import shape_of
 from engine.processes import port_is_free
-from engine.sizing import GIB, kv_cache_tokens
+from engine.sizing import kv_cache_tokens
 from kvrun.digests import engine_api_key
 from tests.helpers import api_servers, drive, process_alive, start_agent, stop, wait_until
 
@@ -93,11 +93,11 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
     assert "VLLM_API_KEY" in names
     assert not names & {"SECRET_KEY", "KVRUN_KEY_PEPPER", "DATABASE_URL", "REDIS_URL"}
-    # Sizing reproduces the capacity the engine itself logged (1 GiB of CPU KV space), and
-    # the planner's figure is that one.
+    # The engine's KV pool is the policy's budget, 4 requests × 2,048 tokens, and the
+    # planner predicted the capacity the engine itself logged.
     demo = shape_of(ModelSpec.objects.get(slug="kvrun-demo-tiny"))
-    assert abs(replica.kv_cache_tokens - kv_cache_tokens(demo, kv_bytes=GIB)) <= (
-        0.01 * replica.kv_cache_tokens)
+    budget = Endpoint.objects.get(name="chat").sizing["cpu_kv_cache_bytes"]
+    assert kv_cache_tokens(demo, kv_bytes=budget) == 4 * 2048
     predicted = Endpoint.objects.get(name="chat").sizing["kv_cache_tokens"]
     assert abs(replica.kv_cache_tokens - predicted) <= 0.01 * replica.kv_cache_tokens
     detail = owner_api.get(f"/api/v1/organizations/{org.slug}/endpoints/chat/").json()

@@ -82,7 +82,7 @@ def test_requests_take_whole_blocks() -> None:
 
 
 def test_the_demo_pool_matches_what_vllm_logs() -> None:
-    # VLLM_CPU_KVCACHE_SPACE=1 → 1 GiB of KV → 1 GiB / 512 B per token.
+    # 1 GiB of KV (--kv-cache-memory-bytes) → 1 GiB / 512 B per token.
     assert kv_cache_tokens(DEMO, kv_bytes=GIB) == 2_097_152
 
 

@@ -41,12 +41,13 @@ def test_a_gpu_command_pins_devices_and_memory() -> None:
 
 
 def test_a_cpu_command_sets_the_kv_space_and_eager_mode() -> None:
-    argv, env = build_command(spec(device="cpu", cpu_kv_space_gib=2,
+    argv, env = build_command(spec(device="cpu", cpu_kv_cache_bytes=4_194_304,
                                    kv_policy=KVPolicy(prefix_caching=False)))
 
     assert "--enforce-eager" in argv and "--no-enable-prefix-caching" in argv
     assert "--gpu-memory-utilization" not in argv
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert argv[argv.index("--kv-cache-memory-bytes") + 1] == "4194304"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == ""  # an inherited whole-GiB value would win
     assert "CUDA_VISIBLE_DEVICES" not in env
 
 

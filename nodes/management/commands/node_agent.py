@@ -11,6 +11,7 @@ from kvrun.celery import app
 from nodes.agent import (
     beat,
     do_fail_replicas_of_previous_agent,
+    scrape,
     stop_all_engines,
     stop_engines_left_behind,
 )
@@ -50,6 +51,7 @@ class Command(BaseCommand):
         heartbeat = threading.Thread(target=self._beat, args=(name, resources, address, stop),
                                      daemon=True)
         heartbeat.start()
+        threading.Thread(target=self._scrape, args=(name, stop), daemon=True).start()
 
         # Celery's warm shutdown waits for running tasks, and a start waits for its engine:
         # stop the engines as the shutdown begins, so the starts end with them.
@@ -77,5 +79,15 @@ class Command(BaseCommand):
                     beat(name=name)
             except Exception:  # a database blip must not kill the agent; the next beat retries
                 self.stderr.write("heartbeat failed; retrying at the next interval")
+            finally:
+                close_old_connections()
+
+    def _scrape(self, name: str, stop: threading.Event) -> None:
+        # Apart from the heartbeat: a slow engine's /metrics must never delay it.
+        while not stop.wait(settings.KVRUN_ENGINE_SCRAPE_SECONDS):
+            try:
+                scrape(name=name)
+            except Exception:  # a database blip loses one sample; the next one comes
+                self.stderr.write("reading the engines' metrics failed; retrying")
             finally:
                 close_old_connections()

@@ -1,0 +1,44 @@
+from django.db import models
+
+
+class EngineSample(models.Model):
+    """One scrape of a replica's engine /metrics (engine.metrics.EngineSnapshot).
+
+    Counters and histogram buckets are the engine's cumulative totals, as it reports them;
+    rates are the differences between a replica's consecutive samples (selectors), so that
+    no chart ever divides lifetime totals. Old samples are thinned to one per minute and
+    then one per hour (services.do_downsample_samples): the last sample of each, which keeps
+    every counter exact, with the peak of its gauges over the span it stands for.
+    """
+
+    replica = models.ForeignKey("endpoints.Replica", on_delete=models.CASCADE,
+                                related_name="+", db_index=False)
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.CASCADE,
+                                 related_name="+", db_index=False)
+    at = models.DateTimeField()
+    resolution_seconds = models.PositiveIntegerField(
+        default=0, help_text="0 as scraped; 60 or 3600 once it stands for its minute or hour.")
+    kv_cache_usage = models.FloatField(help_text="Share of KV cache blocks in use, 0 to 1.")
+    running = models.PositiveIntegerField()
+    waiting = models.PositiveIntegerField()
+    prefix_queries = models.BigIntegerField()
+    prefix_hits = models.BigIntegerField()
+    external_queries = models.BigIntegerField(null=True, blank=True,
+                                              help_text="A KV connector's tier, if any.")
+    external_hits = models.BigIntegerField(null=True, blank=True)
+    preemptions = models.BigIntegerField()
+    prompt_tokens = models.BigIntegerField()
+    generation_tokens = models.BigIntegerField()
+    requests = models.BigIntegerField()
+    ttft_buckets = models.JSONField(default=dict, help_text="Time to first token: cumulative "
+                                                            "count per bucket bound (s).")
+    itl_buckets = models.JSONField(default=dict, help_text="Inter-token latency, likewise.")
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["replica", "at"],
+                                               name="telemetry_sample_once_per_moment")]
+        indexes = [models.Index(fields=["endpoint", "at"]),
+                   models.Index(fields=["resolution_seconds", "at"])]
+
+    def __str__(self) -> str:
+        return f"{self.replica_id} at {self.at:%Y-%m-%d %H:%M:%S}"

@@ -1,0 +1,95 @@
+"""Reads of engine samples as the charts and the advice need them: per-interval rates from
+consecutive samples of each replica, summed over replicas into even time steps."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from engine.metrics import quantile
+from telemetry.models import EngineSample
+
+POINTS_PER_CHART = 120
+COUNTERS = ("prefix_queries", "prefix_hits", "external_queries", "external_hits",
+            "preemptions", "prompt_tokens", "generation_tokens", "requests")
+
+
+@dataclass
+class _Step:
+    deltas: dict = field(default_factory=lambda: defaultdict(float))
+    ttft: dict = field(default_factory=lambda: defaultdict(float))
+    itl: dict = field(default_factory=lambda: defaultdict(float))
+    usage: list = field(default_factory=list)  # (replica, kv usage)
+    running: dict = field(default_factory=dict)  # replica → its latest gauge in the step
+    waiting: dict = field(default_factory=dict)
+
+
+def series(*, endpoint_id: UUID, since: datetime, until: datetime,
+           replica_id: UUID | None = None) -> tuple[int, list[dict]]:
+    """(step seconds, points) over [since, until): each point the step's rates and gauges,
+    over the endpoint's replicas or the one asked. Hit rates are hits over lookups in the
+    step; tokens and requests per second; preemptions counted; latency percentiles from the
+    histograms' bucket increases; KV usage the busiest replica's peak; running and waiting
+    summed over replicas. Steps without samples are left out."""
+    step = max(5, int((until - since).total_seconds()) // POINTS_PER_CHART)
+    samples = EngineSample.objects.filter(endpoint_id=endpoint_id, at__gte=since - timedelta(
+        seconds=step), at__lt=until).order_by("replica_id", "at")
+    if replica_id is not None:
+        samples = samples.filter(replica_id=replica_id)
+    steps: dict[int, _Step] = defaultdict(_Step)
+    previous: EngineSample | None = None
+    for sample in samples.iterator(chunk_size=2000):
+        if sample.at >= since:
+            bucket = steps[int((sample.at - since).total_seconds()) // step]
+            bucket.usage.append(sample.kv_cache_usage)
+            bucket.running[sample.replica_id] = sample.running
+            bucket.waiting[sample.replica_id] = sample.waiting
+            if previous is not None and previous.replica_id == sample.replica_id:
+                _add_increase(bucket, previous, sample)
+        previous = sample
+    return step, [_point(since + timedelta(seconds=(index + 1) * step), steps[index], step)
+                  for index in sorted(steps)]
+
+
+def _increase(before: float | None, after: float | None) -> float:
+    """A counter's increase; a counter that went down was reset (the engine restarted)."""
+    if after is None:
+        return 0.0
+    if before is None or after < before:
+        return float(after)
+    return float(after - before)
+
+
+def _add_increase(bucket: _Step, before: EngineSample, after: EngineSample) -> None:
+    for name in COUNTERS:
+        bucket.deltas[name] += _increase(getattr(before, name), getattr(after, name))
+    bucket.deltas["has_external"] += after.external_queries is not None
+    for histogram, into in (("ttft_buckets", bucket.ttft), ("itl_buckets", bucket.itl)):
+        old, new = getattr(before, histogram), getattr(after, histogram)
+        for bound, count in new.items():
+            into[bound] += _increase(old.get(bound), count)
+
+
+def _point(at: datetime, bucket: _Step, step: int) -> dict:
+    deltas = bucket.deltas
+    return {
+        "at": at,
+        "kv_cache_usage": max(bucket.usage) if bucket.usage else None,
+        "running": sum(bucket.running.values()),
+        "waiting": sum(bucket.waiting.values()),
+        "prefix_hit_rate": _ratio(deltas["prefix_hits"], deltas["prefix_queries"]),
+        "external_hit_rate": (_ratio(deltas["external_hits"], deltas["external_queries"])
+                              if deltas["has_external"] else None),
+        "preemptions": int(deltas["preemptions"]),
+        "prompt_tokens_per_s": deltas["prompt_tokens"] / step,
+        "generation_tokens_per_s": deltas["generation_tokens"] / step,
+        "requests_per_s": deltas["requests"] / step,
+        "ttft_p50_s": quantile(0.5, bucket.ttft), "ttft_p95_s": quantile(0.95, bucket.ttft),
+        "itl_p50_s": quantile(0.5, bucket.itl), "itl_p95_s": quantile(0.95, bucket.itl),
+    }
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return part / whole if whole else None

@@ -1,0 +1,84 @@
+"""Writes of engine samples: recording scrapes, and thinning old ones.
+
+Retention: samples as scraped (every KVRUN_ENGINE_SCRAPE_SECONDS) for RAW_KEPT, one per
+minute until MINUTE_KEPT, one per hour until HOUR_KEPT, then none.
+"""
+
+import zlib
+from collections.abc import Iterable
+from datetime import datetime, timedelta
+from uuid import UUID
+
+from django.db import connection, transaction
+
+from engine.metrics import EngineSnapshot
+from telemetry.models import EngineSample
+
+RAW_KEPT = timedelta(hours=2)
+MINUTE_KEPT = timedelta(days=3)
+HOUR_KEPT = timedelta(days=90)
+DOWNSAMPLE_LOCK = zlib.crc32(b"kvrun.telemetry.downsample")
+
+
+def do_record_engine_samples(*, samples: Iterable[tuple[UUID, UUID, datetime, EngineSnapshot]]
+                             ) -> int:
+    """Store (replica, endpoint, scraped at, snapshot) samples; one already stored for that
+    replica and moment (a scrape recorded twice) is kept as it was. Returns how many were
+    new."""
+    rows = [EngineSample(replica_id=replica_id, endpoint_id=endpoint_id, at=at,
+                         kv_cache_usage=shot.kv_cache_usage, running=shot.running,
+                         waiting=shot.waiting, prefix_queries=shot.prefix_queries,
+                         prefix_hits=shot.prefix_hits, external_queries=shot.external_queries,
+                         external_hits=shot.external_hits, preemptions=shot.preemptions,
+                         prompt_tokens=shot.prompt_tokens,
+                         generation_tokens=shot.generation_tokens, requests=shot.requests,
+                         ttft_buckets=shot.ttft_buckets, itl_buckets=shot.itl_buckets)
+            for replica_id, endpoint_id, at, shot in samples]
+    created = EngineSample.objects.bulk_create(rows, ignore_conflicts=True)
+    return len(created)
+
+
+# Within each (replica, span) of samples finer than the span, the last one stays and stands
+# for the span with its gauges' peak; the others go. `before` is a span boundary, so that a
+# span is never thinned in two runs.
+THIN = """
+    WITH ranked AS (
+        SELECT id,
+               row_number() OVER span_of AS newest_first,
+               max(kv_cache_usage) OVER span_of AS peak_usage,
+               max(running) OVER span_of AS peak_running,
+               max(waiting) OVER span_of AS peak_waiting
+        FROM telemetry_enginesample
+        WHERE resolution_seconds < %(span)s AND at < %(before)s
+        WINDOW span_of AS (
+            PARTITION BY replica_id,
+                         date_bin(%(step)s, at, timestamptz '2000-01-01 00:00+00')
+            ORDER BY at DESC ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
+    ), kept AS (
+        UPDATE telemetry_enginesample sample
+        SET resolution_seconds = %(span)s, kv_cache_usage = ranked.peak_usage,
+            running = ranked.peak_running, waiting = ranked.peak_waiting
+        FROM ranked WHERE sample.id = ranked.id AND ranked.newest_first = 1
+    )
+    DELETE FROM telemetry_enginesample sample USING ranked
+    WHERE sample.id = ranked.id AND ranked.newest_first > 1"""
+
+
+def do_downsample_samples(*, now: datetime) -> bool:
+    """Thin and expire samples as of `now`, in one transaction. Idempotent; a run that finds
+    another one at work returns False and leaves the work to it."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [DOWNSAMPLE_LOCK])
+        if not cursor.fetchone()[0]:
+            return False
+        for span, kept in ((timedelta(minutes=1), RAW_KEPT), (timedelta(hours=1), MINUTE_KEPT)):
+            seconds = int(span.total_seconds())
+            before = _floor(now - kept, seconds)
+            cursor.execute(THIN, {"span": seconds, "before": before, "step": span})
+        cursor.execute("DELETE FROM telemetry_enginesample WHERE at < %s", [now - HOUR_KEPT])
+    return True
+
+
+def _floor(moment: datetime, seconds: int) -> datetime:
+    epoch = int(moment.timestamp())
+    return datetime.fromtimestamp(epoch - epoch % seconds, tz=moment.tzinfo)

@@ -1,0 +1,148 @@
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from accounts.models import Organization
+from endpoints.models import Endpoint, Replica
+from engine.metrics import EngineSnapshot
+from telemetry.models import EngineSample
+from telemetry.selectors import series
+from telemetry.services import do_downsample_samples, do_record_engine_samples
+from tests.factories import ready_endpoint
+
+pytestmark = pytest.mark.django_db
+T0 = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
+
+
+def shot(*, queries: int = 0, hits: int = 0, prompt: int = 0, usage: float = 0.1,
+         ttft: dict | None = None, running: int = 0) -> EngineSnapshot:
+    return EngineSnapshot(kv_cache_usage=usage, running=running, waiting=0,
+                          prefix_queries=queries, prefix_hits=hits, external_queries=None,
+                          external_hits=None, preemptions=0, prompt_tokens=prompt,
+                          generation_tokens=0, requests=0, ttft_buckets=ttft or {})
+
+
+@pytest.fixture
+def endpoint(org: Organization) -> Endpoint:
+    return ready_endpoint(org, "chat", [41001, 41002])
+
+
+def record(replica: Replica, at: datetime, snapshot: EngineSnapshot) -> None:
+    do_record_engine_samples(samples=[(replica.id, replica.endpoint_id, at, snapshot)])
+
+
+def test_hit_rates_are_hits_over_lookups_in_each_step_never_lifetime_totals(
+        endpoint: Endpoint) -> None:
+    replica = endpoint.replicas.first()
+    # A lifetime of misses, then a minute in which every lookup hits.
+    record(replica, T0, shot(queries=100_000, hits=0, prompt=100_000))
+    record(replica, T0 + timedelta(seconds=30), shot(queries=100_000, hits=0, prompt=100_000))
+    record(replica, T0 + timedelta(seconds=60), shot(queries=101_000, hits=1_000,
+                                                     prompt=101_000))
+
+    step, points = series(endpoint_id=endpoint.id, since=T0,
+                          until=T0 + timedelta(seconds=600))
+
+    assert step == 5
+    by_time = {point["at"]: point for point in points}
+    last = by_time[T0 + timedelta(seconds=65)]
+    assert last["prefix_hit_rate"] == 1.0  # the lifetime ratio would say 1 %
+    assert last["prompt_tokens_per_s"] == 1_000 / 5
+    assert by_time[T0 + timedelta(seconds=35)]["prefix_hit_rate"] is None  # no lookups
+
+
+def test_steps_sum_replicas_and_a_restarted_engine_s_counters_count_from_zero(
+        endpoint: Endpoint) -> None:
+    first, second = endpoint.replicas.all()
+    record(first, T0, shot(queries=500, hits=100, usage=0.2, running=2))
+    record(second, T0 + timedelta(seconds=1), shot(queries=50, hits=0, usage=0.7, running=1))
+    # Within one step: the first engine restarted (counters from zero), the second moved on.
+    record(first, T0 + timedelta(seconds=61), shot(queries=40, hits=30, usage=0.3, running=1))
+    record(second, T0 + timedelta(seconds=62), shot(queries=110, hits=60, usage=0.4,
+                                                   running=4))
+
+    _, points = series(endpoint_id=endpoint.id, since=T0, until=T0 + timedelta(minutes=10))
+
+    step = next(point for point in points if point["at"] == T0 + timedelta(seconds=65))
+    assert step["prefix_hit_rate"] == (30 + 60) / (40 + 60)
+    assert (step["kv_cache_usage"], step["running"]) == (0.4, 5)
+    _, only_second = series(endpoint_id=endpoint.id, since=T0,
+                            until=T0 + timedelta(minutes=10), replica_id=second.id)
+    assert [point["prefix_hit_rate"] for point in only_second] == [None, 1.0]
+
+
+def test_latency_percentiles_come_from_the_buckets_increase_in_the_step(
+        endpoint: Endpoint) -> None:
+    replica = endpoint.replicas.first()
+    record(replica, T0, shot(ttft={"0.1": 1000.0, "1.0": 1000.0, "+Inf": 1000.0}))
+    record(replica, T0 + timedelta(seconds=4),
+           shot(ttft={"0.1": 1000.0, "1.0": 1010.0, "+Inf": 1010.0}))
+
+    _, points = series(endpoint_id=endpoint.id, since=T0, until=T0 + timedelta(minutes=10))
+
+    # Ten slow first tokens in the step; the thousand fast ones before it do not count.
+    assert points[0]["ttft_p50_s"] == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_a_sample_recorded_twice_is_stored_once(endpoint: Endpoint) -> None:
+    replica = endpoint.replicas.first()
+
+    record(replica, T0, shot(queries=1))
+    record(replica, T0, shot(queries=2))
+
+    assert list(EngineSample.objects.values_list("prefix_queries", flat=True)) == [1]
+
+
+def test_old_samples_thin_to_one_a_minute_with_their_peak_and_exact_counters(
+        endpoint: Endpoint) -> None:
+    replica = endpoint.replicas.first()
+    start = timezone.now().replace(second=0, microsecond=0) - timedelta(hours=3)
+    for n in range(24):  # two minutes at one sample every 5 s
+        record(replica, start + timedelta(seconds=5 * n),
+               shot(queries=100 * n, hits=50 * n, prompt=100 * n, usage=0.9 if n == 3 else 0.1))
+    _, before = series(endpoint_id=endpoint.id, since=start, until=start + timedelta(minutes=2))
+    second_minute = [point["prompt_tokens_per_s"] for point in before
+                     if point["at"] > start + timedelta(seconds=60)]
+
+    assert do_downsample_samples(now=timezone.now())
+    assert do_downsample_samples(now=timezone.now())  # again: nothing more changes
+
+    kept = list(EngineSample.objects.order_by("at").values_list(
+        "at", "resolution_seconds", "kv_cache_usage", "prefix_queries"))
+    assert kept == [(start + timedelta(seconds=55), 60, 0.9, 1100),
+                    (start + timedelta(seconds=115), 60, 0.1, 2300)]
+    _, after = series(endpoint_id=endpoint.id, since=start, until=start + timedelta(minutes=2))
+    # The second minute's prompt tokens, whether read from twelve samples or from one.
+    assert sum(point["prompt_tokens_per_s"] for point in after) * 5 == sum(second_minute) * 5 \
+        == 1200
+
+
+def test_samples_past_their_retention_are_deleted(endpoint: Endpoint) -> None:
+    replica = endpoint.replicas.first()
+    record(replica, timezone.now() - timedelta(days=91), shot())
+    record(replica, timezone.now() - timedelta(days=89), shot())
+
+    do_downsample_samples(now=timezone.now())
+
+    assert EngineSample.objects.count() == 1
+
+
+def test_the_api_gives_members_the_series_and_hides_other_organisations(
+        endpoint: Endpoint, org: Organization, other_org: Organization,
+        owner_api: APIClient) -> None:
+    replica = endpoint.replicas.first()
+    now = timezone.now()
+    record(replica, now - timedelta(seconds=20), shot(queries=0, hits=0))
+    record(replica, now - timedelta(seconds=10), shot(queries=200, hits=150))
+    url = f"/api/v1/organizations/{org.slug}/endpoints/chat/metrics/"
+
+    response = owner_api.get(url, {"window": "15m"})
+
+    assert response.status_code == 200, response.content
+    assert response.json()["step_seconds"] == 7
+    assert [point["prefix_hit_rate"] for point in response.json()["points"]] == [None, 0.75]
+    assert owner_api.get(url, {"window": "2y"}).status_code == 400
+    theirs = f"/api/v1/organizations/{other_org.slug}/endpoints/chat/metrics/"
+    assert owner_api.get(theirs).status_code == 404
