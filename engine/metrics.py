@@ -46,6 +46,7 @@ class EngineSnapshot:
     requests: int  # finished
     ttft_buckets: dict[str, float] = field(default_factory=dict)  # le → cumulative count
     itl_buckets: dict[str, float] = field(default_factory=dict)
+    prompt_buckets: dict[str, float] = field(default_factory=dict)  # prompt tokens a request
 
 
 def snapshot(text: str) -> EngineSnapshot:
@@ -66,7 +67,8 @@ def snapshot(text: str) -> EngineSnapshot:
         preemptions=count("num_preemptions"), prompt_tokens=count("prompt_tokens"),
         generation_tokens=count("generation_tokens"), requests=count("request_success"),
         ttft_buckets=buckets(text, "vllm:time_to_first_token_seconds"),
-        itl_buckets=buckets(text, "vllm:inter_token_latency_seconds"))
+        itl_buckets=buckets(text, "vllm:inter_token_latency_seconds"),
+        prompt_buckets=buckets(text, "vllm:request_prompt_tokens"))
 
 
 LE = re.compile(r'le="([^"]+)"')

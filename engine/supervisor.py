@@ -78,8 +78,6 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
     if spec.device == CPU:
         argv += ["--enforce-eager",  # no CUDA graphs on the CPU backend
                  "--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
-        # vLLM's older whole-GiB setting would override the exact budget: never inherited.
-        env["VLLM_CPU_KVCACHE_SPACE"] = ""
     else:
         argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.2f}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.device_indices)
@@ -99,13 +97,17 @@ INHERITED_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL"
                              "VIRTUAL_ENV", "XDG_CACHE_HOME"})
 INHERITED_PREFIXES = ("VLLM_", "HF_", "CUDA_", "NVIDIA_", "TORCH", "OMP_", "MKL_", "KMP_",
                       "NCCL_", "TRITON_", "TRANSFORMERS_")
+# What kvrun sets by flag, which vLLM would let an inherited value override: the CPU
+# engine's KV pool in whole GiB would win over its exact budget.
+NEVER_INHERITED = frozenset({"VLLM_CPU_KVCACHE_SPACE"})
 
 
 def engine_environment(inherited: Mapping[str, str], additions: Mapping[str, str]
                        ) -> dict[str, str]:
     """The whole environment of an engine: the allowed part of `inherited`, then `additions`."""
     kept = {name: value for name, value in inherited.items()
-            if name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES)}
+            if (name in INHERITED_NAMES or name.startswith(INHERITED_PREFIXES))
+            and name not in NEVER_INHERITED}
     return {**kept, **additions}
 
 

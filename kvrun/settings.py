@@ -330,6 +330,7 @@ CELERY_BEAT_SCHEDULE = {
     "billing.enforce_budgets": {"task": "billing.enforce_budgets",
                                 "schedule": float(KVRUN_BUDGET_CHECK_SECONDS)},
     "telemetry.downsample_samples": {"task": "telemetry.downsample_samples", "schedule": 300.0},
+    "telemetry.advise": {"task": "telemetry.advise", "schedule": 60.0},
 }
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True

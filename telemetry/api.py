@@ -14,6 +14,8 @@ from rest_framework.response import Response
 from accounts.scoping import OrganizationScoped
 from endpoints.selectors import endpoints_of
 from telemetry import selectors
+from telemetry.models import Advice
+from telemetry.services import do_apply_advice
 
 WINDOWS = {"15m": timedelta(minutes=15), "1h": timedelta(hours=1), "6h": timedelta(hours=6),
            "24h": timedelta(hours=24), "7d": timedelta(days=7), "30d": timedelta(days=30)}
@@ -43,3 +45,39 @@ class EndpointMetrics(OrganizationScoped, GenericAPIView):
                                         replica_id=query.validated_data.get("replica"))
         return Response({"endpoint": endpoint.name, "window": query.validated_data["window"],
                          "step_seconds": step, "points": points})
+
+
+class AdviceSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Advice
+        fields = ["id", "kind", "message", "figures", "change", "opened_at", "last_seen_at"]
+
+
+class EndpointAdvice(OrganizationScoped, GenericAPIView):
+    """The endpoint's open advice, each with the figures behind it and, where a policy
+    change applies it, that change."""
+
+    filter_backends = ()
+    pagination_class = None
+    serializer_class = AdviceSerializer
+
+    def get(self, request: Request, name: str, **kwargs: str) -> Response:
+        endpoint = get_object_or_404(endpoints_of(organization=self.organization), name=name)
+        advice = Advice.objects.filter(endpoint=endpoint, resolved_at=None)
+        return Response(AdviceSerializer(advice, many=True).data)
+
+
+class ApplyAdvice(OrganizationScoped, GenericAPIView):
+    """Apply an open advice's policy change (owners and admins); the answer's `rollout` says
+    whether and how replicas restart."""
+
+    filter_backends = ()
+
+    @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
+    def post(self, request: Request, name: str, advice_id: int, **kwargs: str) -> Response:
+        endpoint = get_object_or_404(endpoints_of(organization=self.organization), name=name)
+        advice = get_object_or_404(Advice.objects.select_related("endpoint__model",
+                                                                 "endpoint__gpu_type"),
+                                   id=advice_id, endpoint=endpoint)
+        rollout = do_apply_advice(advice=advice, actor_role=self.actor_role)
+        return Response({"rollout": rollout})

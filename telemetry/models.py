@@ -33,6 +33,8 @@ class EngineSample(models.Model):
     ttft_buckets = models.JSONField(default=dict, help_text="Time to first token: cumulative "
                                                             "count per bucket bound (s).")
     itl_buckets = models.JSONField(default=dict, help_text="Inter-token latency, likewise.")
+    prompt_buckets = models.JSONField(default=dict, help_text="Prompt tokens per request, "
+                                                              "likewise.")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["replica", "at"],
@@ -42,3 +44,34 @@ class EngineSample(models.Model):
 
     def __str__(self) -> str:
         return f"{self.replica_id} at {self.at:%Y-%m-%d %H:%M:%S}"
+
+
+class AdviceKind(models.TextChoices):
+    CACHE_BOUND = "cache_bound", "cache-bound"
+    CONTEXT_OVERSIZED = "context_oversized", "context budget far above the prompts"
+
+
+class Advice(models.Model):
+    """A change that an endpoint's measured figures call for (telemetry.advice): open while
+    its condition holds, at most one open of each kind per endpoint. `change` is a KV policy
+    change that applies it in one click, or empty where it needs a person (another GPU)."""
+
+    endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.CASCADE,
+                                 related_name="advice")
+    kind = models.CharField(max_length=20, choices=AdviceKind.choices)
+    message = models.TextField()
+    figures = models.JSONField(help_text="The measurements behind it.")
+    change = models.JSONField(default=dict, blank=True)
+    opened_at = models.DateTimeField()
+    last_seen_at = models.DateTimeField()
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-opened_at"]
+        verbose_name_plural = "advice"
+        constraints = [models.UniqueConstraint(fields=["endpoint", "kind"],
+                                               condition=models.Q(resolved_at=None),
+                                               name="telemetry_advice_one_open_per_kind")]
+
+    def __str__(self) -> str:
+        return f"{self.endpoint_id} {self.kind}"

@@ -12,6 +12,7 @@ from engine.metrics import quantile
 from telemetry.models import EngineSample
 
 POINTS_PER_CHART = 120
+USAGE_HIGH = 0.9  # a KV cache this full has little room for new requests or kept prefixes
 COUNTERS = ("prefix_queries", "prefix_hits", "external_queries", "external_hits",
             "preemptions", "prompt_tokens", "generation_tokens", "requests")
 
@@ -21,19 +22,23 @@ class _Step:
     deltas: dict = field(default_factory=lambda: defaultdict(float))
     ttft: dict = field(default_factory=lambda: defaultdict(float))
     itl: dict = field(default_factory=lambda: defaultdict(float))
+    prompts: dict = field(default_factory=lambda: defaultdict(float))
     usage: list = field(default_factory=list)  # (replica, kv usage)
     running: dict = field(default_factory=dict)  # replica → its latest gauge in the step
     waiting: dict = field(default_factory=dict)
 
 
 def series(*, endpoint_id: UUID, since: datetime, until: datetime,
-           replica_id: UUID | None = None) -> tuple[int, list[dict]]:
+           replica_id: UUID | None = None, steps: int = POINTS_PER_CHART
+           ) -> tuple[int, list[dict]]:
     """(step seconds, points) over [since, until): each point the step's rates and gauges,
     over the endpoint's replicas or the one asked. Hit rates are hits over lookups in the
     step; tokens and requests per second; preemptions counted; latency percentiles from the
     histograms' bucket increases; KV usage the busiest replica's peak; running and waiting
-    summed over replicas. Steps without samples are left out."""
-    step = max(5, int((until - since).total_seconds()) // POINTS_PER_CHART)
+    summed over replicas; the share of samples with the KV cache at least USAGE_HIGH full, and
+    the 99th percentile of prompt lengths. Steps without samples are left out. With
+    `steps=1`, one point sums up the whole window."""
+    step = max(5, int((until - since).total_seconds()) // steps)
     samples = EngineSample.objects.filter(endpoint_id=endpoint_id, at__gte=since - timedelta(
         seconds=step), at__lt=until).order_by("replica_id", "at")
     if replica_id is not None:
@@ -66,7 +71,8 @@ def _add_increase(bucket: _Step, before: EngineSample, after: EngineSample) -> N
     for name in COUNTERS:
         bucket.deltas[name] += _increase(getattr(before, name), getattr(after, name))
     bucket.deltas["has_external"] += after.external_queries is not None
-    for histogram, into in (("ttft_buckets", bucket.ttft), ("itl_buckets", bucket.itl)):
+    for histogram, into in (("ttft_buckets", bucket.ttft), ("itl_buckets", bucket.itl),
+                            ("prompt_buckets", bucket.prompts)):
         old, new = getattr(before, histogram), getattr(after, histogram)
         for bound, count in new.items():
             into[bound] += _increase(old.get(bound), count)
@@ -77,6 +83,8 @@ def _point(at: datetime, bucket: _Step, step: int) -> dict:
     return {
         "at": at,
         "kv_cache_usage": max(bucket.usage) if bucket.usage else None,
+        "kv_cache_high_share": (sum(usage >= USAGE_HIGH for usage in bucket.usage)
+                                / len(bucket.usage) if bucket.usage else None),
         "running": sum(bucket.running.values()),
         "waiting": sum(bucket.waiting.values()),
         "prefix_hit_rate": _ratio(deltas["prefix_hits"], deltas["prefix_queries"]),
@@ -88,6 +96,7 @@ def _point(at: datetime, bucket: _Step, step: int) -> dict:
         "requests_per_s": deltas["requests"] / step,
         "ttft_p50_s": quantile(0.5, bucket.ttft), "ttft_p95_s": quantile(0.95, bucket.ttft),
         "itl_p50_s": quantile(0.5, bucket.itl), "itl_p95_s": quantile(0.95, bucket.itl),
+        "prompt_tokens_p99": quantile(0.99, bucket.prompts),
     }
 
 

@@ -9,10 +9,14 @@ from collections.abc import Iterable
 from datetime import datetime, timedelta
 from uuid import UUID
 
+from django.core.exceptions import ValidationError
 from django.db import connection, transaction
+from django.utils import timezone
 
+from endpoints.models import Endpoint
+from endpoints.services import do_change_endpoint_policy
 from engine.metrics import EngineSnapshot
-from telemetry.models import EngineSample
+from telemetry.models import Advice, EngineSample
 
 RAW_KEPT = timedelta(hours=2)
 MINUTE_KEPT = timedelta(days=3)
@@ -32,7 +36,8 @@ def do_record_engine_samples(*, samples: Iterable[tuple[UUID, UUID, datetime, En
                          external_hits=shot.external_hits, preemptions=shot.preemptions,
                          prompt_tokens=shot.prompt_tokens,
                          generation_tokens=shot.generation_tokens, requests=shot.requests,
-                         ttft_buckets=shot.ttft_buckets, itl_buckets=shot.itl_buckets)
+                         ttft_buckets=shot.ttft_buckets, itl_buckets=shot.itl_buckets,
+                         prompt_buckets=shot.prompt_buckets)
             for replica_id, endpoint_id, at, shot in samples]
     created = EngineSample.objects.bulk_create(rows, ignore_conflicts=True)
     return len(created)
@@ -82,3 +87,29 @@ def do_downsample_samples(*, now: datetime) -> bool:
 def _floor(moment: datetime, seconds: int) -> datetime:
     epoch = int(moment.timestamp())
     return datetime.fromtimestamp(epoch - epoch % seconds, tz=moment.tzinfo)
+
+
+def do_advise_endpoints(*, now: datetime) -> int:
+    """Run telemetry.advice over every endpoint with samples in the last day; returns how
+    many have advice open."""
+    from telemetry.advice import CONTEXT_WINDOW, do_advise_endpoint
+
+    recent = EngineSample.objects.filter(at__gte=now - CONTEXT_WINDOW).values("endpoint_id")
+    advised = 0
+    for endpoint in Endpoint.objects.filter(id__in=recent, deleted_at=None).select_related(
+            "model", "gpu_type"):
+        advised += bool(do_advise_endpoint(endpoint=endpoint, now=now))
+    return advised
+
+
+def do_apply_advice(*, advice: Advice, actor_role: str | None) -> str:
+    """Apply an open advice's policy change to its endpoint (endpoints.services), and resolve
+    it; returns what happens next. Raises ValidationError for advice that is resolved, or
+    that needs a person (no policy change)."""
+    if advice.resolved_at is not None or not advice.change:
+        raise ValidationError("This advice has no one-click change open; its message says "
+                              "what to do.")
+    rollout = do_change_endpoint_policy(endpoint=advice.endpoint, actor_role=actor_role,
+                                        changes=advice.change)
+    Advice.objects.filter(id=advice.id, resolved_at=None).update(resolved_at=timezone.now())
+    return rollout

@@ -47,7 +47,10 @@ def test_a_cpu_command_sets_the_kv_space_and_eager_mode() -> None:
     assert "--enforce-eager" in argv and "--no-enable-prefix-caching" in argv
     assert "--gpu-memory-utilization" not in argv
     assert argv[argv.index("--kv-cache-memory-bytes") + 1] == "4194304"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == ""  # an inherited whole-GiB value would win
+    # vLLM's whole-GiB setting would override the exact budget: never passed on.
+    assert "VLLM_CPU_KVCACHE_SPACE" not in engine_environment(
+        {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "INFO"}, env)
+    assert engine_environment({"VLLM_LOGGING_LEVEL": "INFO"}, env)["VLLM_LOGGING_LEVEL"] == "INFO"
     assert "CUDA_VISIBLE_DEVICES" not in env
 
 

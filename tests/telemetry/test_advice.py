@@ -1,0 +1,122 @@
+from datetime import timedelta
+
+import pytest
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from accounts.models import Organization, Role
+from endpoints.models import Endpoint, EndpointEvent, GPUType, ModelSpec, Replica, State
+from endpoints.planning import largest_concurrency_on
+from endpoints.services import do_create_endpoint, do_load_catalogs
+from engine.metrics import EngineSnapshot
+from telemetry.advice import do_advise_endpoint
+from telemetry.models import Advice, AdviceKind
+from telemetry.services import do_apply_advice, do_record_engine_samples
+
+pytestmark = pytest.mark.django_db
+
+
+def snapshot(*, usage: float = 0.2, preemptions: int = 0, requests: int = 0,
+             prompts: dict | None = None, queries: int = 0, hits: int = 0) -> EngineSnapshot:
+    return EngineSnapshot(kv_cache_usage=usage, running=1, waiting=0, prefix_queries=queries,
+                          prefix_hits=hits, external_queries=None, external_hits=None,
+                          preemptions=preemptions, prompt_tokens=0, generation_tokens=0,
+                          requests=requests, prompt_buckets=prompts or {})
+
+
+@pytest.fixture
+def endpoint(org: Organization) -> Endpoint:
+    """Llama 3.1 8B on one H100 with 32k of context: where the advice has numbers to give."""
+    do_load_catalogs()
+    endpoint = do_create_endpoint(
+        organization=org, actor_role=Role.OWNER, created_by=None, name="chat",
+        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), context_length=32768,
+        concurrency=8, gpu_type=GPUType.objects.get(slug="h100-80gb"), gpu_count=1,
+        min_replicas=1, max_replicas=2)
+    Replica.objects.create(endpoint=endpoint, state=State.READY)
+    return endpoint
+
+
+def record(endpoint: Endpoint, samples: list[tuple[int, EngineSnapshot]]) -> None:
+    """Samples `seconds ago` of the endpoint's replica."""
+    replica = endpoint.replicas.get()
+    now = timezone.now()
+    do_record_engine_samples(samples=[(replica.id, endpoint.id, now - timedelta(seconds=ago),
+                                       shot) for ago, shot in samples])
+
+
+def test_a_sustained_full_cache_is_cache_bound_advice_with_what_each_change_gives(
+        endpoint: Endpoint) -> None:
+    record(endpoint, [(ago, snapshot(usage=0.95, preemptions=60 - ago // 10,
+                                     queries=1000 * (600 - ago), hits=100 * (600 - ago)))
+                      for ago in range(5, 300, 5)])
+
+    [advice] = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+
+    assert advice.kind == AdviceKind.CACHE_BOUND
+    assert advice.figures["kv_cache_high_share"] == 1.0 and advice.figures["preemptions"] > 0
+    assert "at least 90 % full in 100% of the last 10 minutes' samples" in advice.message
+    held = endpoint.sizing["max_concurrency_at_context"]
+    fp8 = largest_concurrency_on(model=endpoint.model, context_length=32768,
+                                 kv_cache_dtype="fp8", gpu_type=endpoint.gpu_type, gpu_count=1)
+    assert fp8 >= 2 * held
+    assert f"fp8 KV cache: room for {fp8} requests of 32,768 tokens at once per replica " \
+           f"instead of {held}" in advice.message
+    assert f"another replica: {2 * held} at once in all, for $4.50/h more" in advice.message
+    assert "a 64 GiB host tier: 524,288 more tokens" in advice.message  # hit rate 10 %
+    assert advice.change == {"kv_cache_dtype": "fp8"}
+    assert EndpointEvent.objects.filter(endpoint=endpoint,
+                                        message__startswith="advice: Cache-bound").count() == 1
+
+
+def test_advice_opens_once_and_resolves_when_the_figures_recover(endpoint: Endpoint) -> None:
+    record(endpoint, [(ago, snapshot(usage=0.97)) for ago in range(400, 600, 5)])
+    first_pass = timezone.now() - timedelta(seconds=200)
+
+    do_advise_endpoint(endpoint=endpoint, now=first_pass)
+    do_advise_endpoint(endpoint=endpoint, now=first_pass)  # again: the same single advice
+    assert Advice.objects.filter(resolved_at=None).count() == 1
+    record(endpoint, [(ago, snapshot(usage=0.3)) for ago in range(5, 300, 5)])
+    assert do_advise_endpoint(endpoint=endpoint, now=timezone.now()) == []
+
+    assert Advice.objects.get().resolved_at is not None
+    assert EndpointEvent.objects.filter(message__startswith="advice:").count() == 1
+
+
+def test_a_context_budget_far_above_the_prompts_advises_a_smaller_one(
+        endpoint: Endpoint) -> None:
+    # 400 requests in the last day, 99 % of them with prompts of at most 1,000 tokens.
+    before = {"500": 0.0, "1000": 0.0, "2000": 0.0, "+Inf": 0.0}
+    after = {"500": 300.0, "1000": 398.0, "2000": 400.0, "+Inf": 400.0}
+    record(endpoint, [(80_000, snapshot(prompts=before)),
+                      (60, snapshot(requests=400, prompts=after))])
+
+    [advice] = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+
+    assert advice.kind == AdviceKind.CONTEXT_OVERSIZED
+    # The 99th percentile within its bucket (500–1,000): 500 + 500 × 96 / 98.
+    assert advice.figures["prompt_tokens_p99"] == 990
+    assert advice.change == {"context_length": 2048}
+    assert "is 33 × the 99th percentile prompt (990 tokens over 400 requests in 24 h)" in (
+        advice.message)
+
+
+def test_applying_advice_changes_the_policy_and_needs_a_one_click_change(
+        endpoint: Endpoint, owner_api: APIClient, org: Organization) -> None:
+    record(endpoint, [(ago, snapshot(usage=0.95)) for ago in range(5, 300, 5)])
+    [advice] = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+    url = f"/api/v1/organizations/{org.slug}/endpoints/chat/advice/"
+
+    listed = owner_api.get(url)
+    applied = owner_api.post(f"{url}{advice.id}/apply/", format="json")
+
+    assert listed.status_code == 200 and listed.json()[0]["kind"] == "cache_bound"
+    assert applied.status_code == 200, applied.content
+    assert "Its one replica restarts" in applied.json()["rollout"]
+    endpoint.refresh_from_db()
+    assert (endpoint.kv_cache_dtype, endpoint.policy_version) == ("fp8", 2)
+    assert Advice.objects.get().resolved_at is not None
+    assert owner_api.post(f"{url}{advice.id}/apply/", format="json").status_code == 400
+    with pytest.raises(ValidationError):
+        do_apply_advice(advice=Advice.objects.get(), actor_role=Role.OWNER)
