@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: run test lint bench install browser clean vendor
+.PHONY: run test lint bench install browser clean vendor gpu-check
 
 run: install
 	$(BIN)/python -m kvrun.launcher run
@@ -37,6 +37,10 @@ endif
 bench: install
 	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 	$(BIN)/python -m kvrun.launcher bench $(BENCH)
+
+# On a host with an NVIDIA GPU: kvrun's GPU sizing against what CUDA vLLM logs (README).
+gpu-check: install
+	$(BIN)/python -m bench.gpu_check
 
 # Playwright drives Debian's Chromium; its own browser download cannot work offline.
 browser:

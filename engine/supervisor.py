@@ -50,6 +50,7 @@ class EngineSpec:
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
     replica: str = ""
     extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: tuple[str, ...] = ()  # flags beyond what a policy sets (gpu-check's loader)
 
 
 def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
@@ -67,7 +68,7 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         "--enable-prompt-tokens-details",
     ]
     kv = _engine_kv(spec)
-    argv += kv.argv
+    argv += kv.argv + list(spec.extra_args)
     if spec.api_key:
         # vLLM checks the key under /v1 only; this checks it on every other path but /health.
         argv += ["--middleware", "engine.key_guard.RequireEngineKey"]

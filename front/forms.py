@@ -7,7 +7,16 @@ from django.db.models import QuerySet
 
 from accounts.models import Role, Scope
 from billing.models import BudgetAction
-from endpoints.models import MAX_REPLICAS_PER_ENDPOINT, Endpoint, GPUType, KVCacheDtype, ModelSpec
+from endpoints.models import (
+    MAX_DISK_TIER_GIB,
+    MAX_HOST_TIER_GIB,
+    MAX_REPLICAS_PER_ENDPOINT,
+    CacheIsolation,
+    Endpoint,
+    GPUType,
+    KVCacheDtype,
+    ModelSpec,
+)
 
 
 class APIKeyForm(forms.Form):
@@ -66,9 +75,40 @@ class SizingForm(forms.Form):
     gpu_type = forms.ModelChoiceField(
         queryset=GPUType.objects.all(), to_field_name="slug", required=False,
         empty_label="Cheapest that fits", label="Hardware")
+    host_tier_gib = forms.IntegerField(
+        min_value=0, max_value=MAX_HOST_TIER_GIB, initial=0, required=False,
+        label="Host-memory KV tier (GiB per replica)",
+        help_text="Prefixes evicted from the device cache are kept in host memory (vLLM's "
+                  "offloading). GPU nodes only; 0 for none.")
+    disk_tier_gib = forms.IntegerField(
+        min_value=0, max_value=MAX_DISK_TIER_GIB, initial=0, required=False,
+        label="Disk KV tier (GiB per replica)",
+        help_text="Beyond host memory, on the node's disk (LMCache; needs a host tier). GPU "
+                  "nodes only; 0 for none.")
+
+    def clean_host_tier_gib(self) -> int:
+        return self.cleaned_data["host_tier_gib"] or 0
+
+    def clean_disk_tier_gib(self) -> int:
+        return self.cleaned_data["disk_tier_gib"] or 0
 
 
-class EndpointForm(SizingForm):
+class KVRoutingFields(forms.Form):
+    cache_isolation = forms.ChoiceField(
+        choices=CacheIsolation.choices, initial=CacheIsolation.ORGANIZATION, required=False,
+        label="Cached prefixes are shared",
+        help_text="Within the organisation, or only within each API key.")
+    prefix_affinity = forms.BooleanField(
+        required=False, initial=True, label="Prefix-affinity routing",
+        help_text="With two or more replicas, requests that share a prompt prefix go to the "
+                  "replica that has it cached.")
+
+
+    def clean_cache_isolation(self) -> str:
+        return self.cleaned_data["cache_isolation"] or CacheIsolation.ORGANIZATION
+
+
+class EndpointForm(SizingForm, KVRoutingFields):
     name = forms.SlugField(max_length=63,
                            help_text="Clients send it as \"model\" in their requests.",
                            error_messages={"invalid": "Use letters, digits and hyphens only, "
@@ -78,6 +118,23 @@ class EndpointForm(SizingForm):
     max_replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS_PER_ENDPOINT,
                                       required=False,
                                       label="Most replicas (for scaling)")
+
+
+class PolicyForm(KVRoutingFields):
+    """An endpoint's KV policy, changed on its hardware."""
+
+    context_length = forms.IntegerField(min_value=128, label="Context length (tokens)")
+    concurrency = forms.IntegerField(min_value=1, max_value=4096, label="Concurrent requests")
+    kv_cache_dtype = SizingForm.base_fields["kv_cache_dtype"]
+    prefix_caching = SizingForm.base_fields["prefix_caching"]
+    host_tier_gib = SizingForm.base_fields["host_tier_gib"]
+    disk_tier_gib = SizingForm.base_fields["disk_tier_gib"]
+    clean_host_tier_gib = SizingForm.clean_host_tier_gib
+    clean_disk_tier_gib = SizingForm.clean_disk_tier_gib
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> "PolicyForm":
+        return cls(initial={name: getattr(endpoint, name) for name in cls.base_fields})
 
 
 class ScaleForm(forms.Form):

@@ -1,7 +1,7 @@
 from django.urls import path
 
 from billing.urls import MonthConverter  # noqa: F401  registers <month:...>
-from front.views import billing, endpoints, keys, organization, playground, wizard
+from front.views import billing, endpoints, keys, kv, organization, playground, wizard
 
 urlpatterns = [
     path("", endpoints.home, name="dashboard"),
@@ -15,6 +15,12 @@ urlpatterns = [
          name="endpoint-status"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/usage/", endpoints.endpoint_usage,
          name="endpoint-usage"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/kv/", kv.endpoint_kv_series,
+         name="endpoint-kv"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/policy/", kv.change_policy,
+         name="endpoint-policy"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/advice/<int:advice_id>/apply/",
+         kv.apply_advice, name="endpoint-advice-apply"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/scale/", endpoints.scale_endpoint,
          name="endpoint-scale"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/stop/", endpoints.stop_endpoint,

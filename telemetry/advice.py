@@ -61,7 +61,21 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
     held = endpoint.sizing.get("max_concurrency_at_context") or endpoint.concurrency
     context = endpoint.context_length
     ways, change = [], {}
-    if endpoint.kv_cache_dtype == "auto":
+    on_cpu = endpoint.gpu_type.slug == CPU
+    if on_cpu:
+        # A CPU engine's KV pool is exactly its budget: room comes from a larger budget.
+        more = endpoint.concurrency * 2
+        try:
+            planning.plan(model=endpoint.model, context_length=context, concurrency=more,
+                          kv_cache_dtype=endpoint.kv_cache_dtype, gpu_type=endpoint.gpu_type,
+                          gpu_count=endpoint.gpu_count)
+        except ValidationError:
+            pass
+        else:
+            ways.append(f"a budget of {more} concurrent requests: the engine's KV pool grows "
+                        f"to {more * context:,} tokens of the node's memory (one click)")
+            change = {"concurrency": more}
+    elif endpoint.kv_cache_dtype == "auto":
         fp8 = planning.largest_concurrency_on(
             model=endpoint.model, context_length=context, kv_cache_dtype="fp8",
             gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count)
@@ -78,7 +92,7 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
         ways.append(f"{larger.gpu_count} × {larger.gpu_type.name}: {larger.max_concurrency} at "
                     f"once per replica, ${larger.hourly_price:.2f}/h (a new endpoint)")
     hit_rate = window["prefix_hit_rate"]
-    if (endpoint.gpu_type.slug != CPU and not endpoint.host_tier_gib and hit_rate is not None
+    if (not on_cpu and not endpoint.host_tier_gib and hit_rate is not None
             and hit_rate < LOW_HIT_RATE):
         tokens = planning.plan(
             model=endpoint.model, context_length=context, concurrency=endpoint.concurrency,

@@ -10,6 +10,7 @@ from rest_framework import serializers
 from rest_framework.generics import GenericAPIView
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from accounts.scoping import OrganizationScoped
 from endpoints.selectors import endpoints_of
@@ -67,11 +68,9 @@ class EndpointAdvice(OrganizationScoped, GenericAPIView):
         return Response(AdviceSerializer(advice, many=True).data)
 
 
-class ApplyAdvice(OrganizationScoped, GenericAPIView):
+class ApplyAdvice(OrganizationScoped, APIView):
     """Apply an open advice's policy change (owners and admins); the answer's `rollout` says
     whether and how replicas restart."""
-
-    filter_backends = ()
 
     @extend_schema(request=None, responses={200: OpenApiTypes.OBJECT})
     def post(self, request: Request, name: str, advice_id: int, **kwargs: str) -> Response:

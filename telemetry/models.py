@@ -75,3 +75,8 @@ class Advice(models.Model):
 
     def __str__(self) -> str:
         return f"{self.endpoint_id} {self.kind}"
+
+    @property
+    def change_text(self) -> str:
+        """The change in words, for its button: "kv cache dtype fp8"."""
+        return ", ".join(f"{name.replace('_', ' ')} {value}" for name, value in self.change.items())

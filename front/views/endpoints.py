@@ -24,9 +24,10 @@ from billing.selectors import (
 from endpoints import selectors, services
 from endpoints.models import ACTIVE_STATES, Endpoint, State
 from endpoints.planning import accelerator_of
-from front.forms import ScaleForm
+from front.forms import PolicyForm, ScaleForm
 from front.scoping import Member, current_organization, endpoint_of, membership
 from front.views.wizard import memory_bar
+from telemetry.models import Advice
 
 # Fewer rows than this per page keeps the list one screen on a laptop.
 ENDPOINTS_PER_PAGE = 50
@@ -83,6 +84,8 @@ def endpoint_detail(request: HttpRequest, org_slug: str, name: str) -> HttpRespo
     month = month_to_date_by_endpoint(organization=member.organization).get(endpoint.id, 0)
     return render(request, "front/endpoint.html", {
         "costs": costs, "month_cents": month,
+        "advice": Advice.objects.filter(endpoint=endpoint, resolved_at=None),
+        "policy_form": PolicyForm.of(endpoint),
         "memory": memory_bar(endpoint.sizing, device) if sized else None, "device_bytes": device,
         "member": member, "organization": member.organization, "endpoint": endpoint,
         "section": "endpoints", "status": _status(endpoint),
@@ -177,8 +180,8 @@ def _snippets(name: str, gateway: str) -> dict[str, str]:
     }
 
 
-def _change(request: HttpRequest, org_slug: str, name: str,
-            change: Callable[[Member, Endpoint], str]) -> HttpResponse:
+def change_endpoint(request: HttpRequest, org_slug: str, name: str,
+                    change: Callable[[Member, Endpoint], str]) -> HttpResponse:
     """Run `change` on the endpoint and say how it went on the endpoint's page; refusals
     (a role that may not, a value out of range) are shown, not raised."""
     member = membership(request, org_slug)
@@ -202,7 +205,7 @@ def scale_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpRespon
         services.do_scale_endpoint(endpoint=endpoint, actor_role=member.role,
                                    replicas=form.cleaned_data["replicas"])
         return f"Scaling {name} to {form.cleaned_data['replicas']} replica(s)."
-    return _change(request, org_slug, name, scale)
+    return change_endpoint(request, org_slug, name, scale)
 
 
 @login_required
@@ -211,7 +214,7 @@ def stop_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpRespons
     def stop(member: Member, endpoint: Endpoint) -> str:
         services.do_stop_endpoint(endpoint=endpoint, actor_role=member.role)
         return f"Stopping {name}; its GPU time ends when its engines exit."
-    return _change(request, org_slug, name, stop)
+    return change_endpoint(request, org_slug, name, stop)
 
 
 @login_required
@@ -220,7 +223,7 @@ def start_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpRespon
     def start(member: Member, endpoint: Endpoint) -> str:
         services.do_start_endpoint(endpoint=endpoint, actor_role=member.role)
         return f"Starting {name}."
-    return _change(request, org_slug, name, start)
+    return change_endpoint(request, org_slug, name, start)
 
 
 @login_required

@@ -46,6 +46,8 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
             name=data["name"], model=data["model"], context_length=data["context_length"],
             concurrency=data["concurrency"], gpu_type=data["gpu_type"],
             kv_cache_dtype=data["kv_cache_dtype"], prefix_caching=data["prefix_caching"],
+            host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
+            cache_isolation=data["cache_isolation"], prefix_affinity=data["prefix_affinity"],
             min_replicas=data["min_replicas"], max_replicas=data["max_replicas"])
     except ValidationError as exc:  # Unfit included: the sizing panel shows its advice
         add_service_errors(form, exc)
@@ -81,6 +83,8 @@ def _page(request: HttpRequest, member: Member, form: EndpointForm, *,
 def _initial(query: QueryDict) -> dict[str, object]:
     initial: dict[str, object] = {"context_length": 4096, "concurrency": 8,
                                   "kv_cache_dtype": "auto", "prefix_caching": True,
+                                  "host_tier_gib": 0, "disk_tier_gib": 0,
+                                  "cache_isolation": "organization", "prefix_affinity": True,
                                   "min_replicas": 1}
     model = model_catalog().filter(slug=query.get("model", "")).first()
     if model is not None:
@@ -124,9 +128,13 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
     if data["context_length"] > model.max_context:
         return {"sizing_form": form, "too_long": model.max_context}
     try:
-        decided = planning.plan(**asked, gpu_type=data["gpu_type"])
+        decided = planning.plan(**asked, gpu_type=data["gpu_type"],
+                                host_tier_gib=data["host_tier_gib"],
+                                disk_tier_gib=data["disk_tier_gib"])
     except planning.Unfit as exc:
         return {"sizing_form": form, "advice": exc.advice}
+    except ValidationError as exc:  # a KV tier the chosen hardware's engine cannot use
+        return {"sizing_form": form, "refusals": exc.message_dict}
     summary = decided.summary
     device = planning.accelerator_of(decided.gpu_type).memory_bytes
     other_dtype = "fp8" if data["kv_cache_dtype"] == "auto" else "auto"

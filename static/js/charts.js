@@ -1,47 +1,61 @@
-// The endpoint page's charts: the last hour of usage records, a point per minute, redrawn
-// every 10 s from the page's usage URL.
+// The endpoint page's charts: each group ([data-charts]) redrawn every 10 s from its URL.
+// The usage group: the last hour of usage records, a point per minute; the KV group: the
+// engines' metrics as the node agent read them, a point per minute with samples.
 (() => {
-  const root = document.getElementById("charts");
-  if (!root) return;
-  const charts = [];
-  let latest = null;
-  const totals = document.getElementById("usage-totals");
+  const count = new Intl.NumberFormat();
 
   function size(el) {
     return { width: Math.max(240, el.clientWidth), height: 160 };
   }
 
-  async function refresh() {
-    const response = await fetch(root.dataset.url, { headers: { Accept: "application/json" } });
-    if (!response.ok) return;
-    const usage = await response.json();
-    latest = usage;
-    const count = new Intl.NumberFormat();
-    totals.textContent = `${count.format(usage.requests)} ` +
-      `${usage.requests === 1 ? "request" : "requests"}, ` +
+  function usageTotals(usage) {
+    return `${count.format(usage.requests)} ${usage.requests === 1 ? "request" : "requests"}, ` +
       `${count.format(usage.prompt_tokens)} prompt and ${count.format(usage.completion_tokens)} ` +
       "generated tokens in the last hour.";
-    root.querySelectorAll("[data-series]").forEach((el, index) => {
-      const names = el.dataset.series.split(",");
-      const data = [usage.minutes, ...names.map((name) => usage[name])];
-      if (!charts[index]) {
-        const options = {
-          ...size(el),
-          scales: { x: { time: true, range: () => [latest.minutes[0], latest.minutes[latest.minutes.length - 1]] } },
-          series: [{}, ...names.map((name, i) => ({
-            label: name.replaceAll("_", " "), stroke: i ? "#e8590c" : "#2f54eb", width: 2,
-            points: { show: true, size: 5 },
-          }))],
-        };
-        charts[index] = new uPlot(options, data, el);
-      } else {
-        charts[index].setData(data);
+  }
+
+  function group(root) {
+    const charts = [];
+    const x = root.dataset.x || "minutes";
+    let latest = null;
+
+    async function refresh() {
+      const response = await fetch(root.dataset.url, { headers: { Accept: "application/json" } });
+      if (!response.ok) return;
+      const data = await response.json();
+      latest = data;
+      if (root.dataset.totals) {
+        document.querySelector(root.dataset.totals).textContent = usageTotals(data);
       }
+      if (root.dataset.empty) {
+        document.querySelector(root.dataset.empty).hidden = data[x].length > 0;
+      }
+      root.querySelectorAll("[data-series]").forEach((el, index) => {
+        const names = el.dataset.series.split(",");
+        const series = [data[x], ...names.map((name) => data[name])];
+        if (!charts[index]) {
+          const options = {
+            ...size(el),
+            scales: { x: { time: true, range: (u, min, max) => latest[x].length
+              ? [latest[x][0], latest[x][latest[x].length - 1]] : [min, max] } },
+            series: [{}, ...names.map((name, i) => ({
+              label: name.replaceAll("_", " "), stroke: i ? "#e8590c" : "#2f54eb", width: 2,
+              points: { show: true, size: 5 },
+            }))],
+          };
+          charts[index] = new uPlot(options, series, el);
+        } else {
+          charts[index].setData(series);
+        }
+      });
+    }
+
+    refresh();
+    setInterval(refresh, 10000);
+    window.addEventListener("resize", () => {
+      root.querySelectorAll("[data-series]").forEach((el, index) => charts[index]?.setSize(size(el)));
     });
   }
-  refresh();
-  setInterval(refresh, 10000);
-  window.addEventListener("resize", () => {
-    root.querySelectorAll("[data-series]").forEach((el, index) => charts[index]?.setSize(size(el)));
-  });
+
+  document.querySelectorAll("[data-charts]").forEach(group);
 })();

@@ -4,7 +4,7 @@ test visits is also saved as a screenshot under artifacts/screenshots/, to be lo
 from collections.abc import Callable, Iterator
 
 import pytest
-from playwright.sync_api import Browser, Page, sync_playwright
+from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from tests.helpers import ROOT
 
@@ -53,3 +53,13 @@ def shot(page: Page) -> Callable[[str], None]:
     def take(name: str) -> None:
         page.screenshot(path=SCREENSHOTS / f"{name}.png", full_page=True)
     return take
+
+
+def sign_up(page: Page, base: str, organization: str = "Engines") -> None:
+    """Sign up through the page, as a newcomer does, with a new organisation."""
+    page.goto(f"{base}/signup/")
+    page.get_by_label("Email").fill("ada@example.com")
+    page.get_by_label("Password").fill("analytical engine 1843")
+    page.get_by_label("Organisation name").fill(organization)
+    page.get_by_role("button", name="Sign up").click()
+    expect(page.get_by_role("heading", level=1)).to_have_text("Endpoints")

@@ -12,18 +12,10 @@ from endpoints.models import Endpoint
 from endpoints.services import do_load_catalogs
 from engine.devices import HostResources
 from nodes.services import do_register_node
+from tests.browser.conftest import sign_up
 from tests.factories import organization_with_owner, ready_endpoint
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
-
-
-def sign_up(page: Page, base: str, organization: str = "Engines") -> None:
-    page.goto(f"{base}/signup/")
-    page.get_by_label("Email").fill("ada@example.com")
-    page.get_by_label("Password").fill("analytical engine 1843")
-    page.get_by_label("Organisation name").fill(organization)
-    page.get_by_role("button", name="Sign up").click()
-    expect(page.get_by_role("heading", level=1)).to_have_text("Endpoints")
 
 
 def test_sign_up_errors_show_next_to_their_fields(live_server: object, page: Page,
