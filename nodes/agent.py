@@ -191,15 +191,8 @@ def _drain(replica: Replica) -> None:
     time.sleep(min(settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS + ROUTE_MARGIN_SECONDS,
                    settings.KVRUN_ENGINE_DRAIN_SECONDS))
     while time.monotonic() < deadline and replica.port:
-        try:
-            response = httpx.get(f"http://{replica.node.address}:{replica.port}/metrics",
-                                 headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"},
-                                 timeout=SCRAPE_TIMEOUT_SECONDS)
-            response.raise_for_status()
-        except httpx.HTTPError:
-            return
-        busy = metrics.snapshot(response.text)
-        if busy.running + busy.waiting == 0:
+        busy = _read_metrics(replica.id, replica.node.address, replica.port)
+        if busy is None or busy.running + busy.waiting == 0:
             return
         time.sleep(0.5)
 
@@ -242,15 +235,23 @@ def scrape(*, name: str) -> int:
         "id", "endpoint_id", "node__address", "port")
     samples = []
     for replica_id, endpoint_id, address, port in ready:
-        try:
-            response = httpx.get(f"http://{address}:{port}/metrics",
-                                 headers={"Authorization": f"Bearer {engine_api_key(replica_id)}"},
-                                 timeout=SCRAPE_TIMEOUT_SECONDS)
-            response.raise_for_status()
-        except httpx.HTTPError:
-            continue
-        samples.append((replica_id, endpoint_id, timezone.now(), metrics.snapshot(response.text)))
+        snapshot = _read_metrics(replica_id, address, port)
+        if snapshot is not None:
+            samples.append((replica_id, endpoint_id, timezone.now(), snapshot))
     return do_record_engine_samples(samples=samples)
+
+
+def _read_metrics(replica_id: UUID | str, address: str, port: int
+                  ) -> metrics.EngineSnapshot | None:
+    """The engine's /metrics now; None when it does not answer in SCRAPE_TIMEOUT_SECONDS."""
+    try:
+        response = httpx.get(f"http://{address}:{port}/metrics",
+                             headers={"Authorization": f"Bearer {engine_api_key(replica_id)}"},
+                             timeout=SCRAPE_TIMEOUT_SECONDS)
+        response.raise_for_status()
+    except httpx.HTTPError:
+        return None
+    return metrics.snapshot(response.text)
 
 
 def stop_engines_left_behind(*, name: str) -> int:
