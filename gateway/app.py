@@ -26,7 +26,7 @@ from accounts.models import Scope
 from accounts.principals import KeyIdentity
 from accounts.revocations import KEY_REVOKED_CHANNEL
 from endpoints.models import State
-from gateway import idempotency
+from gateway import idempotency, observed
 from gateway.asgi import (
     JSON,
     ASGIScope,
@@ -300,6 +300,7 @@ class Gateway:
             if not exchange.usage_seen and exchange.upstream is not None:
                 exchange.prompt_tokens = await self.proxy.count_prompt_tokens(exchange, payload)
         self.sink.add(exchange)
+        observed.observe(exchange)
         await self._settle(exchange, answer=answer)
 
     async def _settle(self, exchange: Exchange, *, answer: bytes | None) -> None:

@@ -240,6 +240,8 @@ KVRUN_BILLED_PHASES = env.list("KVRUN_BILLED_PHASES",
                                default=["starting", "loading", "ready", "stopping"])
 
 KVRUN_NODE_HEARTBEAT_SECONDS = env.int("KVRUN_NODE_HEARTBEAT_SECONDS", default=5)
+# A Prometheus scraper's bearer token for kvrun's own /metrics; empty: no /metrics.
+KVRUN_METRICS_TOKEN = env.str("KVRUN_METRICS_TOKEN", default="")
 # How often a node agent reads each of its engines' /metrics into the database.
 KVRUN_ENGINE_SCRAPE_SECONDS = env.float("KVRUN_ENGINE_SCRAPE_SECONDS", default=5.0)
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
@@ -338,7 +340,7 @@ CELERY_WORKER_SEND_TASK_EVENTS = False
 
 # Production hardening; `manage.py check --deploy` passes with DEBUG=0.
 SECURE_SSL_REDIRECT = env.bool("SECURE_SSL_REDIRECT", default=not DEBUG)
-SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 SESSION_COOKIE_SECURE = env.bool("SESSION_COOKIE_SECURE", default=not DEBUG)
 CSRF_COOKIE_SECURE = env.bool("CSRF_COOKIE_SECURE", default=not DEBUG)
 SECURE_HSTS_SECONDS = env.int("SECURE_HSTS_SECONDS", default=0 if DEBUG else 31536000)

@@ -6,6 +6,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from billing.views import stripe_webhook
 from kvrun import health
+from telemetry import views as telemetry_views
 
 handler404 = "kvrun.api.not_found"
 
@@ -16,6 +17,7 @@ urlpatterns = [
     path("favicon.ico", RedirectView.as_view(url=static("favicon.svg"), permanent=True)),
     path("healthz", health.healthz, name="healthz"),
     path("readyz", health.readyz, name="readyz"),
+    path("metrics", telemetry_views.metrics, name="metrics"),
     path("admin/", admin.site.urls),
     path("billing/stripe/webhook", stripe_webhook, name="stripe-webhook"),
     path("api/v1/", include("accounts.urls")),
