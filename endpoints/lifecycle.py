@@ -106,6 +106,15 @@ def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent
                                                               progress_percent=percent)
 
 
+def do_note_replica(*, replica_id: UUID, message: str) -> None:
+    """An event on the replica's endpoint that changes no state (a self-test's verdict);
+    nothing for a replica that is gone."""
+    replica = Replica.objects.filter(id=replica_id).values("endpoint_id", "state").first()
+    if replica is not None:
+        EndpointEvent.objects.create(endpoint_id=replica["endpoint_id"], replica_id=replica_id,
+                                     state=replica["state"], message=message)
+
+
 def summarise(*, desired_state: str, deleted: bool, replica_states: list[str]) -> str:
     """The endpoint's state as the user reads it, from its replicas' states."""
     live = [state for state in replica_states if state not in {State.STOPPED, State.FAILED}]

@@ -24,9 +24,14 @@ from django.conf import settings
 from django.db import close_old_connections
 from django.utils import timezone
 
-from endpoints.lifecycle import do_fail_replica, do_set_replica_progress, do_transition_replica
+from endpoints.lifecycle import (
+    do_fail_replica,
+    do_note_replica,
+    do_set_replica_progress,
+    do_transition_replica,
+)
 from endpoints.models import Node, Replica, State
-from engine import demo_model, kv_policy, metrics, processes, supervisor
+from engine import demo_model, kv_policy, metrics, offload_check, processes, supervisor
 from engine.sizing import CPU, GIB, GPU
 from kvrun.digests import engine_api_key
 from nodes.services import do_record_node_heartbeat
@@ -142,12 +147,14 @@ def start_replica(replica_id: str) -> None:
         _record_failure(replica.id, str(exc), log, from_states=[State.LOADING])
         return
     capacity = supervisor.read_kv_capacity(log.read_text(errors="replace"))
-    do_transition_replica(
+    ready = do_transition_replica(
         replica_id=replica.id, from_states=[State.LOADING], to_state=State.READY,
         message=f"ready on port {port}" + (f", KV cache {capacity:,} tokens" if capacity else ""),
         kv_cache_tokens=capacity, ready_at=timezone.now(), restarts=0,
         log_tail=supervisor.tail(log),
     )
+    if ready and (spec.kv_policy.host_tier_gib or spec.kv_policy.disk_tier_gib):
+        _in_background(_test_offload, replica.id, spec)
 
 
 def stop_replica(replica_id: str) -> None:
@@ -179,6 +186,20 @@ def stop_replica(replica_id: str) -> None:
                           to_state=State.STOPPED, message="engine stopped, port freed",
                           stopped_at=timezone.now(), pid=None, log_tail=supervisor.tail(
                               log_path(replica.id)))
+
+
+def _test_offload(replica_id: UUID, spec: supervisor.EngineSpec) -> None:
+    """The offload self-test on a replica just ready with a KV tier; its verdict becomes the
+    replica's event."""
+    try:
+        verdict = offload_check.run(
+            base_url=f"http://{spec.host}:{spec.port}", api_key=spec.api_key,
+            model=spec.served_model_name, disk_tier=bool(spec.kv_policy.disk_tier_gib),
+            context_length=spec.max_model_len)
+        message = verdict.message
+    except httpx.HTTPError as exc:
+        message = f"KV tier self-test could not run: {exc}"
+    do_note_replica(replica_id=replica_id, message=message)
 
 
 def _drain(replica: Replica) -> None:
