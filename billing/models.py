@@ -72,8 +72,8 @@ class TokenHour(models.Model):
     records. Derived: the rollup rewrites an hour whenever records for it arrive. Its foreign
     keys have no database constraint: the records it comes from hold theirs, and checking
     each line again would cost the rollup a fifth of its time. Nor have they an index of
-    their own: the composite ones below lead with them, and each index more costs the rollup
-    about a microsecond a line."""
+    their own: the composite ones below lead with organisation and endpoint, no query reads
+    lines by key, and each index more costs the rollup about a microsecond a line."""
 
     hour = models.DateTimeField()
     organization = models.ForeignKey("accounts.Organization", on_delete=models.DO_NOTHING,

@@ -270,9 +270,9 @@ def _read_metrics(replica_id: UUID | str, address: str, port: int
                              headers={"Authorization": f"Bearer {engine_api_key(replica_id)}"},
                              timeout=SCRAPE_TIMEOUT_SECONDS)
         response.raise_for_status()
-    except httpx.HTTPError:
+        return metrics.snapshot(response.text)
+    except (httpx.HTTPError, ValueError):  # no answer, or text that is not Prometheus's
         return None
-    return metrics.snapshot(response.text)
 
 
 def stop_engines_left_behind(*, name: str) -> int:

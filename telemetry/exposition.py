@@ -32,7 +32,8 @@ LATEST = f"""
     FROM telemetry_enginesample sample
     JOIN endpoints_endpoint endpoint ON endpoint.id = sample.endpoint_id
     JOIN accounts_organization organization ON organization.id = endpoint.organization_id
-    WHERE sample.at >= now() - %s AND endpoint.deleted_at IS NULL
+    WHERE sample.resolution_seconds = 0 AND sample.at >= now() - %s
+      AND endpoint.deleted_at IS NULL
     ORDER BY sample.replica_id, sample.at DESC"""
 
 

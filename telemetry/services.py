@@ -4,6 +4,7 @@ Retention: samples as scraped (every KVRUN_ENGINE_SCRAPE_SECONDS) for RAW_KEPT, 
 minute until MINUTE_KEPT, one per hour until HOUR_KEPT, then none.
 """
 
+import logging
 import zlib
 from collections.abc import Iterable
 from datetime import datetime, timedelta
@@ -11,6 +12,7 @@ from uuid import UUID
 
 from django.core.exceptions import ValidationError
 from django.db import connection, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from endpoints.models import Endpoint
@@ -21,6 +23,7 @@ from telemetry.models import Advice, EngineSample
 RAW_KEPT = timedelta(hours=2)
 MINUTE_KEPT = timedelta(days=3)
 HOUR_KEPT = timedelta(days=90)
+logger = logging.getLogger(__name__)
 DOWNSAMPLE_LOCK = zlib.crc32(b"kvrun.telemetry.downsample")
 
 
@@ -28,7 +31,7 @@ def do_record_engine_samples(*, samples: Iterable[tuple[UUID, UUID, datetime, En
                              ) -> int:
     """Store (replica, endpoint, scraped at, snapshot) samples; one already stored for that
     replica and moment (a scrape recorded twice) is kept as it was. Returns how many were
-    new."""
+    offered."""
     rows = [EngineSample(replica_id=replica_id, endpoint_id=endpoint_id, at=at,
                          kv_cache_usage=shot.kv_cache_usage, running=shot.running,
                          waiting=shot.waiting, prefix_queries=shot.prefix_queries,
@@ -90,15 +93,20 @@ def _floor(moment: datetime, seconds: int) -> datetime:
 
 
 def do_advise_endpoints(*, now: datetime) -> int:
-    """Run telemetry.advice over every endpoint with samples in the last day; returns how
-    many have advice open."""
+    """Run telemetry.advice over every endpoint with samples in the last day or advice still
+    open; returns how many have advice open."""
     from telemetry.advice import CONTEXT_WINDOW, do_advise_endpoint
 
     recent = EngineSample.objects.filter(at__gte=now - CONTEXT_WINDOW).values("endpoint_id")
+    still_open = Advice.objects.filter(resolved_at=None).values("endpoint_id")
     advised = 0
-    for endpoint in Endpoint.objects.filter(id__in=recent, deleted_at=None).select_related(
+    for endpoint in Endpoint.objects.filter(
+            Q(id__in=recent) | Q(id__in=still_open), deleted_at=None).select_related(
             "model", "gpu_type"):
-        advised += bool(do_advise_endpoint(endpoint=endpoint, now=now))
+        try:
+            advised += bool(do_advise_endpoint(endpoint=endpoint, now=now))
+        except Exception:  # one endpoint's figures must not hold back the others' advice
+            logger.exception("advice for endpoint %s failed", endpoint.id)
     return advised
 
 
