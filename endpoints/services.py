@@ -241,22 +241,26 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
     routing and isolation apply within the gateway's route cache, with no restart.
     """
     require_manager(actor_role, "change endpoints")
-    policy = {name: changes.get(name, getattr(endpoint, name))
-              for name in ENGINE_POLICY_FIELDS + ROUTING_POLICY_FIELDS}
-    if policy["context_length"] > endpoint.model.max_context:
-        raise ValidationError({"context_length": [
-            f"{endpoint.model.name} supports at most {endpoint.model.max_context:,} tokens of "
-            "context."]})
-    decided = plan(model=endpoint.model, context_length=policy["context_length"],
-                   concurrency=policy["concurrency"], kv_cache_dtype=policy["kv_cache_dtype"],
-                   gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count,
-                   host_tier_gib=policy["host_tier_gib"], disk_tier_gib=policy["disk_tier_gib"])
-    changed = [name for name, value in policy.items() if value != getattr(endpoint, name)]
-    if not changed:
-        return "Nothing changed."
-    restarts = [name for name in changed if name in ENGINE_POLICY_FIELDS]
     with transaction.atomic():
-        locked = Endpoint.objects.select_for_update().get(id=endpoint.id)
+        # Held while the change is admitted: two changes at once are judged one after the
+        # other, each against the policy the other left.
+        locked = Endpoint.objects.select_for_update().select_related("model", "gpu_type").get(
+            id=endpoint.id)
+        policy = {name: changes.get(name, getattr(locked, name))
+                  for name in ENGINE_POLICY_FIELDS + ROUTING_POLICY_FIELDS}
+        if policy["context_length"] > locked.model.max_context:
+            raise ValidationError({"context_length": [
+                f"{locked.model.name} supports at most {locked.model.max_context:,} tokens of "
+                "context."]})
+        decided = plan(model=locked.model, context_length=policy["context_length"],
+                       concurrency=policy["concurrency"],
+                       kv_cache_dtype=policy["kv_cache_dtype"], gpu_type=locked.gpu_type,
+                       gpu_count=locked.gpu_count, host_tier_gib=policy["host_tier_gib"],
+                       disk_tier_gib=policy["disk_tier_gib"])
+        changed = [name for name, value in policy.items() if value != getattr(locked, name)]
+        if not changed:
+            return "Nothing changed."
+        restarts = [name for name in changed if name in ENGINE_POLICY_FIELDS]
         for name in changed:
             setattr(locked, name, policy[name])
         if restarts:

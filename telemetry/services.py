@@ -114,10 +114,13 @@ def do_apply_advice(*, advice: Advice, actor_role: str | None) -> str:
     """Apply an open advice's policy change to its endpoint (endpoints.services), and resolve
     it; returns what happens next. Raises ValidationError for advice that is resolved, or
     that needs a person (no policy change)."""
-    if advice.resolved_at is not None or not advice.change:
-        raise ValidationError("This advice has no one-click change open; its message says "
-                              "what to do.")
-    rollout = do_change_endpoint_policy(endpoint=advice.endpoint, actor_role=actor_role,
-                                        changes=advice.change)
-    Advice.objects.filter(id=advice.id, resolved_at=None).update(resolved_at=timezone.now())
+    with transaction.atomic():
+        # Held: the same advice applied twice at once changes the policy once.
+        held = Advice.objects.select_for_update().get(id=advice.id)
+        if held.resolved_at is not None or not held.change:
+            raise ValidationError("This advice has no one-click change open; its message says "
+                                  "what to do.")
+        rollout = do_change_endpoint_policy(endpoint=advice.endpoint, actor_role=actor_role,
+                                            changes=held.change)
+        Advice.objects.filter(id=held.id).update(resolved_at=timezone.now())
     return rollout
