@@ -9,6 +9,7 @@ real vLLM engine serves like any Hugging Face checkpoint. Its shape is the catal
 
 from __future__ import annotations
 
+import fcntl
 import json
 import sys
 from pathlib import Path
@@ -42,16 +43,21 @@ MARKER = "kvrun-demo.json"
 
 
 def build(directory: Path) -> Path:
-    """Build the demo model into `directory` unless an identical build is already there."""
+    """Build the demo model into `directory` unless an identical build is already there.
+    Safe to call from several threads and processes at once: the first builds (under a file
+    lock, which also keeps transformers' lazy imports out of each other's way) and the others
+    wait for it and find its build."""
     directory = Path(directory)
     recipe = {"seed": SEED, "config": CONFIG, "corpus": CORPUS}
     marker = directory / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == recipe:
-        return directory
     directory.mkdir(parents=True, exist_ok=True)
-    _build_tokenizer(directory)
-    _build_weights(directory)
-    marker.write_text(json.dumps(recipe))
+    with open(directory.parent / f".{directory.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists() and json.loads(marker.read_text()) == recipe:
+            return directory
+        _build_tokenizer(directory)
+        _build_weights(directory)
+        marker.write_text(json.dumps(recipe))
     return directory
 
 

@@ -70,3 +70,22 @@ def test_the_demo_model_is_the_same_on_every_build(tmp_path: Path) -> None:
 
     assert digest(first) == digest(second)
     assert demo_model.build(first) == first  # cached: an identical recipe is not rebuilt
+
+
+def test_a_build_waits_for_one_already_under_way(tmp_path: Path) -> None:
+    import fcntl
+    import threading
+
+    folder = tmp_path / "demo"
+    folder.mkdir()
+    with open(tmp_path / ".demo.lock", "w") as held:  # another worker is building
+        fcntl.flock(held, fcntl.LOCK_EX)
+        waiting = threading.Thread(target=demo_model.build, args=(folder,))
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()
+        assert not (folder / demo_model.MARKER).exists()
+    waiting.join(60)
+
+    assert not waiting.is_alive()
+    assert (folder / demo_model.MARKER).exists()
