@@ -9,8 +9,8 @@ the command kvrun's own builder makes (engine.supervisor.build_command), and kvr
 predicted KV capacity (engine.sizing: gpu_memory_utilization headroom, RUNTIME_OVERHEAD_BYTES
 per GPU, 16-token blocks) is compared with the `KV cache size` the engine logs (goal: within
 1 %). The engine's own figures for its weights and its KV memory are printed beside, so a
-miss says which term is off. One more start with a host-memory tier (engine.kv_policy) sends
-a long prompt twice and checks that the offload counters in /metrics move. Start times are
+miss says which term is off. One more start with a host-memory tier (engine.kv_policy)
+runs the offload self-test (engine.offload_check) that every tiered replica gets. Start times are
 reported. Prints a table and writes bench/results/gpu_check.json.
 
     python -m bench.gpu_check
@@ -26,11 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
-from engine import demo_model, devices, processes, supervisor
+from engine import demo_model, devices, offload_check, processes, supervisor
 from engine.kv_policy import KVPolicy
-from engine.metrics import totals
 from engine.sizing import GPU, Accelerator, ModelShape, Request, evaluate, kv_cache_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,31 +130,17 @@ def offload_row(base: Path, device: devices.Device) -> dict:
     folder = model_dir(name, base)
     process, spec, seconds = start(name, folder, device, base / "offload.log",
                                    KVPolicy(host_tier_gib=16))
-    url = f"http://127.0.0.1:{spec.port}"
-    key = {"Authorization": "Bearer gpu-check"}
-    prompt = [3 + n % 500 for n in range(6000)]  # token ids: the tokenizer is a toy
-
-    def offload_counters() -> dict[str, float]:
-        found = totals(httpx.get(f"{url}/metrics", headers=key).text)
-        return {metric: value for metric, value in found.items()
-                if "offload" in metric or "external_prefix" in metric}
-
     try:
-        before = offload_counters()
-        times = []
-        for _ in range(2):
-            sent = time.monotonic()
-            httpx.post(f"{url}/v1/completions", headers=key, timeout=120, json={
-                "model": name, "prompt": prompt, "max_tokens": 1}).raise_for_status()
-            times.append(time.monotonic() - sent)
-        after = offload_counters()
+        verdict = offload_check.run(base_url=f"http://127.0.0.1:{spec.port}",
+                                    api_key="gpu-check", model=name, disk_tier=False,
+                                    prefix_caching=spec.kv_policy.prefix_caching,
+                                    context_length=spec.max_model_len)
     finally:
         processes.stop_group(process.pid, grace=15)
-    moved = {metric: after[metric] - before.get(metric, 0.0) for metric in after
-             if after[metric] != before.get(metric, 0.0)}
     return {"model": name, "host_tier_gib": 16, "start_s": round(seconds, 1),
-            "first_s": round(times[0], 3), "second_s": round(times[1], 3),
-            "offload_counters_moved": moved, "offload_works": bool(moved)}
+            "first_s": verdict.figures["first_s"], "second_s": verdict.figures["second_s"],
+            "offload_figures": verdict.figures, "offload_verdict": verdict.message,
+            "offload_works": verdict.works}
 
 
 def main() -> int:
@@ -183,9 +166,7 @@ def main() -> int:
               f"{row['kv_tokens_predicted']:>12,}{row['error_pct'] or 0:>7.2f}%"
               f"{row['weights_gib_logged'] or 0:>11.2f}/{row['weights_gib_predicted']:<10.2f}"
               f"{row['kv_gib_logged'] or 0:>9.2f}/{row['kv_gib_predicted']:<10.2f}")
-    print(f"  host tier 16 GiB: offload counters moved: {offload['offload_works']} "
-          f"{offload['offload_counters_moved']}; same prompt {offload['first_s']:.3f} s, then "
-          f"{offload['second_s']:.3f} s; start {offload['start_s']:.1f} s")
+    print(f"  host tier 16 GiB: {offload['offload_verdict']} (start {offload['start_s']:.1f} s)")
     met = all(row["error_pct"] is not None and row["error_pct"] <= GOAL_ERROR_PCT
               for row in rows) and offload["offload_works"]
     return 0 if met else 1

@@ -195,7 +195,7 @@ def _test_offload(replica_id: UUID, spec: supervisor.EngineSpec) -> None:
         verdict = offload_check.run(
             base_url=f"http://{spec.host}:{spec.port}", api_key=spec.api_key,
             model=spec.served_model_name, disk_tier=bool(spec.kv_policy.disk_tier_gib),
-            context_length=spec.max_model_len)
+            prefix_caching=spec.kv_policy.prefix_caching, context_length=spec.max_model_len)
         message = verdict.message
     except httpx.HTTPError as exc:
         message = f"KV tier self-test could not run: {exc}"
