@@ -59,10 +59,14 @@ def log_path(replica_id: UUID | str) -> Path:
     return Path(settings.KVRUN_ENGINE_LOG_DIR) / f"{replica_id}.log"
 
 
+def cache_root() -> Path:
+    return Path(settings.KVRUN_STATE_DIR) / "kv"
+
+
 def cache_dir(replica_id: UUID | str) -> Path:
     """The replica's KV tier on disk and its config: deleted when the replica stops or fails,
     so that nothing of a tenant's cache outlives its engine."""
-    return Path(settings.KVRUN_STATE_DIR) / "kv" / str(replica_id)
+    return cache_root() / str(replica_id)
 
 
 def owner(node_name: str) -> str:
@@ -233,8 +237,8 @@ def beat(*, name: str) -> bool:
                     if rid in _engines and _engines[rid].pid in running[rid]}
     for rid in unexpected:
         logger.warning("replica %s: kvrun no longer expects its engine here; stopping it", rid)
-        _in_background(_stop_and_reap, running[rid], [children[rid]] if rid in children else [],
-                       settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+        _in_background(_stop_unexpected, rid, running[rid],
+                       [children[rid]] if rid in children else [])
     with _engines_lock:
         exited = {rid: p for rid, p in _engines.items() if p.poll() is not None}
         for rid in exited:
@@ -277,11 +281,26 @@ def _read_metrics(replica_id: UUID | str, address: str, port: int
 
 def stop_engines_left_behind(*, name: str) -> int:
     """On agent start: stop every engine the agent's previous run left (a loading engine
-    outlives a killed agent), found by their marker. Returns how many replicas they served."""
+    outlives a killed agent), found by their marker, and delete the KV caches on disk of every
+    replica the node ever ran, since none of them runs now. Returns how many replicas the
+    stopped engines served."""
     left = processes.running_engines(owner(name))
     processes.stop_groups(set().union(*left.values()),
                           grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+    caches = {folder.name: folder for folder in cache_root().iterdir()
+              if _is_uuid(folder.name)} if cache_root().is_dir() else {}
+    for replica_id in Replica.objects.filter(node__name=name, id__in=caches).values_list(
+            "id", flat=True):
+        shutil.rmtree(caches[str(replica_id)], ignore_errors=True)
     return len(left)
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        UUID(text)
+    except ValueError:
+        return False
+    return True
 
 
 def stop_all_engines(*, name: str) -> None:
@@ -330,6 +349,11 @@ def _fail_once_stopped(replica_id: str, process: Popen) -> None:
     _stop_and_reap({process.pid}, [process], settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
     _record_failure(UUID(replica_id), f"the engine exited with status {process.returncode}",
                     log_path(replica_id), from_states=[State.READY])
+
+
+def _stop_unexpected(replica_id: str, groups: set[int], children: list[Popen]) -> None:
+    _stop_and_reap(groups, children, settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+    shutil.rmtree(cache_dir(replica_id), ignore_errors=True)
 
 
 def _stop_and_reap(groups: set[int], children: list[Popen], grace: float) -> None:

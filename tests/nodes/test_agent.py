@@ -101,3 +101,40 @@ def test_a_start_delivered_twice_while_starting_starts_one_engine(
 
     assert len(spawned) == 1
     assert Replica.objects.get(id=replica.id).state == State.FAILED
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_agent_starting_deletes_the_kv_caches_its_replicas_left_on_disk(
+        cpu_node: Node, settings: object, tmp_path: Path) -> None:
+    settings.KVRUN_STATE_DIR = tmp_path
+    stopped = demo_replica(cpu_node, State.STOPPING)  # the agent died while it stopped
+    elsewhere = Replica.objects.create(endpoint=stopped.endpoint, state=State.READY,
+                                       node=Node.objects.create(name="cpu-2", address="10.0.0.2",
+                                                                cpu_count=2, memory_bytes=2**34))
+    for replica in (stopped, elsewhere):
+        (agent.cache_dir(replica.id) / "lmcache").mkdir(parents=True)
+
+    agent.stop_engines_left_behind(name=cpu_node.name)
+
+    assert not agent.cache_dir(stopped.id).exists()
+    assert (agent.cache_dir(elsewhere.id) / "lmcache").is_dir()  # another node's, running
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
+        cpu_node: Node, settings: object, tmp_path: Path) -> None:
+    from engine import processes
+
+    settings.KVRUN_STATE_DIR = tmp_path
+    replica = demo_replica(cpu_node, State.STOPPED)
+    (agent.cache_dir(replica.id) / "lmcache").mkdir(parents=True)
+    engine = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+        env={processes.OWNER_VARIABLE: agent.owner(cpu_node.name),
+             processes.REPLICA_VARIABLE: str(replica.id)})
+
+    assert agent.beat(name=cpu_node.name)
+
+    assert wait_until(lambda: engine.poll() is not None, 15)
+    assert wait_until(lambda: not agent.cache_dir(replica.id).exists(), 5)
+
