@@ -82,10 +82,11 @@ PINNED = {CPU: "0.32.0", GPU: "0.33.0"}
 
 def build_for(device: str, version: str | None = None) -> VLLMBuild:
     """The row of `version` (by default the pinned one) for `device`; ValueError naming the
-    supported builds when kvrun has none for it."""
+    supported builds when kvrun has none for it. A local label (`0.33.0+cu129`, a wheel built
+    for one CUDA) is the same release's source, so it has the release's row."""
     version = version or PINNED[device]
     try:
-        return VERSIONS[(version, device)]
+        return VERSIONS[(version.split("+", 1)[0], device)]
     except KeyError:
         known = ", ".join(f"{v} ({d})" for v, d in VERSIONS)
         raise ValueError(f"kvrun has no KV flag table for vLLM {version} on {device} nodes; it "

@@ -56,6 +56,10 @@ def test_the_installed_build_has_a_row_whose_connectors_it_registers() -> None:
             build.lmcache_connector} <= registered
 
 
+def test_a_build_for_one_cuda_has_its_release_s_row() -> None:
+    assert build_for(GPU, "0.33.0+cu129") == build_for(GPU, "0.33.0")
+
+
 def test_an_unknown_version_is_refused_with_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"no KV flag table for vLLM 0\.1\.0 on gpu nodes; it "
                                        r"knows 0\.32\.0 \(cpu\), 0\.33\.0 \(gpu\)"):
