@@ -113,11 +113,8 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
 
 
 def _context_oversized(endpoint: Endpoint, *, now: datetime) -> Finding | None:
-    window = _window(endpoint, now - CONTEXT_WINDOW, now)
-    if window is None:
-        return None
-    requests = round(window["requests_per_s"] * CONTEXT_WINDOW.total_seconds())
-    p99 = window["prompt_tokens_p99"]
+    requests, p99 = selectors.served_over(endpoint_id=endpoint.id, since=now - CONTEXT_WINDOW,
+                                          until=now)
     context = endpoint.context_length
     if requests < MIN_REQUESTS or not p99 or p99 * OVERSIZE > context:
         return None

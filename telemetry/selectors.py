@@ -3,10 +3,14 @@ consecutive samples of each replica, summed over replicas into even time steps."
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from uuid import UUID
+
+from django.conf import settings
+from django.utils import timezone
 
 from engine.metrics import quantile
 from telemetry.models import EngineSample
@@ -36,26 +40,31 @@ def series(*, endpoint_id: UUID, since: datetime, until: datetime,
     step; tokens and requests per second; preemptions counted; latency percentiles from the
     histograms' bucket increases; KV usage the busiest replica's peak; running and waiting
     summed over replicas; the share of samples with the KV cache at least USAGE_HIGH full, and
-    the 99th percentile of prompt lengths. Steps without samples are left out. With
-    `steps=1`, one point sums up the whole window."""
-    step = max(5, int((until - since).total_seconds()) // steps)
+    the 99th percentile of prompt lengths. A step is a whole number of scrape periods, so
+    that every step holds as many samples; steps without samples are left out, and so is a
+    step that samples are still arriving in, which would read low. With `steps=1`, one point
+    sums up the whole window."""
+    scrape = math.ceil(settings.KVRUN_ENGINE_SCRAPE_SECONDS)
+    step = scrape * max(1, math.ceil((until - since).total_seconds() / steps / scrape))
+    complete_until = timezone.now() - timedelta(seconds=scrape)
     samples = EngineSample.objects.filter(endpoint_id=endpoint_id, at__gte=since - timedelta(
         seconds=step), at__lt=until).order_by("replica_id", "at")
     if replica_id is not None:
         samples = samples.filter(replica_id=replica_id)
-    steps: dict[int, _Step] = defaultdict(_Step)
+    buckets: dict[int, _Step] = defaultdict(_Step)
     previous: EngineSample | None = None
     for sample in samples.iterator(chunk_size=2000):
         if sample.at >= since:
-            bucket = steps[int((sample.at - since).total_seconds()) // step]
+            bucket = buckets[int((sample.at - since).total_seconds()) // step]
             bucket.usage.append(sample.kv_cache_usage)
             bucket.running[sample.replica_id] = sample.running
             bucket.waiting[sample.replica_id] = sample.waiting
             if previous is not None and previous.replica_id == sample.replica_id:
                 _add_increase(bucket, previous, sample)
         previous = sample
-    return step, [_point(since + timedelta(seconds=(index + 1) * step), steps[index], step)
-                  for index in sorted(steps)]
+    ends = {index: since + timedelta(seconds=(index + 1) * step) for index in buckets}
+    return step, [_point(ends[index], buckets[index], step) for index in sorted(buckets)
+                  if steps == 1 or ends[index] <= complete_until]
 
 
 def _increase(before: float | None, after: float | None) -> float:
@@ -102,3 +111,19 @@ def _point(at: datetime, bucket: _Step, step: int) -> dict:
 
 def _ratio(part: float, whole: float) -> float | None:
     return part / whole if whole else None
+
+
+def served_over(*, endpoint_id: UUID, since: datetime, until: datetime
+                ) -> tuple[int, float | None]:
+    """(requests finished, 99th percentile of prompt lengths) over [since, until), from two
+    samples a replica: its first and its last in the window. A replica is one engine's life,
+    so its counters only grow in between; however long the window, the read stays small."""
+    window = EngineSample.objects.filter(endpoint_id=endpoint_id, at__gte=since, at__lt=until)
+    firsts = window.order_by("replica_id", "at").distinct("replica_id")
+    lasts = {sample.replica_id: sample
+             for sample in window.order_by("replica_id", "-at").distinct("replica_id")}
+    bucket = _Step()
+    for first in firsts:
+        _add_increase(bucket, first, lasts[first.replica_id])
+    return int(bucket.deltas["requests"]), quantile(0.99, bucket.prompts)
+

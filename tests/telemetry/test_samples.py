@@ -53,6 +53,20 @@ def test_hit_rates_are_hits_over_lookups_in_each_step_never_lifetime_totals(
     assert by_time[T0 + timedelta(seconds=35)]["prefix_hit_rate"] is None  # no lookups
 
 
+def test_a_chart_s_steps_hold_as_many_samples_and_end_before_the_step_still_filling(
+        endpoint: Endpoint) -> None:
+    replica = endpoint.replicas.first()
+    now = timezone.now()
+    for n in range(180):  # the last 15 minutes, one sample every 5 s, 100 prompt tokens each
+        record(replica, now - timedelta(seconds=900 - 5 * n), shot(prompt=100 * n))
+
+    step, points = series(endpoint_id=endpoint.id, since=now - timedelta(minutes=15), until=now)
+
+    assert step == 10  # two scrape periods: a 7.5 s step would hold one sample, then two
+    assert {point["prompt_tokens_per_s"] for point in points[1:]} == {20.0}
+    assert points[-1]["at"] == now - timedelta(seconds=10)  # the step ending now is left out
+
+
 def test_steps_sum_replicas_and_a_restarted_engine_s_counters_count_from_zero(
         endpoint: Endpoint) -> None:
     first, second = endpoint.replicas.all()
@@ -141,7 +155,7 @@ def test_the_api_gives_members_the_series_and_hides_other_organisations(
     response = owner_api.get(url, {"window": "15m"})
 
     assert response.status_code == 200, response.content
-    assert response.json()["step_seconds"] == 7
+    assert response.json()["step_seconds"] == 10
     assert [point["prefix_hit_rate"] for point in response.json()["points"]] == [None, 0.75]
     assert owner_api.get(url, {"window": "2y"}).status_code == 400
     theirs = f"/api/v1/organizations/{other_org.slug}/endpoints/chat/metrics/"
