@@ -74,6 +74,7 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         argv += ["--middleware", "engine.key_guard.RequireEngineKey"]
     # The key goes in the environment: an argv is readable by every user through `ps`.
     env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key,
+           "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_SECONDS),
            OWNER_VARIABLE: spec.owner, REPLICA_VARIABLE: spec.replica, **kv.env,
            **spec.extra_env}
     if spec.device == CPU:
@@ -83,6 +84,13 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.2f}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.device_indices)
     return argv, env
+
+
+# How long an engine keeps an idle client connection open: longer than the gateway's pool keeps
+# one (gateway.proxy), so the client always closes an idle connection first. vLLM's default
+# (5 s) closed connections the gateway still held, and a request sent on one just as the engine
+# closed it failed with a disconnect (a 502 to the user).
+KEEP_ALIVE_SECONDS = 75
 
 
 def _engine_kv(spec: EngineSpec) -> EngineKV:

@@ -29,6 +29,8 @@ from kvrun.digests import cache_salt
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_SECONDS = 3.0
+# Idle engine connections are dropped before the engine would close them (its keep-alive).
+POOLED_IDLE_SECONDS = 30
 EVENT_STREAM = (b"content-type", b"text/event-stream")
 DONE = b"data: [DONE]\n\n"
 
@@ -36,7 +38,7 @@ DONE = b"data: [DONE]\n\n"
 class Proxy:
     def __init__(self) -> None:
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=POOLED_IDLE_SECONDS),
             timeout=aiohttp.ClientTimeout(
                 total=None, sock_connect=CONNECT_TIMEOUT_SECONDS,
                 sock_read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS),

@@ -14,6 +14,7 @@ from engine.supervisor import (
     tail,
     wait_ready,
 )
+from gateway.proxy import POOLED_IDLE_SECONDS
 
 
 def spec(**overrides: object) -> EngineSpec:
@@ -114,3 +115,10 @@ def test_an_engine_that_exits_while_starting_has_failed_at_once() -> None:
                    alive=lambda: False, timeout=60)
 
     assert time.monotonic() - started < 1
+
+
+def test_an_engine_keeps_idle_connections_longer_than_the_gateway_pools_them() -> None:
+    # Else the engine closes a connection the gateway is about to send a request on.
+    _, env = build_command(spec())
+
+    assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > POOLED_IDLE_SECONDS
