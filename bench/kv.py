@@ -7,7 +7,8 @@
   routing         tenants (one API key each, caches kept apart per key), each with its own
                   long document, asking questions in random order against one endpoint of two
                   replicas: routed least-loaded, then by prefix affinity (a routing change,
-                  no restart), each phase with fresh documents. Hit rate and TTFT p50/p95.
+                  no restart), taking turns for three rounds each, every round with fresh
+                  documents. Hit rate and TTFT p50/p95.
 
 Each engine's KV pool is its policy's budget (the concurrency at the context), so the
 tenants' documents together overflow one replica's cache: the regime where routing decides
@@ -39,7 +40,12 @@ from accounts.models import Role, Scope, User  # noqa: E402
 from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
 from bench.provision import start_processes  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
-from endpoints.services import do_change_endpoint_policy, do_create_endpoint, do_load_catalogs  # noqa: E402
+from endpoints.services import (  # noqa: E402
+    do_change_endpoint_policy,
+    do_create_endpoint,
+    do_delete_endpoint,
+    do_load_catalogs,
+)
 from engine.processes import free_port  # noqa: E402
 from kvrun.celery import app  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
@@ -50,6 +56,7 @@ SEED = 20261204
 CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
 TENANTS, QUESTIONS = 8, 4
+ROUNDS = 3  # of each routing, taking turns
 DOCUMENT_WORDS = 260  # about 1,400 tokens of the demo tokenizer: 8 of them overflow 8,192
 GOALS = {"affinity_hit_ratio": 1.8, "affinity_ttft_p50_ratio": 1.0}
 WORDS = ("travel expenses leave policy section rule manager approval budget invoice contract "
@@ -92,6 +99,17 @@ def wait_ready(endpoint: Endpoint, replicas: int) -> None:
     deadline = time.monotonic() + 600
     while Replica.objects.filter(endpoint=endpoint, state=State.READY).count() < replicas:
         assert time.monotonic() < deadline, Endpoint.objects.get(id=endpoint.id).failure_reason
+        app.send_task("endpoints.reconcile", args=[str(endpoint.id)])
+        time.sleep(1)
+
+
+def delete(endpoint: Endpoint) -> None:
+    """Delete the endpoint and wait until its engines are gone: an idle CPU engine still takes
+    a share of the cores, which the next phase's engines would not have otherwise."""
+    do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
+    deadline = time.monotonic() + 120
+    while Replica.objects.filter(endpoint=endpoint).exclude(state=State.STOPPED).exists():
+        assert time.monotonic() < deadline, "the endpoint's engines did not stop"
         app.send_task("endpoints.reconcile", args=[str(endpoint.id)])
         time.sleep(1)
 
@@ -165,6 +183,8 @@ def main() -> int:
         wait_ready(off, 1)
         caching_on = summary(conversations(base, inference, "turns-on", rng))
         caching_off = summary(conversations(base, inference, "turns-off", rng))
+        delete(on)
+        delete(off)
 
         pair = create(organization, "pair", min_replicas=2, cache_isolation="key",
                       prefix_affinity=False)
@@ -172,11 +192,16 @@ def main() -> int:
         secrets = [do_create_api_key(organization=organization, name=f"tenant {n}",
                                      scope=Scope.INFERENCE, actor_role=Role.OWNER,
                                      created_by=None)[1] for n in range(TENANTS)]
-        least_loaded = summary(tenants_asking(base, secrets, rng))
-        do_change_endpoint_policy(endpoint=pair, actor_role=Role.OWNER,
-                                  changes={"prefix_affinity": True})
-        time.sleep(settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS + 1)  # routes refreshed
-        affinity = summary(tenants_asking(base, secrets, rng))
+        # The two routings take turns, each round with fresh documents, so that whatever
+        # drifts over the run (the engines' caches filling, the machine's load) weighs on both.
+        rounds: dict[bool, list[tuple]] = {False: [], True: []}
+        for _ in range(ROUNDS):
+            for affine in (False, True):
+                do_change_endpoint_policy(endpoint=pair, actor_role=Role.OWNER,
+                                          changes={"prefix_affinity": affine})
+                time.sleep(settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS + 1)  # routes refreshed
+                rounds[affine] += tenants_asking(base, secrets, rng)
+        least_loaded, affinity = summary(rounds[False]), summary(rounds[True])
     finally:
         for child in children:
             child.terminate()
@@ -186,7 +211,7 @@ def main() -> int:
         "model": "kvrun-demo-tiny", "context": CONTEXT, "concurrency": CONCURRENCY,
         "kv_tokens_per_replica": CONTEXT * CONCURRENCY,
         "conversations": CONVERSATIONS, "turns": TURNS, "tenants": TENANTS,
-        "questions_per_tenant": QUESTIONS,
+        "questions_per_tenant": QUESTIONS, "rounds": ROUNDS,
         "hit_rate_on": caching_on["hit_rate"], "hit_rate_off": caching_off["hit_rate"],
         "ttft_ratio_off_on": round(caching_off["ttft_p50_ms"] / caching_on["ttft_p50_ms"], 3),
         "affinity_hit_rate": affinity["hit_rate"],

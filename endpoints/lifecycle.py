@@ -115,7 +115,8 @@ def do_note_replica(*, replica_id: UUID, message: str) -> None:
                                      state=replica["state"], message=message)
 
 
-def summarise(*, desired_state: str, deleted: bool, replica_states: list[str]) -> str:
+def summarise(*, desired_state: str, desired_replicas: int, deleted: bool,
+              replica_states: list[str]) -> str:
     """The endpoint's state as the user reads it, from its replicas' states."""
     live = [state for state in replica_states if state not in {State.STOPPED, State.FAILED}]
     if desired_state == DesiredState.STOPPED or deleted:
@@ -126,7 +127,7 @@ def summarise(*, desired_state: str, deleted: bool, replica_states: list[str]) -
     for state in order:
         if state in live:
             return state
-    return State.PENDING
+    return State.IDLE if desired_replicas == 0 else State.PENDING
 
 
 def do_refresh_endpoint_state(*, endpoint_id: UUID, failure_reason: str | None = None) -> str:
@@ -139,6 +140,7 @@ def do_refresh_endpoint_state(*, endpoint_id: UUID, failure_reason: str | None =
         return endpoint.state  # stays failed until the user starts it again
     else:
         new_state = summarise(desired_state=endpoint.desired_state,
+                              desired_replicas=endpoint.desired_replicas,
                               deleted=endpoint.deleted_at is not None, replica_states=states)
     if new_state != endpoint.state:
         Endpoint.objects.filter(id=endpoint_id).update(

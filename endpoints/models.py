@@ -128,6 +128,8 @@ class State(models.TextChoices):
     STARTING = "starting"
     LOADING = "loading"
     READY = "ready"
+    # Running, with no replica: scaled to zero while idle, woken by its next request.
+    IDLE = "idle"
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
@@ -191,7 +193,11 @@ class Endpoint(models.Model):
     policy_version = models.PositiveIntegerField(
         default=1, help_text="Raised by each change to what engines start with; replicas "
                              "started under an older one are replaced one at a time.")
-    min_replicas = models.PositiveSmallIntegerField(default=1)
+    min_replicas = models.PositiveSmallIntegerField(
+        default=1, help_text="0 lets the endpoint scale to zero while idle.")
+    scale_to_zero_after_seconds = models.PositiveIntegerField(
+        default=900, help_text="With min_replicas 0: how long without a request before the "
+                               "endpoint scales to zero.")
     max_replicas = models.PositiveSmallIntegerField(default=1)
     desired_replicas = models.PositiveSmallIntegerField(default=1)
     desired_state = models.CharField(max_length=10, choices=DesiredState.choices,

@@ -17,6 +17,8 @@ from endpoints.models import (
 from endpoints.selectors import progress_of
 from kvrun.api import StrictSerializer
 
+MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
+
 
 class ModelSpecSerializer(serializers.ModelSerializer):
     class Meta:
@@ -56,8 +58,7 @@ class EndpointSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
                   "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
                   "cache_isolation", "prefix_affinity", "policy_version", "min_replicas",
-                  "max_replicas",
-                  "desired_replicas", "desired_state", "state", "failure_reason", "progress",
+                  "max_replicas", "scale_to_zero_after_seconds", "desired_replicas", "desired_state", "state", "failure_reason", "progress",
                   "hourly_price_usd", "sizing", "replicas", "created_at"]
 
     @extend_schema_field({"type": "object", "properties": {
@@ -106,9 +107,14 @@ class SizingInput(StrictSerializer):
 
 class EndpointInput(SizingInput):
     name = serializers.SlugField(max_length=63)
-    min_replicas = serializers.IntegerField(default=1, max_value=MAX_REPLICAS_PER_ENDPOINT)
+    min_replicas = serializers.IntegerField(
+        default=1, max_value=MAX_REPLICAS_PER_ENDPOINT,
+        help_text="0 lets the endpoint scale to zero while idle; its next request wakes it.")
     max_replicas = serializers.IntegerField(required=False, allow_null=True,
                                             max_value=MAX_REPLICAS_PER_ENDPOINT)
+    scale_to_zero_after_seconds = serializers.IntegerField(
+        default=900, max_value=MAX_IDLE_SECONDS,
+        help_text="With min_replicas 0: seconds without a request before scaling to zero.")
     prefix_caching = serializers.BooleanField(default=True)
     cache_isolation = serializers.ChoiceField(
         choices=CacheIsolation.choices, default=CacheIsolation.ORGANIZATION,

@@ -5,6 +5,7 @@ import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -115,19 +116,21 @@ def do_create_endpoint(
     gpu_count: int | None = None, min_replicas: int = 1, max_replicas: int | None = None,
     kv_cache_dtype: str = "auto", prefix_caching: bool = True, host_tier_gib: int = 0,
     disk_tier_gib: int = 0, cache_isolation: str = CacheIsolation.ORGANIZATION,
-    prefix_affinity: bool = True,
+    prefix_affinity: bool = True, scale_to_zero_after_seconds: int = 900,
 ) -> Endpoint:
     """Size and create an endpoint that should run; the reconciler starts its replicas.
 
     Raises ValidationError naming the field to change: a name that does not start with a
     letter, a context above the model's maximum, replicas out of range (at most
-    MAX_REPLICAS_PER_ENDPOINT), a duplicate name, or a request that fits no GPU (saying what
+    MAX_REPLICAS_PER_ENDPOINT; min_replicas 0 scales to zero after
+    `scale_to_zero_after_seconds` without a request, at least
+    KVRUN_SCALE_TO_ZERO_MIN_SECONDS), a duplicate name, or a request that fits no GPU (saying what
     does, or a KV tier the hardware's vLLM cannot use, saying why); and one naming the quota when the organisation's endpoints, GPUs or replicas would
     pass it. The organisation row is held while its quota is checked, so that two creates
     at once cannot both take its last room.
     """
     require_manager(actor_role, "create endpoints")
-    max_replicas = max_replicas or min_replicas
+    max_replicas = max(1, min_replicas) if max_replicas is None else max_replicas
     errors: dict[str, list[str]] = {}
     try:
         validate_endpoint_name(name)
@@ -139,14 +142,19 @@ def do_create_endpoint(
         errors["context_length"] = [
             f"{model.name} supports at most {model.max_context:,} tokens of context; "
             f"ask for {model.max_context:,} or fewer."]
-    if min_replicas < 1:
-        errors["min_replicas"] = ["Run at least one replica."]
-    if max_replicas < min_replicas:
-        errors["max_replicas"] = [f"Must be at least min_replicas ({min_replicas})."]
+    if min_replicas < 0:
+        errors["min_replicas"] = ["Run at least 0 replicas (0 scales to zero while idle)."]
+    if max_replicas < max(1, min_replicas):
+        errors["max_replicas"] = [f"Must be at least 1 and min_replicas ({min_replicas})."]
     elif max_replicas > MAX_REPLICAS_PER_ENDPOINT:
         errors["max_replicas"] = [
             f"An endpoint runs at most {MAX_REPLICAS_PER_ENDPOINT} replicas; for more, create "
             "another endpoint."]
+    shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
+    if scale_to_zero_after_seconds < shortest:
+        errors["scale_to_zero_after_seconds"] = [
+            f"Wait at least {shortest} s without a request before scaling to zero: each wake "
+            "is a cold start."]
     if errors:
         raise ValidationError(errors)
     decided = plan(model=model, context_length=context_length, concurrency=concurrency,
@@ -165,7 +173,10 @@ def do_create_endpoint(
                 host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib,
                 cache_isolation=cache_isolation, prefix_affinity=prefix_affinity,
                 min_replicas=min_replicas, max_replicas=max_replicas,
-                desired_replicas=min_replicas, sizing=decided.summary,
+                scale_to_zero_after_seconds=scale_to_zero_after_seconds,
+                # One replica to begin with, even where the endpoint may scale to zero: it
+                # was created to be used.
+                desired_replicas=max(1, min_replicas), sizing=decided.summary,
                 hourly_price_usd=decided.gpu_type.hourly_price_usd * decided.gpu_count,
                 created_by=created_by,
             )
@@ -222,6 +233,44 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
     _reconcile_after_commit(endpoint)
     endpoint.desired_replicas = replicas
     return endpoint
+
+
+def do_wake_endpoint(*, endpoint_id: UUID) -> bool:
+    """Ask for one replica of an endpoint scaled to zero, for a request waiting on it.
+
+    A conditional update: of any number of calls at once (gateways holding a burst of
+    requests), one wakes the endpoint and the rest change nothing. Returns whether this call
+    woke it; False also for an endpoint stopped, deleted, failed or not at zero.
+    """
+    with transaction.atomic():
+        woken = Endpoint.objects.filter(
+            id=endpoint_id, deleted_at=None, desired_state=DesiredState.RUNNING,
+            min_replicas=0, desired_replicas=0).exclude(state=State.FAILED).update(
+                desired_replicas=1)
+        if woken:
+            endpoint = Endpoint.objects.get(id=endpoint_id)
+            EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
+                                         message="woken by a request: starting one replica")
+            _reconcile_after_commit(endpoint)
+    return bool(woken)
+
+
+def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str) -> bool:
+    """Stop every replica of an idle endpoint that may scale to zero, with `reason` (the
+    numbers behind the decision) as its event; `replicas` is the count the decision was
+    made at. A conditional update: a request that woke the endpoint or a scaling change
+    made since, or a second autoscaler deciding the same, changes nothing. Returns whether
+    this call scaled it."""
+    with transaction.atomic():
+        scaled = Endpoint.objects.filter(
+            id=endpoint_id, deleted_at=None, desired_state=DesiredState.RUNNING,
+            min_replicas=0, desired_replicas=replicas).update(desired_replicas=0)
+        if scaled:
+            endpoint = Endpoint.objects.get(id=endpoint_id)
+            EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
+                                         message=f"scaling to zero: {reason}")
+            _reconcile_after_commit(endpoint)
+    return bool(scaled)
 
 
 # What an engine starts with: a change replaces the replicas. The rest is the gateway's.

@@ -39,10 +39,11 @@ from gateway.asgi import (
     respond,
     send_error,
 )
-from gateway.directory import Directory, Route
+from gateway.directory import STARTING_STATES, Directory, Route
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 from gateway.guard import AuthFailures
+from gateway.hold import ColdStarts
 from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     OPERATIONS,
@@ -57,7 +58,6 @@ from kvrun.clients import client_address_from
 
 logger = logging.getLogger(__name__)
 
-STARTING_STATES = {State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING}
 
 
 class Gateway:
@@ -94,6 +94,7 @@ class Gateway:
             self.sink = UsageSink(self.redis)
             self.sink.start()
             self.proxy = Proxy()
+            self.cold_starts = ColdStarts(self.directory)
             self._background.append(asyncio.get_running_loop().create_task(
                 self._follow_revocations()))
             # Django's start-up leaves a large heap that never changes; moving it out of the
@@ -194,8 +195,9 @@ class Gateway:
     async def _models(self, exchange: Exchange, scope: ASGIScope, send: Send, one: str) -> None:
         identity = await self._authenticate(scope)
         routes = await self.directory.routes(identity.organization_id)
+        # An endpoint at zero is listed: a request to it wakes it.
         listed = [model_entry(route) for name, route in sorted(routes.items())
-                  if route.upstreams and _allowed(identity, name)]
+                  if (route.upstreams or route.scales_to_zero) and _allowed(identity, name)]
         if one:
             found = [entry for entry in listed if entry["id"] == one]
             if not found:
@@ -225,10 +227,14 @@ class Gateway:
                 await respond(send, exchange, 200, replay,
                               [JSON, (b"x-kvrun-idempotent-replay", b"true")])
                 return
+        if not route.upstreams:
+            self.cold_starts.check_room(route)
         exchange.admission = await self._admit(exchange, payload)
         self.sink.track(exchange)
         answer = None
         try:
+            if not route.upstreams:
+                exchange.route = await self.cold_starts.wait_for_replica(exchange, receive, send)
             answer = await self.proxy.forward(exchange, payload, receive, send)
         except GatewayError as error:
             exchange.status, exchange.error_code = error.status, error.code or ""
@@ -261,6 +267,7 @@ class Gateway:
         assert exchange.identity is not None and exchange.route is not None
         try:
             return await self.limiter.admit(
+                endpoint_id=exchange.route.endpoint_id,
                 # Now, not when the request began: a body uploaded for minutes must not be
                 # counted in a minute long gone.
                 identity=exchange.identity, request_id=exchange.request_id,
@@ -277,7 +284,8 @@ class Gateway:
                            exchange.request_id)
             return Admission(request_id=exchange.request_id, identity=exchange.identity,
                              headers=[], window=time.time_ns() // 1_000_000 // WINDOW_MS,
-                             reserved_tokens=0, in_flight_set=None)
+                             reserved_tokens=0, in_flight_set=None,
+                             endpoint_in_flight_set="")
 
     async def _route(self, identity: KeyIdentity, name: str) -> Route:
         route = (await self.directory.routes(identity.organization_id)).get(name)
@@ -287,7 +295,7 @@ class Gateway:
             allowed = ", ".join(identity.endpoint_names)
             raise GatewayError(403, f"This API key may call only these endpoints: {allowed}. "
                                "Use a key without that restriction.", code="permission_denied")
-        if not route.upstreams:
+        if not route.upstreams and not route.scales_to_zero:
             raise _not_ready(route)
         return route
 

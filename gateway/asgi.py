@@ -59,9 +59,12 @@ async def read_body(scope: ASGIScope, receive: Receive) -> bytes:
 
 def response_headers(exchange: Exchange,
                      extra: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """`extra`, then the request id, the gateway's overhead and the rate-limit headers."""
+    """`extra`, then the request id, the gateway's overhead, how long the request waited for
+    a cold start (a stream is told in its comment lines) and the rate-limit headers."""
     headers = [*extra, (b"x-request-id", exchange.request_id.encode()),
                (b"x-kvrun-overhead-ms", f"{exchange.overhead_ms():.3f}".encode())]
+    if exchange.held_seconds:
+        headers.append((b"x-kvrun-cold-start-ms", f"{exchange.held_seconds * 1000:.0f}".encode()))
     if exchange.admission is not None:
         headers += exchange.admission.headers
     return headers

@@ -23,7 +23,8 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 from accounts import tokens
 from accounts.principals import KeyIdentity
 from accounts.selectors import key_identity_from_database
-from endpoints.selectors import endpoints_for_gateway, progress_of
+from endpoints.models import DesiredState, State
+from endpoints.selectors import endpoints_for_gateway, median_start_seconds, progress_of
 from gateway.affinity import Ring
 from gateway.errors import GatewayError
 from kvrun.digests import engine_api_key, secret_digest
@@ -37,6 +38,8 @@ MAX_REMEMBERED_UPSTREAMS = 10_000
 # While the database cannot be reached, what was known before is served, and asked for again
 # this often.
 STALE_RETRY_SECONDS = 1.0
+# A replica being asked for and not yet ready.
+STARTING_STATES = frozenset({State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING})
 # A replica that refused a connection is tried last for this long.
 DOWN_SECONDS = 5.0
 
@@ -65,6 +68,11 @@ class Route:
     concurrency: int
     cache_isolation: str
     prefix_affinity: bool
+    # Scaled to zero, or may be: a request waits for its cold start (gateway.hold).
+    scales_to_zero: bool = False
+    desired_replicas: int = 1
+    cold_start_eta_s: float | None = None  # the median start of this model on this node type
+    starting_since: float | None = None  # when its replica starting now was asked for (epoch)
     upstreams: tuple[Upstream, ...] = field(default=())
     ring: Ring = field(default=Ring(points=(), owners=()))
 
@@ -85,6 +93,10 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
     close_old_connections()  # this thread serves no Django request that would do it
     rows = []
     for endpoint in endpoints_for_gateway(organization_id=organization_id):
+        scales_to_zero = (endpoint.min_replicas == 0 and endpoint.state != State.FAILED
+                          and endpoint.desired_state == DesiredState.RUNNING)
+        starting = [replica.created_at.timestamp() for replica in endpoint.replicas.all()
+                    if replica.state in STARTING_STATES]
         route = Route(endpoint_id=str(endpoint.id), name=endpoint.name,
                       organization_slug=endpoint.organization.slug, state=endpoint.state,
                       progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),
@@ -92,7 +104,12 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
                       context_length=endpoint.context_length,
                       concurrency=endpoint.concurrency,
                       cache_isolation=endpoint.cache_isolation,
-                      prefix_affinity=endpoint.prefix_affinity)
+                      prefix_affinity=endpoint.prefix_affinity,
+                      scales_to_zero=scales_to_zero, desired_replicas=endpoint.desired_replicas,
+                      cold_start_eta_s=median_start_seconds(
+                          model_id=endpoint.model_id, gpu_type_id=endpoint.gpu_type_id)
+                      if scales_to_zero else None,
+                      starting_since=min(starting, default=None))
         replicas = tuple(_ReplicaRow(replica_id=str(replica.id),
                                      base_url=_base_url(replica.node.address, replica.port))
                          for replica in endpoint.ready_replicas)
@@ -147,10 +164,10 @@ class Directory:
     def forget_key(self, digest: str) -> None:
         self._keys.pop(digest, None)
 
-    async def routes(self, organization_id: UUID) -> dict[str, Route]:
-        """The organisation's endpoints by name."""
+    async def routes(self, organization_id: UUID, *, fresh: bool = False) -> dict[str, Route]:
+        """The organisation's endpoints by name; `fresh`: read now, not from memory."""
         entry = self._routes.get(organization_id)
-        if entry is not None and entry[0] > time.monotonic():
+        if entry is not None and entry[0] > time.monotonic() and not fresh:
             return entry[1]
         try:
             rows = await self._once(("routes", organization_id),

@@ -41,6 +41,8 @@ class Exchange:
     ttft_ms: int | None = None
     upstream_seconds: float = 0.0  # time spent waiting on the engine
     client_seconds: float = 0.0  # time spent waiting on the client to send or to read
+    held_seconds: float = 0.0  # time spent waiting for a cold start (gateway.hold)
+    response_started: bool = False  # a held stream has had its headers already
     estimated_prompt_tokens: int = 0  # until the engine says how many there are
     response: Any = None  # the engine's response while it is being read
 
@@ -58,8 +60,9 @@ class Exchange:
         return (time.perf_counter() - self.clock) * 1000
 
     def overhead_ms(self) -> float:
-        """The gateway's own time: everything but waiting on the engine or the client."""
-        waited = self.upstream_seconds + self.client_seconds
+        """The gateway's own time: everything but waiting on the engine, the client or a
+        cold start."""
+        waited = self.upstream_seconds + self.client_seconds + self.held_seconds
         return max(0.0, self.elapsed_ms() - waited * 1000)
 
     def waiting_on_client(

@@ -1,7 +1,8 @@
 """Per-key requests and tokens per minute, and per-organisation requests in flight, in Redis.
 
-One Lua script checks all three, takes the request's share of each and traces the request
-for the usage ledger (billing.usage_stream), atomically and in the one round trip admission
+One Lua script checks all three, takes the request's share of each, traces the request
+for the usage ledger (billing.usage_stream) and counts it in its endpoint's activity
+(scaling.activity), atomically and in the one round trip admission
 costs, so gateways on many hosts share the limits exactly. Minutes are sliding windows (this
 minute's count plus the last minute's, weighted by how much of it still overlaps).
 
@@ -23,6 +24,7 @@ from redis.asyncio.client import Pipeline
 from accounts.principals import KeyIdentity
 from billing.usage_stream import ADMITTED, ADMITTED_SEEN, lease_ms
 from gateway.errors import GatewayError
+from scaling import activity
 
 WINDOW_MS = 60_000
 COUNTER_TTL_MS = 2 * WINDOW_MS
@@ -58,6 +60,9 @@ if tpm > 0 then
 end
 redis.call('HSET', KEYS[7], request_id, ARGV[10])
 redis.call('ZADD', KEYS[6], now, request_id)
+redis.call('ZADD', KEYS[8], now, request_id)
+redis.call('PEXPIRE', KEYS[8], lease)
+redis.call('SET', KEYS[9], now, 'PX', tonumber(ARGV[11]))
 return {0, rc, rp, tc, tp, in_flight}
 """
 
@@ -83,14 +88,15 @@ class Admission:
     window: int  # the minute it was admitted in
     reserved_tokens: int  # 0 when the key has no token limit
     in_flight_set: str | None
+    endpoint_in_flight_set: str  # empty when Redis was unreachable at admission
 
     def renew(self, pipe: Pipeline, *, now_ms: int) -> None:
-        """Queue on `pipe` the renewal of the request's in-flight lease."""
-        if self.in_flight_set:
-            pipe.zadd(self.in_flight_set, {self.request_id: now_ms}, xx=True)
+        """Queue on `pipe` the renewal of the request's in-flight leases."""
+        for name in filter(None, (self.in_flight_set, self.endpoint_in_flight_set)):
+            pipe.zadd(name, {self.request_id: now_ms}, xx=True)
             # The set lives as long as a lease from its last renewal, or its slots would go
             # with it while their requests still run.
-            pipe.pexpire(self.in_flight_set, lease_ms())
+            pipe.pexpire(name, lease_ms())
 
     def release(self, pipe: Pipeline, *, tokens: int, now_ms: int) -> None:
         """Queue on `pipe` the end of the request's hold: its in-flight slot given back, and
@@ -99,6 +105,8 @@ class Admission:
         more than it reserved has the excess counted in the current minute."""
         if self.in_flight_set:
             pipe.zrem(self.in_flight_set, self.request_id)
+        if self.endpoint_in_flight_set:
+            pipe.zrem(self.endpoint_in_flight_set, self.request_id)
         if not self.reserved_tokens:
             return
         difference = tokens - self.reserved_tokens
@@ -131,11 +139,11 @@ class Limiter:
     def __init__(self, redis: Redis) -> None:
         self._admit = redis.register_script(ADMIT)
 
-    async def admit(self, *, identity: KeyIdentity, request_id: str, now_ms: int,
-                    tokens: int, trace: bytes) -> Admission:
-        """Take a slot for the request and reserve its `tokens`, and leave its `trace` (the
-        encoded report of the request as if interrupted) for the usage ledger; or raise a
-        429 that says which limit and when to retry."""
+    async def admit(self, *, identity: KeyIdentity, endpoint_id: str, request_id: str,
+                    now_ms: int, tokens: int, trace: bytes) -> Admission:
+        """Take a slot for the request and reserve its `tokens`, leave its `trace` (the
+        encoded report of the request as if interrupted) for the usage ledger and count it in
+        flight to its endpoint; or raise a 429 that says which limit and when to retry."""
         window, elapsed = divmod(now_ms, WINDOW_MS)
         overlap = (WINDOW_MS - elapsed) * 1_000_000 // WINDOW_MS
         rpm, tpm = identity.requests_per_minute, identity.tokens_per_minute
@@ -144,12 +152,14 @@ class Limiter:
         # the window is empty.
         reserve = min(tokens, tpm)
         in_flight = in_flight_name(identity.organization_id)
+        endpoint_in_flight = activity.in_flight_name(endpoint_id)
         verdict, rc, rp, tc, tp, busy = await self._admit(
             keys=[counter_name(identity, "req", window), counter_name(identity, "req", window - 1),
                   counter_name(identity, "tok", window), counter_name(identity, "tok", window - 1),
-                  in_flight, ADMITTED_SEEN, ADMITTED],
+                  in_flight, ADMITTED_SEEN, ADMITTED, endpoint_in_flight,
+                  activity.last_request_name(endpoint_id)],
             args=[now_ms, rpm, tpm, concurrent, overlap, request_id, reserve, lease_ms(),
-                  COUNTER_TTL_MS, trace])
+                  COUNTER_TTL_MS, trace, activity.LAST_REQUEST_TTL_MS])
         weight = overlap / 1_000_000
         headers = []
         reset = f"{math.ceil((WINDOW_MS - elapsed) / 1000)}s".encode()
@@ -166,7 +176,8 @@ class Limiter:
         if verdict == ALLOWED:
             return Admission(request_id=request_id, identity=identity, headers=headers,
                              window=window, reserved_tokens=reserve if tpm else 0,
-                             in_flight_set=in_flight if concurrent else None)
+                             in_flight_set=in_flight if concurrent else None,
+                             endpoint_in_flight_set=endpoint_in_flight)
         if verdict == REQUESTS:
             wait = seconds_until_room(current=rc, previous=rp, limit=rpm, elapsed_ms=elapsed)
             message = (f"This API key's limit of {rpm} requests per minute is used up; retry "

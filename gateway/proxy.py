@@ -175,10 +175,12 @@ class Proxy:
 async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, send: Send, *,
                         wants_usage: bool, wants_running: bool) -> None:
     """Pass server-sent events through as they arrive. Usage figures are taken from every
-    chunk (the engine sends running usage) and shown only as the client asked."""
-    await send({"type": "http.response.start", "status": 200,
-                "headers": response_headers(exchange, [EVENT_STREAM,
-                                                       (b"cache-control", b"no-cache")])})
+    chunk (the engine sends running usage) and shown only as the client asked. A stream held
+    for a cold start has had its headers already."""
+    if not exchange.response_started:
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": response_headers(exchange, [EVENT_STREAM,
+                                                           (b"cache-control", b"no-cache")])})
     failure: GatewayError | None = None
     limit = settings.KVRUN_GATEWAY_MAX_ANSWER_BYTES
     lines = _lines(response.content, limit)

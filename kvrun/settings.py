@@ -45,6 +45,7 @@ INSTALLED_APPS = [
     "nodes",
     "billing",
     "telemetry",
+    "scaling",
     "front",
 ]
 
@@ -205,6 +206,11 @@ KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_UPSTREAM_TIMEO
 # organisation in flight hold 1 GiB at most. Longer answers can be streamed.
 KVRUN_GATEWAY_MAX_ANSWER_BYTES = env.int("KVRUN_GATEWAY_MAX_ANSWER_BYTES",
                                          default=16 * 1024 * 1024)
+# A request to an endpoint scaled to zero waits for its cold start this long at most, and at
+# most this many such requests wait per endpoint in one web process; past either the answer is
+# a 503 or a 429 with Retry-After.
+KVRUN_GATEWAY_HOLD_SECONDS = env.float("KVRUN_GATEWAY_HOLD_SECONDS", default=300.0)
+KVRUN_GATEWAY_HOLD_MAX_REQUESTS = env.int("KVRUN_GATEWAY_HOLD_MAX_REQUESTS", default=256)
 # An Idempotency-Key is remembered this long; a repeat within it does not run again.
 KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
 # What a web process holds for a request (its in-flight slot, its trace for the usage ledger)
@@ -254,6 +260,10 @@ KVRUN_MODEL_DIR = Path(env.str("KVRUN_MODEL_DIR", default=str(KVRUN_STATE_DIR / 
 KVRUN_ENGINE_LOG_DIR = Path(env.str("KVRUN_ENGINE_LOG_DIR",
                                     default=str(KVRUN_STATE_DIR / "engines")))
 KVRUN_RECONCILE_SECONDS = env.float("KVRUN_RECONCILE_SECONDS", default=3.0)
+# How often beat runs the autoscaler (scaling.tasks), and the shortest idle time a user may
+# give before an endpoint scales to zero (each wake is a cold start).
+KVRUN_AUTOSCALE_SECONDS = env.float("KVRUN_AUTOSCALE_SECONDS", default=5.0)
+KVRUN_SCALE_TO_ZERO_MIN_SECONDS = env.int("KVRUN_SCALE_TO_ZERO_MIN_SECONDS", default=60)
 KVRUN_ENGINE_START_TIMEOUT_SECONDS = env.int("KVRUN_ENGINE_START_TIMEOUT_SECONDS", default=600)
 KVRUN_ENGINE_STOP_GRACE_SECONDS = env.int("KVRUN_ENGINE_STOP_GRACE_SECONDS", default=15)
 # Before an engine is stopped: how long its requests in flight may take to finish (the
@@ -318,6 +328,7 @@ CELERY_TASK_ROUTES = {
     "endpoints.*": {"queue": "control"},
     "billing.*": {"queue": "control"},
     "telemetry.*": {"queue": "control"},
+    "scaling.*": {"queue": "control"},
 }
 CELERY_BEAT_SCHEDULE = {
     "endpoints.mark_lost_nodes": {
@@ -325,6 +336,7 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": float(KVRUN_NODE_HEARTBEAT_SECONDS),
     },
     "endpoints.reconcile": {"task": "endpoints.reconcile", "schedule": KVRUN_RECONCILE_SECONDS},
+    "scaling.autoscale": {"task": "scaling.autoscale", "schedule": KVRUN_AUTOSCALE_SECONDS},
     "billing.ingest_usage": {"task": "billing.ingest_usage", "schedule": KVRUN_USAGE_INGEST_SECONDS},
     "billing.roll_up_usage": {"task": "billing.roll_up_usage",
                               "schedule": KVRUN_BILLING_ROLLUP_SECONDS},

@@ -1,0 +1,160 @@
+"""Requests to an endpoint scaled to zero: the first one wakes it, and each waits for its
+replica instead of being refused.
+
+A held stream gets its response headers at once and, every few seconds, an SSE comment line
+with the start's stage and ETA (clients ignore comments); a request not streamed just waits.
+Holds are bounded in time (KVRUN_GATEWAY_HOLD_SECONDS) and in count per endpoint in this
+process (KVRUN_GATEWAY_HOLD_MAX_REQUESTS): past either the answer is a 503 or a 429 with
+Retry-After from the ETA. The ETA is the median time this model's recent starts took on this
+kind of node (endpoints.selectors.median_start_seconds), less what this start has taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+
+import orjson
+from asgiref.sync import sync_to_async
+from django.conf import settings
+from django.db import close_old_connections
+
+from endpoints.services import do_wake_endpoint
+from gateway.asgi import ClientGone, Receive, Send, response_headers
+from gateway.directory import Directory, Route
+from gateway.errors import GatewayError
+from gateway.exchange import Exchange
+
+# How often a held request asks whether a replica is ready: a small share of a cold start.
+POLL_SECONDS = 0.25
+# How often a held stream is told how the start is going.
+COMMENT_SECONDS = 2.0
+# Retry-After where no start of this model on this kind of node is known yet.
+UNKNOWN_ETA_RETRY_SECONDS = 10
+
+
+def eta_seconds(route: Route, *, now: float) -> float | None:
+    """Seconds until the endpoint's replica is likely ready; None with no history to go by."""
+    if route.cold_start_eta_s is None:
+        return None
+    taken = now - route.starting_since if route.starting_since is not None else 0.0
+    return max(0.0, route.cold_start_eta_s - taken)
+
+
+def retry_after(route: Route) -> bytes:
+    eta = eta_seconds(route, now=time.time())
+    return str(UNKNOWN_ETA_RETRY_SECONDS if eta is None else max(1, math.ceil(eta))).encode()
+
+
+def _progress(route: Route) -> str:
+    eta = eta_seconds(route, now=time.time())
+    when = ("no start of this model on this kind of node is known yet to tell how long"
+            if eta is None else f"ready in about {math.ceil(eta)} s")
+    stage = route.progress.get("stage") or route.state
+    return f"{stage} ({route.progress.get('percent', 0)}%), {when}"
+
+
+def _wake(endpoint_id: str) -> bool:
+    close_old_connections()  # this thread serves no Django request that would do it
+    return do_wake_endpoint(endpoint_id=endpoint_id)
+
+
+class ColdStarts:
+    def __init__(self, directory: Directory) -> None:
+        self._directory = directory
+        self._held: Counter[str] = Counter()
+        self._waking: dict[str, asyncio.Future[bool]] = {}
+
+    def check_room(self, route: Route) -> None:
+        """Refuse with a 429 a request that would pass the endpoint's bound on held ones."""
+        held, most = self._held[route.endpoint_id], settings.KVRUN_GATEWAY_HOLD_MAX_REQUESTS
+        if held >= most:
+            wait = retry_after(route)
+            raise GatewayError(
+                429, f"Endpoint {route.name!r} is starting from zero and {held} requests already "
+                f"wait for it, the most that may; retry in {wait.decode()} s.",
+                code="cold_start_queue_full", kind="requests",
+                headers=[(b"retry-after", wait)])
+
+    async def wait_for_replica(self, exchange: Exchange, receive: Receive, send: Send) -> Route:
+        """Wake the exchange's endpoint if it is at zero and wait until it has a ready
+        replica; returns the route with it. Raises GatewayError past the hold's time, or
+        if the endpoint is stopped or deleted meanwhile, and ClientGone if the client leaves
+        (a stream has then had its error frame already)."""
+        route = exchange.route
+        assert route is not None and exchange.identity is not None
+        self._held[route.endpoint_id] += 1
+        started = time.perf_counter()
+        deadline = started + settings.KVRUN_GATEWAY_HOLD_SECONDS
+        left = asyncio.ensure_future(_client_left(receive))
+        try:
+            await self._wake(route)
+            if exchange.stream:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": response_headers(exchange, [
+                                (b"content-type", b"text/event-stream"),
+                                (b"cache-control", b"no-cache"),
+                                (b"x-kvrun-cold-start", b"true")])})
+                exchange.response_started = True
+            told = 0.0
+            while True:
+                routes = await self._directory.routes(exchange.identity.organization_id,
+                                                      fresh=True)
+                route = routes.get(route.name, route)
+                if route.upstreams:
+                    if exchange.stream:
+                        await _comment(send, f"ready after {time.perf_counter() - started:.1f} s")
+                    return route
+                if not route.scales_to_zero or route.name not in routes:
+                    raise GatewayError(503, f"Endpoint {route.name!r} was stopped or deleted "
+                                       "while this request waited for it to start.",
+                                       code="endpoint_not_ready")
+                if route.desired_replicas == 0:  # scaled to zero again since it was woken
+                    await self._wake(route)
+                now = time.perf_counter()
+                if now >= deadline:
+                    raise GatewayError(
+                        503, f"Endpoint {route.name!r} did not start within the "
+                        f"{settings.KVRUN_GATEWAY_HOLD_SECONDS:.0f} s a request waits for it: "
+                        f"it is {_progress(route)}. Retry then.", code="cold_start_timeout",
+                        headers=[(b"retry-after", retry_after(route))])
+                if exchange.stream and now - told >= COMMENT_SECONDS:
+                    await _comment(send, f"starting from zero: {_progress(route)}")
+                    told = now
+                done, _ = await asyncio.wait([left], timeout=POLL_SECONDS)
+                if done:
+                    exchange.disconnected = True
+                    raise ClientGone
+        except GatewayError as error:
+            if exchange.response_started:  # a stream: its error goes in an event
+                await send({"type": "http.response.body", "more_body": False,
+                            "body": b"data: " + orjson.dumps({"error": error.as_dict()})
+                            + b"\n\ndata: [DONE]\n\n"})
+            raise
+        finally:
+            left.cancel()
+            self._held[route.endpoint_id] -= 1
+            if not self._held[route.endpoint_id]:
+                del self._held[route.endpoint_id]
+            exchange.held_seconds = time.perf_counter() - started
+
+    async def _wake(self, route: Route) -> None:
+        """One wake at a time per endpoint from this process, however many requests wait."""
+        pending = self._waking.get(route.endpoint_id)
+        if pending is None:
+            pending = asyncio.ensure_future(sync_to_async(_wake)(route.endpoint_id))
+            self._waking[route.endpoint_id] = pending
+            pending.add_done_callback(lambda _: self._waking.pop(route.endpoint_id, None))
+        await asyncio.shield(pending)
+
+
+async def _comment(send: Send, text: str) -> None:
+    await send({"type": "http.response.body", "body": f": kvrun: {text}\n\n".encode(),
+                "more_body": True})
+
+
+async def _client_left(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

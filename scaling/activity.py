@@ -1,0 +1,51 @@
+"""Which endpoints are being asked for, across every web process.
+
+The gateway's admission script (gateway.limits) writes it in Redis with the request's other
+holds, in the same round trip; the autoscaler reads it. Per endpoint: a sorted set of its
+requests in flight (request id → last renewal, ms), where a slot not renewed for a lease
+belongs to a web process that died and no longer counts, and the time of its last request.
+"""
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from uuid import UUID
+
+from django.conf import settings
+
+from kvrun.redis import redis_client
+
+# The last request's time outlives any idle time a user sets; an endpoint deleted leaves its
+# keys to expire.
+LAST_REQUEST_TTL_MS = 30 * 24 * 3600 * 1000
+
+
+def in_flight_name(endpoint_id: object) -> str:
+    return f"kvrun:endpoint:{endpoint_id}:inflight"
+
+
+def last_request_name(endpoint_id: object) -> str:
+    return f"kvrun:endpoint:{endpoint_id}:last"
+
+
+@dataclass(frozen=True)
+class Activity:
+    in_flight: int
+    last_request_at: datetime | None
+
+
+def activity_of(*, endpoint_ids: list[UUID], now: datetime) -> dict[UUID, Activity]:
+    """Each endpoint's requests in flight now and its last request's time, in one round trip."""
+    now_ms = int(now.timestamp() * 1000)
+    oldest = now_ms - int(settings.KVRUN_GATEWAY_LEASE_SECONDS * 1000)
+    with redis_client().pipeline(transaction=False) as pipe:
+        for endpoint_id in endpoint_ids:
+            pipe.zcount(in_flight_name(endpoint_id), oldest, "+inf")
+            pipe.get(last_request_name(endpoint_id))
+        answers = pipe.execute()
+    found = {}
+    for index, endpoint_id in enumerate(endpoint_ids):
+        in_flight, last = answers[2 * index], answers[2 * index + 1]
+        found[endpoint_id] = Activity(
+            in_flight=int(in_flight),
+            last_request_at=datetime.fromtimestamp(int(last) / 1000, UTC) if last else None)
+    return found

@@ -1,0 +1,6 @@
+from django.apps import AppConfig
+
+
+class ScalingConfig(AppConfig):
+    name = "scaling"
+    verbose_name = "Autoscaling"

@@ -1,0 +1,116 @@
+"""Requests to an endpoint scaled to zero (gateway.hold): the first wakes it, each waits for
+its replica within the hold's bounds, streams are told how the start goes. The reconciler's
+part is played here by the test; the whole path on a real engine is tests/e2e."""
+
+import time
+from datetime import timedelta
+
+import httpx
+import pytest
+from django.test import override_settings
+from django.utils import timezone
+
+from accounts.models import Organization
+from billing.models import UsageRecord
+from endpoints.models import Endpoint, EndpointEvent, Node, Replica, State
+from kvrun.redis import redis_client
+from scaling.activity import in_flight_name
+from tests.factories import ready_endpoint
+from tests.gateway.helpers import InProcessGateway, stored
+from tests.helpers import wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+
+def asleep(org: Organization) -> Endpoint:
+    """An endpoint at zero whose model started in 40 s on this kind of node before."""
+    endpoint = ready_endpoint(org, "sleepy", [], state=State.IDLE, min_replicas=0,
+                              desired_replicas=0)
+    started = timezone.now() - timedelta(hours=1)
+    Replica.objects.create(endpoint=endpoint, state=State.STOPPED, created_at=started,
+                           ready_at=started + timedelta(seconds=40), stopped_at=timezone.now(),
+                           node=Node.objects.get(name="stub-node"))
+    return endpoint
+
+
+def waking(org: Organization, port: int) -> tuple[Endpoint, Replica]:
+    """An endpoint a request has woken: its replica is loading on `port`."""
+    endpoint = ready_endpoint(org, "sleepy", [port], state=State.LOADING, min_replicas=0,
+                              desired_replicas=1)
+    replica = endpoint.replicas.get()
+    Replica.objects.filter(id=replica.id).update(ready_at=None, stage="loading weights",
+                                                 progress_percent=40)
+    return endpoint, replica
+
+
+def test_an_endpoint_at_zero_is_listed_and_a_request_wakes_it_once(
+    gateway: InProcessGateway, org: Organization, secret: str
+) -> None:
+    ready_endpoint(org, "chat", [], state=State.STOPPED)  # stopped: neither listed nor woken
+    endpoint = asleep(org)
+
+    assert [model["id"] for model in gateway.get(secret, "/v1/models").json()["data"]] == [
+        "sleepy"]
+    with override_settings(KVRUN_GATEWAY_HOLD_SECONDS=1.0):
+        answers = [gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
+                   for _ in range(3)]
+        responses = [answer.result(30) for answer in answers]
+
+    # Nothing became ready within the hold: a 503 that says when to come back, from the
+    # model's past start (40 s) less the time this start has taken.
+    for response in responses:
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "cold_start_timeout"
+        assert 30 <= int(response.headers["retry-after"]) <= 40
+        assert "ready in about" in response.json()["error"]["message"]
+    assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 1
+    assert EndpointEvent.objects.filter(
+        endpoint=endpoint, message="woken by a request: starting one replica").count() == 1
+    assert stored(3)
+    assert sorted(UsageRecord.objects.values_list("status_code", flat=True)) == [503] * 3
+
+
+def test_held_requests_are_served_once_the_replica_is_ready(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    _, replica = waking(org, stub_ports[0])
+
+    stream = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi",
+                                                  "stream": True}))
+    plain = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
+    time.sleep(2.5)
+    assert not stream.done() and not plain.done()
+    Replica.objects.filter(id=replica.id).update(state=State.READY, ready_at=timezone.now())
+    streamed, answered = stream.result(30), plain.result(30)
+
+    assert streamed.status_code == answered.status_code == 200
+    assert streamed.headers["x-kvrun-cold-start"] == "true"
+    lines = streamed.text.splitlines()
+    assert ": kvrun: starting from zero: loading weights (40%), no start of this model on this " \
+           "kind of node is known yet to tell how long" in lines
+    assert any(line.startswith(": kvrun: ready after ") for line in lines)
+    assert "data: [DONE]" in lines
+    assert int(answered.headers["x-kvrun-cold-start-ms"]) >= 2500
+    # The wait is not the gateway's overhead.
+    assert float(answered.headers["x-kvrun-overhead-ms"]) < 500
+    assert stored(2)
+    assert set(UsageRecord.objects.values_list("replica_id", flat=True)) == {replica.id}
+
+
+def test_past_the_count_bound_a_request_gets_a_429_with_retry_after(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    endpoint, replica = waking(org, stub_ports[0])
+
+    with override_settings(KVRUN_GATEWAY_HOLD_MAX_REQUESTS=1):
+        first = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
+        assert wait_until(lambda: redis_client().zcard(in_flight_name(endpoint.id)), 5,
+                          interval=0.05)
+        second = gateway.post(secret, {"model": "sleepy", "prompt": "hi"})
+    Replica.objects.filter(id=replica.id).update(state=State.READY, ready_at=timezone.now())
+
+    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
+    assert second.json()["error"]["code"] == "cold_start_queue_full"
+    assert first.result(30).status_code == 200
