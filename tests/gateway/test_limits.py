@@ -20,7 +20,11 @@ from gateway.limits import (
     in_flight_name,
     seconds_until_room,
 )
+from kvrun.redis import redis_client
+from scaling import activity
 from tests.gateway.helpers import with_redis
+
+ENDPOINT = str(uuid4())
 
 
 def identity(**limits: int) -> KeyIdentity:
@@ -39,7 +43,8 @@ def admit_all(key: KeyIdentity, times: int, now_ms: int, tokens: int = 1) -> lis
         statuses = []
         for _ in range(times):
             try:
-                await limiter.admit(identity=key, request_id=f"r{uuid4().hex}", now_ms=now_ms,
+                await limiter.admit(identity=key, endpoint_id=ENDPOINT, request_id=f"r{uuid4().hex}",
+                                    now_ms=now_ms,
                                     tokens=tokens, trace=b"{}")
                 statuses.append(200)
             except GatewayError as error:
@@ -50,7 +55,8 @@ def admit_all(key: KeyIdentity, times: int, now_ms: int, tokens: int = 1) -> lis
 
 def admit(key: KeyIdentity, now_ms: int, tokens: int = 1) -> Admission:
     return asyncio.run(with_redis(lambda redis: Limiter(redis).admit(
-        identity=key, request_id=f"r{uuid4().hex}", now_ms=now_ms, tokens=tokens,
+        identity=key, endpoint_id=ENDPOINT, request_id=f"r{uuid4().hex}", now_ms=now_ms,
+        tokens=tokens,
         trace=b"{}")))
 
 
@@ -147,7 +153,8 @@ def test_admission_traces_the_request_for_the_ledger() -> None:
     now = int(time.time() * 1000)
 
     async def run(redis: Redis) -> tuple[object, object]:
-        await Limiter(redis).admit(identity=identity(), request_id="r-traced", now_ms=now,
+        await Limiter(redis).admit(identity=identity(), endpoint_id=ENDPOINT,
+                                   request_id="r-traced", now_ms=now,
                                    tokens=1, trace=b'{"request_id": "r-traced"}')
         traced = await redis.hget(ADMITTED, "r-traced"), await redis.zscore(ADMITTED_SEEN,
                                                                             "r-traced")
@@ -197,6 +204,23 @@ def test_a_release_gives_the_slot_back() -> None:
     settle(admit(key, now), tokens=11, now_ms=now)
 
     assert admit_all(key, 1, now) == [200]
+
+
+def test_a_request_counts_in_flight_to_its_endpoint_until_its_release() -> None:
+    # With no limit of the key's own: what the autoscaler reads is always kept.
+    key, now = identity(), int(time.time() * 1000)
+    redis = redis_client()
+    in_flight = activity.in_flight_name(ENDPOINT)
+    redis.delete(in_flight)
+
+    running = admit(key, now)
+    assert redis.zscore(in_flight, running.request_id) == now
+    assert int(redis.get(activity.last_request_name(ENDPOINT))) == now
+    settle(running, renew=True, now_ms=now + 5000)
+    assert redis.zscore(in_flight, running.request_id) == now + 5000
+    settle(running, tokens=3, now_ms=now + 6000)
+    assert redis.zcard(in_flight) == 0
+    assert int(redis.get(activity.last_request_name(ENDPOINT))) == now
 
 
 @pytest.mark.parametrize(("status", "message", "expected"), [
