@@ -55,9 +55,9 @@ RESULTS = ROOT / "bench" / "results"
 SEED = 20261204
 CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
-TENANTS, QUESTIONS = 8, 4
+TENANTS, QUESTIONS = 12, 4
 ROUNDS = 3  # of each routing, taking turns
-DOCUMENT_WORDS = 260  # about 1,400 tokens of the demo tokenizer: 8 of them overflow 8,192
+DOCUMENT_WORDS = 200  # about 1,100 tokens of the demo tokenizer: 12 of them overflow 8,192
 GOALS = {"affinity_hit_ratio": 1.8, "affinity_ttft_p50_ratio": 1.0}
 WORDS = ("travel expenses leave policy section rule manager approval budget invoice contract "
          "holiday sick remote office security laptop password review quarter target bonus "

@@ -19,6 +19,7 @@ from endpoints.serializers import (
     ModelSpecSerializer,
     PolicyInput,
     ScaleInput,
+    ScalingInput,
     SizingInput,
 )
 from kvrun.api import validated
@@ -106,6 +107,16 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
         rollout = services.do_change_endpoint_policy(endpoint=endpoint,
                                                      actor_role=self.actor_role, changes=data)
         return Response({**self.get_serializer(self._fresh(endpoint)).data, "rollout": rollout})
+
+    @extend_schema(request=ScalingInput, responses=EndpointSerializer)
+    @action(detail=True, methods=["patch"])
+    def scaling(self, request: Request, **kwargs: str) -> Response:
+        """Change how the endpoint scales: its replica range, scale to zero's idle time, the
+        autoscaler's metric, target and windows."""
+        data = validated(ScalingInput, request)
+        endpoint = services.do_change_endpoint_scaling(
+            endpoint=self.get_object(), actor_role=self.actor_role, changes=data)
+        return Response(self.get_serializer(self._fresh(endpoint)).data)
 
     @extend_schema(request=None, responses=EndpointSerializer)
     @action(detail=True, methods=["post"])

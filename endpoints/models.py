@@ -150,6 +150,15 @@ class KVCacheDtype(models.TextChoices):
     FP8 = "fp8", "fp8 (half the memory)"
 
 
+class ScalingMetric(models.TextChoices):
+    """What the autoscaler keeps near its target, per ready replica (from the engines'
+    metrics, every scrape)."""
+
+    IN_FLIGHT = "in_flight", "requests in flight (running and waiting)"
+    WAITING = "waiting", "requests waiting"
+    KV_CACHE_USAGE = "kv_cache_usage", "KV cache usage, %"
+
+
 class CacheIsolation(models.TextChoices):
     """Whose requests may reuse one another's cached prefixes (vLLM's cache_salt)."""
 
@@ -198,6 +207,21 @@ class Endpoint(models.Model):
     scale_to_zero_after_seconds = models.PositiveIntegerField(
         default=900, help_text="With min_replicas 0: how long without a request before the "
                                "endpoint scales to zero.")
+    scaling_metric = models.CharField(max_length=16, choices=ScalingMetric.choices,
+                                      default=ScalingMetric.IN_FLIGHT)
+    scaling_target = models.FloatField(
+        null=True, blank=True, help_text="Per ready replica, in the metric's unit; empty: the "
+                                         "endpoint's concurrency, 1 waiting, or 90 % of the KV "
+                                         "cache.")
+    scale_up_window_seconds = models.PositiveIntegerField(
+        default=60, help_text="How long the metric stays above target before a replica is "
+                              "added.")
+    scale_down_window_seconds = models.PositiveIntegerField(
+        default=300, help_text="How long the load would fit on one replica fewer before one "
+                               "is removed.")
+    last_scaled_at = models.DateTimeField(
+        null=True, blank=True, help_text="The autoscaler's last change: the next one waits a "
+                                         "window from it.")
     max_replicas = models.PositiveSmallIntegerField(default=1)
     desired_replicas = models.PositiveSmallIntegerField(default=1)
     desired_state = models.CharField(max_length=10, choices=DesiredState.choices,
@@ -220,6 +244,14 @@ class Endpoint(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+    @property
+    def target(self) -> float:
+        """The scaling target per replica, the default of its metric where none is set."""
+        if self.scaling_target is not None:
+            return self.scaling_target
+        return {ScalingMetric.IN_FLIGHT: float(self.concurrency), ScalingMetric.WAITING: 1.0,
+                ScalingMetric.KV_CACHE_USAGE: 90.0}[self.scaling_metric]
 
     @property
     def kv_policy(self) -> KVPolicy:

@@ -12,6 +12,7 @@ from endpoints.models import (
     KVCacheDtype,
     ModelSpec,
     Replica,
+    ScalingMetric,
     State,
 )
 from endpoints.selectors import progress_of
@@ -58,7 +59,9 @@ class EndpointSerializer(serializers.ModelSerializer):
         fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
                   "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
                   "cache_isolation", "prefix_affinity", "policy_version", "min_replicas",
-                  "max_replicas", "scale_to_zero_after_seconds", "desired_replicas", "desired_state", "state", "failure_reason", "progress",
+                  "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
+                  "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds",
+                  "last_scaled_at", "desired_replicas", "desired_state", "state", "failure_reason", "progress",
                   "hourly_price_usd", "sizing", "replicas", "created_at"]
 
     @extend_schema_field({"type": "object", "properties": {
@@ -105,16 +108,29 @@ class SizingInput(StrictSerializer):
         help_text="Disk KV tier per replica, GiB (LMCache; needs a host tier); 0 for none.")
 
 
-class EndpointInput(SizingInput):
-    name = serializers.SlugField(max_length=63)
+class ScalingInput(StrictSerializer):
+    """How an endpoint scales; on a change, only the fields sent change."""
+
     min_replicas = serializers.IntegerField(
-        default=1, max_value=MAX_REPLICAS_PER_ENDPOINT,
+        required=False, max_value=MAX_REPLICAS_PER_ENDPOINT,
         help_text="0 lets the endpoint scale to zero while idle; its next request wakes it.")
-    max_replicas = serializers.IntegerField(required=False, allow_null=True,
-                                            max_value=MAX_REPLICAS_PER_ENDPOINT)
+    max_replicas = serializers.IntegerField(required=False, max_value=MAX_REPLICAS_PER_ENDPOINT)
     scale_to_zero_after_seconds = serializers.IntegerField(
-        default=900, max_value=MAX_IDLE_SECONDS,
+        required=False, max_value=MAX_IDLE_SECONDS,
         help_text="With min_replicas 0: seconds without a request before scaling to zero.")
+    scaling_metric = serializers.ChoiceField(choices=ScalingMetric.choices, required=False)
+    scaling_target = serializers.FloatField(
+        required=False, allow_null=True,
+        help_text="Per ready replica, in the metric's unit; null: the metric's default.")
+    scale_up_window_seconds = serializers.IntegerField(required=False)
+    scale_down_window_seconds = serializers.IntegerField(required=False)
+
+
+class EndpointInput(SizingInput, ScalingInput):
+    name = serializers.SlugField(max_length=63)
+    max_replicas = serializers.IntegerField(
+        required=False, allow_null=True, max_value=MAX_REPLICAS_PER_ENDPOINT,
+        help_text="null: min_replicas, or 1 where that is 0.")
     prefix_caching = serializers.BooleanField(default=True)
     cache_isolation = serializers.ChoiceField(
         choices=CacheIsolation.choices, default=CacheIsolation.ORGANIZATION,

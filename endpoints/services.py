@@ -26,6 +26,7 @@ from endpoints.models import (
     Node,
     NodeState,
     Replica,
+    ScalingMetric,
     State,
     validate_endpoint_name,
 )
@@ -117,17 +118,19 @@ def do_create_endpoint(
     kv_cache_dtype: str = "auto", prefix_caching: bool = True, host_tier_gib: int = 0,
     disk_tier_gib: int = 0, cache_isolation: str = CacheIsolation.ORGANIZATION,
     prefix_affinity: bool = True, scale_to_zero_after_seconds: int = 900,
+    scaling_metric: str = ScalingMetric.IN_FLIGHT, scaling_target: float | None = None,
+    scale_up_window_seconds: int = 60, scale_down_window_seconds: int = 300,
 ) -> Endpoint:
-    """Size and create an endpoint that should run; the reconciler starts its replicas.
+    """Size and create an endpoint that should run; the reconciler starts its replicas, one
+    at least (min_replicas 0 lets it scale to zero once idle).
 
     Raises ValidationError naming the field to change: a name that does not start with a
-    letter, a context above the model's maximum, replicas out of range (at most
-    MAX_REPLICAS_PER_ENDPOINT; min_replicas 0 scales to zero after
-    `scale_to_zero_after_seconds` without a request, at least
-    KVRUN_SCALE_TO_ZERO_MIN_SECONDS), a duplicate name, or a request that fits no GPU (saying what
-    does, or a KV tier the hardware's vLLM cannot use, saying why); and one naming the quota when the organisation's endpoints, GPUs or replicas would
-    pass it. The organisation row is held while its quota is checked, so that two creates
-    at once cannot both take its last room.
+    letter, a context above the model's maximum, scaling settings out of range (as
+    do_change_endpoint_scaling), a duplicate name, or a request that fits no GPU (saying
+    what does, or a KV tier the hardware's vLLM cannot use, saying why); and one naming the
+    quota when the organisation's endpoints, GPUs or replicas would pass it. The
+    organisation row is held while its quota is checked, so that two creates at once cannot
+    both take its last room.
     """
     require_manager(actor_role, "create endpoints")
     max_replicas = max(1, min_replicas) if max_replicas is None else max_replicas
@@ -142,19 +145,12 @@ def do_create_endpoint(
         errors["context_length"] = [
             f"{model.name} supports at most {model.max_context:,} tokens of context; "
             f"ask for {model.max_context:,} or fewer."]
-    if min_replicas < 0:
-        errors["min_replicas"] = ["Run at least 0 replicas (0 scales to zero while idle)."]
-    if max_replicas < max(1, min_replicas):
-        errors["max_replicas"] = [f"Must be at least 1 and min_replicas ({min_replicas})."]
-    elif max_replicas > MAX_REPLICAS_PER_ENDPOINT:
-        errors["max_replicas"] = [
-            f"An endpoint runs at most {MAX_REPLICAS_PER_ENDPOINT} replicas; for more, create "
-            "another endpoint."]
-    shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
-    if scale_to_zero_after_seconds < shortest:
-        errors["scale_to_zero_after_seconds"] = [
-            f"Wait at least {shortest} s without a request before scaling to zero: each wake "
-            "is a cold start."]
+    scaling = dict(min_replicas=min_replicas, max_replicas=max_replicas,
+                   scale_to_zero_after_seconds=scale_to_zero_after_seconds,
+                   scaling_metric=scaling_metric, scaling_target=scaling_target,
+                   scale_up_window_seconds=scale_up_window_seconds,
+                   scale_down_window_seconds=scale_down_window_seconds)
+    errors.update(_scaling_errors(scaling))
     if errors:
         raise ValidationError(errors)
     decided = plan(model=model, context_length=context_length, concurrency=concurrency,
@@ -172,8 +168,7 @@ def do_create_endpoint(
                 kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
                 host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib,
                 cache_isolation=cache_isolation, prefix_affinity=prefix_affinity,
-                min_replicas=min_replicas, max_replicas=max_replicas,
-                scale_to_zero_after_seconds=scale_to_zero_after_seconds,
+                **scaling,
                 # One replica to begin with, even where the endpoint may scale to zero: it
                 # was created to be used.
                 desired_replicas=max(1, min_replicas), sizing=decided.summary,
@@ -235,6 +230,72 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
     return endpoint
 
 
+SCALING_FIELDS = ("min_replicas", "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
+                  "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds")
+# The autoscaler judges a window by the engines' samples: one needs a few scrapes to say
+# anything, and a day is past any load pattern's stabilisation.
+SHORTEST_WINDOW_SECONDS, LONGEST_WINDOW_SECONDS = 15, 86400
+
+
+def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
+                               changes: dict[str, Any]) -> Endpoint:
+    """Change how an endpoint scales (SCALING_FIELDS; only those in `changes`).
+
+    Raises ValidationError naming the field: replicas out of range, an idle time under
+    KVRUN_SCALE_TO_ZERO_MIN_SECONDS, a target not above zero, a window out of range; and
+    naming the quota where a higher max_replicas would pass it. The replicas asked for move
+    into the new range at once; the autoscaler takes it from there."""
+    require_manager(actor_role, "change endpoints")
+    with transaction.atomic():
+        locked = Endpoint.objects.select_for_update().get(id=endpoint.id)
+        new = {name: changes.get(name, getattr(locked, name)) for name in SCALING_FIELDS}
+        errors = _scaling_errors(new)
+        if errors:
+            raise ValidationError(errors)
+        if new["max_replicas"] > locked.max_replicas and (
+                locked.desired_state == DesiredState.RUNNING):
+            _hold_quota(organization_id=locked.organization_id, excluding=locked.id,
+                        gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
+                        replicas=new["max_replicas"])
+        low = new["min_replicas"] if locked.desired_replicas else 0  # at zero it stays there
+        desired = min(new["max_replicas"], max(low, locked.desired_replicas))
+        Endpoint.objects.filter(id=locked.id).update(desired_replicas=desired, **new)
+        said = ", ".join(f"{name.replace('_', ' ')} {_shown(value)}"
+                         for name, value in new.items() if value != getattr(locked, name))
+        EndpointEvent.objects.create(endpoint=locked, state=locked.state,
+                                     message=f"scaling changed: {said or 'nothing'}"
+                                             + (f"; {desired} replica(s) now"
+                                                if desired != locked.desired_replicas else ""))
+    _reconcile_after_commit(locked)
+    return Endpoint.objects.get(id=locked.id)
+
+
+def _shown(value: object) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _scaling_errors(new: dict[str, Any]) -> dict[str, list[str]]:
+    errors: dict[str, list[str]] = {}
+    if new["min_replicas"] < 0:
+        errors["min_replicas"] = ["Run at least 0 replicas (0 scales to zero while idle)."]
+    if not max(1, new["min_replicas"]) <= new["max_replicas"] <= MAX_REPLICAS_PER_ENDPOINT:
+        errors["max_replicas"] = [
+            f"Choose between {max(1, new['min_replicas'])} (1 and min_replicas) and "
+            f"{MAX_REPLICAS_PER_ENDPOINT}; for more, create another endpoint."]
+    shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
+    if new["scale_to_zero_after_seconds"] < shortest:
+        errors["scale_to_zero_after_seconds"] = [
+            f"Wait at least {shortest} s without a request before scaling to zero: each wake "
+            "is a cold start."]
+    if new["scaling_target"] is not None and new["scaling_target"] <= 0:
+        errors["scaling_target"] = ["Set a target above 0, or none for the metric's default."]
+    for name in ("scale_up_window_seconds", "scale_down_window_seconds"):
+        if not SHORTEST_WINDOW_SECONDS <= new[name] <= LONGEST_WINDOW_SECONDS:
+            errors[name] = [f"Choose between {SHORTEST_WINDOW_SECONDS} s and "
+                            f"{LONGEST_WINDOW_SECONDS} s."]
+    return errors
+
+
 def do_wake_endpoint(*, endpoint_id: UUID) -> bool:
     """Ask for one replica of an endpoint scaled to zero, for a request waiting on it.
 
@@ -269,6 +330,26 @@ def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str) 
             endpoint = Endpoint.objects.get(id=endpoint_id)
             EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
                                          message=f"scaling to zero: {reason}")
+            _reconcile_after_commit(endpoint)
+    return bool(scaled)
+
+
+def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int, reason: str
+                          ) -> bool:
+    """Move a running endpoint from `replicas` (the count the decision was made at) to
+    `to_replicas`, with `reason` (the numbers behind it) as its event. A conditional update:
+    a change made since, or a second autoscaler deciding the same, changes nothing. Returns
+    whether this call scaled it; the reconciler then adds replicas, or stops one (its node
+    agent drains it first)."""
+    with transaction.atomic():
+        scaled = Endpoint.objects.filter(
+            id=endpoint_id, deleted_at=None, desired_state=DesiredState.RUNNING,
+            desired_replicas=replicas).update(desired_replicas=to_replicas,
+                                              last_scaled_at=timezone.now())
+        if scaled:
+            endpoint = Endpoint.objects.get(id=endpoint_id)
+            EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
+                                         message=reason)
             _reconcile_after_commit(endpoint)
     return bool(scaled)
 

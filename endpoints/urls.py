@@ -18,6 +18,8 @@ urlpatterns = [
          name="api-endpoint"),
     path(f"{ENDPOINT}/policy/", endpoint.as_view({"patch": "policy"}),
          name="api-endpoint-policy"),
+    path(f"{ENDPOINT}/scaling/", endpoint.as_view({"patch": "scaling"}),
+         name="api-endpoint-scaling"),
     path(f"{ENDPOINT}/scale/", endpoint.as_view({"post": "scale"}), name="api-endpoint-scale"),
     path(f"{ENDPOINT}/stop/", endpoint.as_view({"post": "stop"}), name="api-endpoint-stop"),
     path(f"{ENDPOINT}/start/", endpoint.as_view({"post": "start"}), name="api-endpoint-start"),

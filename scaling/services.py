@@ -1,14 +1,87 @@
-"""The autoscaler's decisions. Each is made from the rows and the gateways' activity, and
-carried out through endpoints' conditional updates, so any number of workers deciding at once
-make one change and one event."""
+"""The autoscaler's decisions. Each is made from the rows, the engines' samples and the
+gateways' activity, and carried out through endpoints' conditional updates, so any number of
+workers deciding at once make one change and one event."""
 
+import math
 from datetime import datetime, timedelta
 
 from django.db.models import Max
 
-from endpoints.models import DesiredState, Endpoint, State
-from endpoints.services import do_scale_endpoint_to_zero
+from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
+from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
 from scaling.activity import activity_of
+from scaling.selectors import signal_over
+
+
+def do_autoscale_endpoints(*, now: datetime) -> int:
+    """One pass of the autoscaler over every running endpoint; returns how many it changed."""
+    return do_scale_idle_endpoints_to_zero(now=now) + do_scale_endpoints_on_signals(now=now)
+
+
+def do_scale_endpoints_on_signals(*, now: datetime) -> int:
+    """Add replicas to an endpoint whose metric per replica stayed above its target for the
+    whole up window, as many as bring it to the target (at most max_replicas); remove one
+    from an endpoint whose load, for the whole down window, would have stayed at or under
+    the target on one replica fewer (never below min_replicas, nor below one: zero is the
+    idle rule's). Only endpoints whose replicas are all ready are judged, each direction a
+    window after the last change. Returns how many it changed."""
+    endpoints = (Endpoint.objects
+                 .filter(deleted_at=None, desired_state=DesiredState.RUNNING,
+                         desired_replicas__gt=0, max_replicas__gt=1)
+                 .exclude(state=State.FAILED)
+                 .prefetch_related("replicas"))
+    scaled = 0
+    for endpoint in endpoints:
+        live = [replica for replica in endpoint.replicas.all()
+                if replica.state not in (State.STOPPED, State.FAILED)]
+        if len(live) != endpoint.desired_replicas or any(
+                replica.state != State.READY for replica in live):
+            continue  # starting, stopping or rolling: judged once it has settled
+        decision = _decide(endpoint, [replica.id for replica in live], now=now)
+        if decision is not None:
+            scaled += do_autoscale_endpoint(endpoint_id=endpoint.id,
+                                            replicas=endpoint.desired_replicas,
+                                            to_replicas=decision[0], reason=decision[1])
+    return scaled
+
+
+def _decide(endpoint: Endpoint, replica_ids: list, *, now: datetime) -> tuple[int, str] | None:
+    current, target = endpoint.desired_replicas, endpoint.target
+    metric = ScalingMetric(endpoint.scaling_metric)
+    what = f"{metric.label} per replica"
+
+    def settled_for(seconds: int) -> bool:
+        return endpoint.last_scaled_at is None or (
+            now - endpoint.last_scaled_at >= timedelta(seconds=seconds))
+
+    up = endpoint.scale_up_window_seconds
+    if current < endpoint.max_replicas and settled_for(up):
+        values = signal_over(endpoint_id=endpoint.id, replica_ids=replica_ids,
+                             metric=metric, since=now - timedelta(seconds=up), until=now)
+        if values and min(values) > target:
+            wanted = min(endpoint.max_replicas,
+                         max(current + 1, math.ceil(current * _mean(values) / target)))
+            return wanted, (
+                f"scaling up from {current} to {wanted} replica(s): {what} stayed above its "
+                f"target of {target:g} for {up} s (lowest {min(values):.1f}, mean "
+                f"{_mean(values):.1f}); max_replicas is {endpoint.max_replicas}")
+    down = endpoint.scale_down_window_seconds
+    floor = max(1, endpoint.min_replicas)
+    if current > floor and settled_for(down):
+        values = signal_over(endpoint_id=endpoint.id, replica_ids=replica_ids,
+                             metric=metric, since=now - timedelta(seconds=down), until=now)
+        fits = target * (current - 1) / current
+        if values and max(values) <= fits:
+            return current - 1, (
+                f"scaling down from {current} to {current - 1} replica(s): {what} stayed at "
+                f"or under {fits:.1f} for {down} s (highest {max(values):.1f}), so one replica "
+                f"fewer keeps it under the target of {target:g}; the replica stopped is "
+                "drained first")
+    return None
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:

@@ -71,7 +71,7 @@ def test_without_nodes_it_sizes_against_the_gpu_catalog(owner_api: APIClient,
     [
         ({"model": "gpt-17"}, "model", "Unknown model"),
         ({"context_length": 4096}, "context_length", "at most 2,048"),
-        ({"min_replicas": 0, "max_replicas": 0}, "max_replicas", "at least 1"),
+        ({"min_replicas": 0, "max_replicas": 0}, "max_replicas", "Choose between 1"),
         ({"min_replicas": -2}, "min_replicas", "Run at least 0 replicas"),
         ({"min_replicas": 0, "scale_to_zero_after_seconds": 5}, "scale_to_zero_after_seconds",
          "Wait at least 60 s without a request"),
@@ -311,7 +311,8 @@ def test_the_service_caps_replicas_per_endpoint_whatever_the_caller(org: Organiz
                            context_length=2048, concurrency=4, min_replicas=1,
                            max_replicas=32767)
 
-    assert "at most 16 replicas" in " ".join(refused.value.message_dict["max_replicas"])
+    assert "Choose between 1 (1 and min_replicas) and 16" in " ".join(
+        refused.value.message_dict["max_replicas"])
     assert not Endpoint.objects.exists()
 
 

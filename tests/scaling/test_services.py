@@ -1,17 +1,20 @@
-"""The autoscaler's idle decision: from the rows and the gateways' activity in Redis."""
+"""The autoscaler's decisions: scale to zero from the gateways' activity in Redis, and
+replicas added or removed from the engines' samples."""
 
 import threading
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
+from django.conf import settings
 from django.db import connection
 from django.utils import timezone
 
 from accounts.models import Organization
-from endpoints.models import DesiredState, Endpoint, EndpointEvent
+from endpoints.models import DesiredState, Endpoint, EndpointEvent, State
 from kvrun.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name
-from scaling.services import do_scale_idle_endpoints_to_zero
+from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero
+from telemetry.models import EngineSample
 from tests.factories import ready_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -91,3 +94,107 @@ def test_two_autoscalers_at_once_make_one_decision(idle: Endpoint) -> None:
     assert sorted(results) == [0, 1]
     assert len(zero_events(idle)) == 1
     assert Endpoint.objects.get(id=idle.id).desired_replicas == 0
+
+
+def busy(org: Organization, replicas: int, **scaling: object) -> Endpoint:
+    """An endpoint of `replicas` ready replicas whose autoscaler keeps 2 in flight each."""
+    endpoint = ready_endpoint(org, "busy", [41010 + n for n in range(replicas)],
+                              max_replicas=4, desired_replicas=replicas, scaling_target=2,
+                              scale_up_window_seconds=60, scale_down_window_seconds=120,
+                              **scaling)
+    return endpoint
+
+
+def load(endpoint: Endpoint, *, seconds: int, in_flight: float, now: datetime) -> None:
+    """Samples of each replica every scrape over the last `seconds`: `in_flight` requests
+    running on each (half a request more waiting on the first, half less on the last, so
+    that only their mean is `in_flight`)."""
+    replicas = list(endpoint.replicas.all())
+    step = settings.KVRUN_ENGINE_SCRAPE_SECONDS
+    for n in range(int(seconds // step) + 1):
+        for index, replica in enumerate(replicas):
+            skew = 0.5 if index == 0 else -0.5 if index == len(replicas) - 1 else 0
+            EngineSample.objects.create(
+                replica=replica, endpoint=endpoint, at=now - timedelta(seconds=n * step),
+                kv_cache_usage=0.5, running=round(in_flight + skew), waiting=0,
+                prefix_queries=0, prefix_hits=0, preemptions=0, prompt_tokens=0,
+                generation_tokens=0, requests=0)
+
+
+def scaling_events(endpoint: Endpoint) -> list[str]:
+    return list(EndpointEvent.objects.filter(endpoint=endpoint, message__startswith="scaling ")
+                .values_list("message", flat=True))
+
+
+def test_a_load_above_target_for_the_up_window_adds_the_replicas_it_needs(
+        org: Organization) -> None:
+    endpoint, now = busy(org, 2), timezone.now()
+    load(endpoint, seconds=60, in_flight=3, now=now)
+
+    assert do_scale_endpoints_on_signals(now=now) == 1
+
+    endpoint.refresh_from_db()
+    assert endpoint.desired_replicas == 3 and endpoint.last_scaled_at is not None
+    assert scaling_events(endpoint) == [
+        "scaling up from 2 to 3 replica(s): requests in flight (running and waiting) per "
+        "replica stayed above its target of 2 for 60 s (lowest 3.0, mean 3.0); max_replicas "
+        "is 4"]
+    # The next change waits a window from this one.
+    assert do_scale_endpoints_on_signals(now=now + timedelta(seconds=30)) == 0
+
+
+def test_a_burst_shorter_than_the_up_window_adds_nothing(org: Organization) -> None:
+    endpoint, now = busy(org, 2), timezone.now()
+    load(endpoint, seconds=60, in_flight=1, now=now - timedelta(seconds=25))
+    load(endpoint, seconds=20, in_flight=6, now=now)
+
+    assert do_scale_endpoints_on_signals(now=now) == 0
+    assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 2
+
+
+def test_a_load_that_fits_on_one_replica_fewer_removes_one_after_the_down_window(
+        org: Organization) -> None:
+    endpoint, now = busy(org, 3, min_replicas=1), timezone.now()
+    load(endpoint, seconds=120, in_flight=1, now=now)  # 3 in flight: 1.5 each on two
+
+    assert do_scale_endpoints_on_signals(now=now) == 1
+
+    assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 2
+    [message] = scaling_events(endpoint)
+    assert message.startswith("scaling down from 3 to 2 replica(s): requests in flight "
+                              "(running and waiting) per replica stayed at or under 1.3 for "
+                              "120 s (highest 1.0)")
+
+
+def test_it_decides_nothing_without_samples_over_the_whole_window_or_while_starting(
+        org: Organization) -> None:
+    endpoint, now = busy(org, 2), timezone.now()
+    load(endpoint, seconds=30, in_flight=5, now=now)  # the agent was read for 30 s of 60
+
+    assert do_scale_endpoints_on_signals(now=now) == 0
+
+    load(endpoint, seconds=60, in_flight=5, now=now - timedelta(seconds=35))
+    endpoint.replicas.filter(port=41010).update(state=State.LOADING)
+    assert do_scale_endpoints_on_signals(now=now) == 0
+    endpoint.replicas.update(state=State.READY)
+    assert do_scale_endpoints_on_signals(now=now) == 1
+
+
+def test_two_autoscalers_on_signals_at_once_make_one_change(org: Organization) -> None:
+    endpoint, now = busy(org, 2), timezone.now()
+    load(endpoint, seconds=60, in_flight=3, now=now)
+    together = threading.Barrier(2)
+    results = []
+
+    def decide() -> None:
+        together.wait()
+        results.append(do_scale_endpoints_on_signals(now=now))
+        connection.close()
+
+    threads = [threading.Thread(target=decide) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert sorted(results) == [0, 1] and len(scaling_events(endpoint)) == 1
