@@ -151,10 +151,10 @@ class KVCacheDtype(models.TextChoices):
 
 
 class ScalingMetric(models.TextChoices):
-    """What the autoscaler keeps near its target, per ready replica (from the engines'
-    metrics, every scrape)."""
+    """What the autoscaler keeps near its target, per ready replica: the gateways' requests
+    in flight, or the engines' waiting requests or KV cache usage."""
 
-    IN_FLIGHT = "in_flight", "requests in flight (running and waiting)"
+    IN_FLIGHT = "in_flight", "requests in flight"
     WAITING = "waiting", "requests waiting"
     KV_CACHE_USAGE = "kv_cache_usage", "KV cache usage, %"
 

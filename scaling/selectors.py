@@ -1,34 +1,56 @@
-"""The autoscaler's signal: an endpoint's metric per ready replica over a window, from the
-engines' samples (telemetry), one value per scrape period."""
+"""The autoscaler's signal: an endpoint's metric per ready replica over a window. Requests in
+flight are the gateways' (scaling.activity), as the autoscaler read them at each pass; waiting
+requests and KV cache usage are the engines' (telemetry), one value per scrape period."""
 
 import math
 from collections import defaultdict
-from datetime import datetime
+from datetime import datetime, timedelta
 from uuid import UUID
 
 from django.conf import settings
 
 from endpoints.models import ScalingMetric
+from scaling.activity import in_flight_readings
 from telemetry.models import EngineSample
 
 
 def signal_over(*, endpoint_id: UUID, replica_ids: list[UUID], metric: str, since: datetime,
                 until: datetime) -> list[float] | None:
-    """The metric per replica in each scrape period from `since` to `until`: the mean over
-    the replicas of each one's mean in the period (KV usage in %). A replica not read in a
-    period counts with its last value. None when the samples do not
-    cover the window (a replica not read since its start, an agent gone quiet): no decision
-    is made on part of one."""
+    """The metric per replica over the window from `since` to `until`, oldest first. None
+    when the readings do not cover the window (an autoscaler or an agent gone quiet, a
+    replica not read since its start): no decision is made on part of one."""
+    if metric == ScalingMetric.IN_FLIGHT:
+        return _in_flight_over(endpoint_id=endpoint_id, replicas=len(replica_ids), since=since,
+                               until=until)
+    return _engine_metric_over(endpoint_id=endpoint_id, replica_ids=replica_ids, metric=metric,
+                               since=since, until=until)
+
+
+def _in_flight_over(*, endpoint_id: UUID, replicas: int, since: datetime, until: datetime
+                    ) -> list[float] | None:
+    """The gateways' requests in flight per replica at each autoscaler pass."""
+    readings = in_flight_readings(endpoint_id=endpoint_id, since=since, until=until)
+    gap = timedelta(seconds=3 * settings.KVRUN_AUTOSCALE_SECONDS)
+    times = [since, *(at for at, _ in readings), until]
+    if not readings or any(later - earlier > gap
+                           for earlier, later in zip(times, times[1:], strict=False)):
+        return None
+    return [in_flight / replicas for _, in_flight in readings]
+
+
+def _engine_metric_over(*, endpoint_id: UUID, replica_ids: list[UUID], metric: str,
+                        since: datetime, until: datetime) -> list[float] | None:
+    """Each scrape period's mean over the replicas of each one's mean in the period (KV
+    usage in %); a replica not read in a period counts with its last value."""
     scrape = settings.KVRUN_ENGINE_SCRAPE_SECONDS
     periods = math.floor((until - since).total_seconds() / scrape)
     samples = (EngineSample.objects
                .filter(endpoint_id=endpoint_id, replica_id__in=replica_ids, at__gte=since,
                        at__lte=until, resolution_seconds=0)
-               .values_list("at", "replica_id", "running", "waiting", "kv_cache_usage"))
+               .values_list("at", "replica_id", "waiting", "kv_cache_usage"))
     read: dict[UUID, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for at, replica_id, running, waiting, usage in samples:
-        value = {ScalingMetric.IN_FLIGHT: running + waiting, ScalingMetric.WAITING: waiting,
-                 ScalingMetric.KV_CACHE_USAGE: usage * 100}[metric]
+    for at, replica_id, waiting, usage in samples:
+        value = waiting if metric == ScalingMetric.WAITING else usage * 100
         read[replica_id][min(periods - 1, int((at - since).total_seconds() // scrape))].append(
             value)
     # Each replica read in the window's first two periods and its last two.

@@ -6,24 +6,37 @@ import math
 from datetime import datetime, timedelta
 
 from django.db.models import Max
+from django.db.models.functions import Greatest
 
 from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
-from scaling.activity import activity_of
+from scaling.activity import activity_of, record_in_flight
 from scaling.selectors import signal_over
 
 
 def do_autoscale_endpoints(*, now: datetime) -> int:
-    """One pass of the autoscaler over every running endpoint; returns how many it changed."""
+    """One pass of the autoscaler over every running endpoint: keep a reading of its
+    requests in flight, then decide. Returns how many endpoints it changed."""
+    do_record_in_flight(now=now)
     return do_scale_idle_endpoints_to_zero(now=now) + do_scale_endpoints_on_signals(now=now)
 
 
+def do_record_in_flight(*, now: datetime) -> None:
+    """Read every running endpoint's requests in flight across the gateways, kept for its
+    longest window."""
+    windows = dict(Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING)
+                   .values_list("id", Greatest("scale_up_window_seconds",
+                                               "scale_down_window_seconds")))
+    activity = activity_of(endpoint_ids=list(windows), now=now)
+    record_in_flight(readings={endpoint_id: (seen.in_flight, windows[endpoint_id] + 60)
+                               for endpoint_id, seen in activity.items()}, now=now)
+
+
 def do_scale_endpoints_on_signals(*, now: datetime) -> int:
-    """Add replicas to an endpoint whose metric per replica stayed above its target for the
-    whole up window, as many as bring it to the target (at most max_replicas); remove one
-    from an endpoint whose load, for the whole down window, would have stayed at or under
-    the target on one replica fewer (never below min_replicas, nor below one: zero is the
-    idle rule's). Only endpoints whose replicas are all ready are judged, each direction a
+    """Add replicas to an endpoint whose metric per replica stayed above its target through
+    the up window, as many as bring it to the target (at most max_replicas); remove one from
+    an endpoint whose load, through the down window, would have stayed at or under the target
+    on one replica fewer (never below min_replicas, nor below one: zero is the idle rule's). Only endpoints whose replicas are all ready are judged, each direction a
     window after the last change. Returns how many it changed."""
     endpoints = (Endpoint.objects
                  .filter(deleted_at=None, desired_state=DesiredState.RUNNING,
@@ -46,38 +59,45 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
 
 
 def _decide(endpoint: Endpoint, replica_ids: list, *, now: datetime) -> tuple[int, str] | None:
+    """The endpoint's new replica count and why, or None to leave it. "Stays above" is judged
+    on each third of the window (its mean), so that a reading caught between two requests
+    does not reset a load that is there, nor one spike hold a load that has gone."""
     current, target = endpoint.desired_replicas, endpoint.target
     metric = ScalingMetric(endpoint.scaling_metric)
     what = f"{metric.label} per replica"
 
-    def settled_for(seconds: int) -> bool:
-        return endpoint.last_scaled_at is None or (
-            now - endpoint.last_scaled_at >= timedelta(seconds=seconds))
+    def thirds_over(seconds: int) -> list[float] | None:
+        if endpoint.last_scaled_at and now - endpoint.last_scaled_at < timedelta(seconds=seconds):
+            return None  # a window after the last change
+        values = signal_over(endpoint_id=endpoint.id, replica_ids=replica_ids, metric=metric,
+                             since=now - timedelta(seconds=seconds), until=now)
+        if not values or len(values) < 3:
+            return None
+        size = len(values) / 3
+        return [_mean(values[round(n * size):round((n + 1) * size)]) for n in range(3)]
 
     up = endpoint.scale_up_window_seconds
-    if current < endpoint.max_replicas and settled_for(up):
-        values = signal_over(endpoint_id=endpoint.id, replica_ids=replica_ids,
-                             metric=metric, since=now - timedelta(seconds=up), until=now)
-        if values and min(values) > target:
-            wanted = min(endpoint.max_replicas,
-                         max(current + 1, math.ceil(current * _mean(values) / target)))
-            return wanted, (
-                f"scaling up from {current} to {wanted} replica(s): {what} stayed above its "
-                f"target of {target:g} for {up} s (lowest {min(values):.1f}, mean "
-                f"{_mean(values):.1f}); max_replicas is {endpoint.max_replicas}")
+    if current < endpoint.max_replicas and (thirds := thirds_over(up)) and min(thirds) > target:
+        wanted = min(endpoint.max_replicas,
+                     max(current + 1, math.ceil(current * _mean(thirds) / target)))
+        return wanted, (
+            f"scaling up from {current} to {wanted} replica(s): {what} stayed above its target "
+            f"of {target:g} through the last {up} s (each third's mean: {_shown(thirds)}); "
+            f"max_replicas is {endpoint.max_replicas}")
     down = endpoint.scale_down_window_seconds
-    floor = max(1, endpoint.min_replicas)
-    if current > floor and settled_for(down):
-        values = signal_over(endpoint_id=endpoint.id, replica_ids=replica_ids,
-                             metric=metric, since=now - timedelta(seconds=down), until=now)
-        fits = target * (current - 1) / current
-        if values and max(values) <= fits:
-            return current - 1, (
-                f"scaling down from {current} to {current - 1} replica(s): {what} stayed at "
-                f"or under {fits:.1f} for {down} s (highest {max(values):.1f}), so one replica "
-                f"fewer keeps it under the target of {target:g}; the replica stopped is "
-                "drained first")
+    fits = target * (current - 1) / current
+    if current > max(1, endpoint.min_replicas) and (thirds := thirds_over(down)) and (
+            max(thirds) <= fits):
+        return current - 1, (
+            f"scaling down from {current} to {current - 1} replica(s): {what} stayed at or under "
+            f"{fits:.1f} through the last {down} s (each third's mean: {_shown(thirds)}), so one "
+            f"replica fewer keeps it under the target of {target:g}; the replica stopped is "
+            "drained first")
     return None
+
+
+def _shown(values: list[float]) -> str:
+    return ", ".join(f"{value:.1f}" for value in values)
 
 
 def _mean(values: list[float]) -> float:

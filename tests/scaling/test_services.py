@@ -12,7 +12,7 @@ from django.utils import timezone
 from accounts.models import Organization
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, State
 from kvrun.redis import redis_client
-from scaling.activity import in_flight_name, last_request_name
+from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero
 from telemetry.models import EngineSample
 from tests.factories import ready_endpoint
@@ -102,13 +102,24 @@ def busy(org: Organization, replicas: int, **scaling: object) -> Endpoint:
                               max_replicas=4, desired_replicas=replicas, scaling_target=2,
                               scale_up_window_seconds=60, scale_down_window_seconds=120,
                               **scaling)
+    redis_client().delete(readings_name(endpoint.id))
     return endpoint
 
 
 def load(endpoint: Endpoint, *, seconds: int, in_flight: float, now: datetime) -> None:
-    """Samples of each replica every scrape over the last `seconds`: `in_flight` requests
-    running on each (half a request more waiting on the first, half less on the last, so
-    that only their mean is `in_flight`)."""
+    """What the autoscaler read of the gateways' requests in flight at each of its passes
+    over the last `seconds`: `in_flight` per replica."""
+    replicas = endpoint.replicas.count()
+    step = settings.KVRUN_AUTOSCALE_SECONDS
+    for n in range(int(seconds // step) + 1):
+        at = now - timedelta(seconds=n * step)
+        record_in_flight(readings={endpoint.id: (round(in_flight * replicas), 3600)}, now=at)
+
+
+def engine_load(endpoint: Endpoint, *, seconds: int, waiting: float, now: datetime) -> None:
+    """Samples of each replica every scrape over the last `seconds`: `waiting` requests each
+    (half a request more on the first, half less on the last: only their mean is
+    `waiting`)."""
     replicas = list(endpoint.replicas.all())
     step = settings.KVRUN_ENGINE_SCRAPE_SECONDS
     for n in range(int(seconds // step) + 1):
@@ -116,9 +127,9 @@ def load(endpoint: Endpoint, *, seconds: int, in_flight: float, now: datetime) -
             skew = 0.5 if index == 0 else -0.5 if index == len(replicas) - 1 else 0
             EngineSample.objects.create(
                 replica=replica, endpoint=endpoint, at=now - timedelta(seconds=n * step),
-                kv_cache_usage=0.5, running=round(in_flight + skew), waiting=0,
-                prefix_queries=0, prefix_hits=0, preemptions=0, prompt_tokens=0,
-                generation_tokens=0, requests=0)
+                kv_cache_usage=0.5, running=4, waiting=waiting + skew, prefix_queries=0,
+                prefix_hits=0, preemptions=0, prompt_tokens=0, generation_tokens=0,
+                requests=0)
 
 
 def scaling_events(endpoint: Endpoint) -> list[str]:
@@ -136,11 +147,20 @@ def test_a_load_above_target_for_the_up_window_adds_the_replicas_it_needs(
     endpoint.refresh_from_db()
     assert endpoint.desired_replicas == 3 and endpoint.last_scaled_at is not None
     assert scaling_events(endpoint) == [
-        "scaling up from 2 to 3 replica(s): requests in flight (running and waiting) per "
-        "replica stayed above its target of 2 for 60 s (lowest 3.0, mean 3.0); max_replicas "
+        "scaling up from 2 to 3 replica(s): requests in flight per replica stayed above its "
+        "target of 2 through the last 60 s (each third's mean: 3.0, 3.0, 3.0); max_replicas "
         "is 4"]
     # The next change waits a window from this one.
     assert do_scale_endpoints_on_signals(now=now + timedelta(seconds=30)) == 0
+
+
+def test_a_reading_between_requests_does_not_reset_a_sustained_load(
+        org: Organization) -> None:
+    endpoint, now = busy(org, 2), timezone.now()
+    load(endpoint, seconds=60, in_flight=3, now=now)
+    record_in_flight(readings={endpoint.id: (0, 3600)}, now=now - timedelta(seconds=32))
+
+    assert do_scale_endpoints_on_signals(now=now) == 1
 
 
 def test_a_burst_shorter_than_the_up_window_adds_nothing(org: Organization) -> None:
@@ -161,15 +181,15 @@ def test_a_load_that_fits_on_one_replica_fewer_removes_one_after_the_down_window
 
     assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 2
     [message] = scaling_events(endpoint)
-    assert message.startswith("scaling down from 3 to 2 replica(s): requests in flight "
-                              "(running and waiting) per replica stayed at or under 1.3 for "
-                              "120 s (highest 1.0)")
+    assert message.startswith("scaling down from 3 to 2 replica(s): requests in flight per "
+                              "replica stayed at or under 1.3 through the last 120 s (each "
+                              "third's mean: 1.0, 1.0, 1.0)")
 
 
-def test_it_decides_nothing_without_samples_over_the_whole_window_or_while_starting(
+def test_it_decides_nothing_without_readings_over_the_whole_window_or_while_starting(
         org: Organization) -> None:
     endpoint, now = busy(org, 2), timezone.now()
-    load(endpoint, seconds=30, in_flight=5, now=now)  # the agent was read for 30 s of 60
+    load(endpoint, seconds=30, in_flight=5, now=now)  # read for 30 s of the 60
 
     assert do_scale_endpoints_on_signals(now=now) == 0
 
@@ -178,6 +198,18 @@ def test_it_decides_nothing_without_samples_over_the_whole_window_or_while_start
     assert do_scale_endpoints_on_signals(now=now) == 0
     endpoint.replicas.update(state=State.READY)
     assert do_scale_endpoints_on_signals(now=now) == 1
+
+
+def test_waiting_requests_are_read_from_the_engines_samples(org: Organization) -> None:
+    endpoint, now = busy(org, 2, scaling_metric="waiting"), timezone.now()
+    engine_load(endpoint, seconds=60, waiting=2.5, now=now)
+
+    assert do_scale_endpoints_on_signals(now=now) == 1
+
+    [message] = scaling_events(endpoint)
+    assert message.startswith("scaling up from 2 to 3 replica(s): requests waiting per replica "
+                              "stayed above its target of 2 through the last 60 s (each third's "
+                              "mean: 2.5, 2.5, 2.5)")
 
 
 def test_two_autoscalers_on_signals_at_once_make_one_change(org: Organization) -> None:
