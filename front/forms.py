@@ -16,6 +16,7 @@ from endpoints.models import (
     GPUType,
     KVCacheDtype,
     ModelSpec,
+    ScalingMetric,
 )
 
 
@@ -113,11 +114,16 @@ class EndpointForm(SizingForm, KVRoutingFields):
                            help_text="Clients send it as \"model\" in their requests.",
                            error_messages={"invalid": "Use letters, digits and hyphens only, "
                                                       "such as support-chat."})
-    min_replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS_PER_ENDPOINT, initial=1,
-                                      label="Replicas")
+    min_replicas = forms.IntegerField(
+        min_value=0, max_value=MAX_REPLICAS_PER_ENDPOINT, initial=1, label="Fewest replicas",
+        help_text="0 scales to zero when idle (no GPU time billed); the next request waits "
+                  "for a replica to start.")
     max_replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS_PER_ENDPOINT,
                                       required=False,
                                       label="Most replicas (for scaling)")
+    scale_to_zero_after_seconds = forms.IntegerField(
+        min_value=1, initial=900, required=False, label="Idle time before zero (s)",
+        help_text="With fewest replicas 0: how long without a request before it scales to zero.")
 
 
 class PolicyForm(KVRoutingFields):
@@ -139,6 +145,29 @@ class PolicyForm(KVRoutingFields):
 
 class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=1, label="Replicas")
+
+
+class ScalingForm(forms.Form):
+    """How an endpoint scales (endpoints.services.do_change_endpoint_scaling checks the rest)."""
+
+    min_replicas = forms.IntegerField(
+        min_value=0, max_value=MAX_REPLICAS_PER_ENDPOINT, label="Fewest replicas",
+        help_text="0 scales to zero while idle; the next request wakes it and waits.")
+    max_replicas = forms.IntegerField(min_value=1, max_value=MAX_REPLICAS_PER_ENDPOINT,
+                                      label="Most replicas")
+    scale_to_zero_after_seconds = forms.IntegerField(
+        min_value=1, label="Idle time before zero (s)",
+        help_text="With 0 fewest: how long without a request before its replicas stop.")
+    scaling_metric = forms.ChoiceField(choices=ScalingMetric.choices, label="Scale on")
+    scaling_target = forms.FloatField(
+        required=False, min_value=0.01, label="Target per replica",
+        help_text="Empty: the concurrency, 1 waiting, or 90 % of the KV cache.")
+    scale_up_window_seconds = forms.IntegerField(label="Up after (s) above target")
+    scale_down_window_seconds = forms.IntegerField(label="Down after (s) under target")
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> "ScalingForm":
+        return cls(initial={name: getattr(endpoint, name) for name in cls.base_fields})
 
 
 

@@ -23,6 +23,8 @@ urlpatterns = [
          kv.apply_advice, name="endpoint-advice-apply"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/scale/", endpoints.scale_endpoint,
          name="endpoint-scale"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/scaling/", endpoints.change_scaling,
+         name="endpoint-scaling"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/stop/", endpoints.stop_endpoint,
          name="endpoint-stop"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/start/", endpoints.start_endpoint,

@@ -287,7 +287,7 @@ def manage_command(args: list[str]) -> int:
         services.stop()
 
 
-BENCHMARKS = ("provision", "gateway", "dashboard", "billing", "kv")
+BENCHMARKS = ("provision", "gateway", "dashboard", "billing", "kv", "autoscale")
 
 
 def bench(names: list[str]) -> int:

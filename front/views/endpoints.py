@@ -24,7 +24,7 @@ from billing.selectors import (
 from endpoints import selectors, services
 from endpoints.models import ACTIVE_STATES, Endpoint, State
 from endpoints.planning import accelerator_of
-from front.forms import PolicyForm, ScaleForm
+from front.forms import PolicyForm, ScaleForm, ScalingForm
 from front.scoping import Member, current_organization, endpoint_of, membership
 from front.views.wizard import memory_bar
 from telemetry.models import Advice
@@ -65,7 +65,8 @@ def endpoint_list(request: HttpRequest, org_slug: str) -> HttpResponse:
     month = month_to_date_by_endpoint(organization=member.organization)
     rows = [{"endpoint": endpoint, "usage": totals.get(endpoint.id),
              "ready": sum(replica.state == State.READY for replica in endpoint.replicas.all()),
-             "month_cents": month.get(endpoint.id, 0), "day": day_costs[endpoint.id]}
+             "month_cents": month.get(endpoint.id, 0), "day": day_costs[endpoint.id],
+             "wake_seconds": _wake_seconds(endpoint)}
             for endpoint in page]
     return render(request, "front/endpoints.html", {
         "member": member, "organization": member.organization, "page": page, "rows": rows,
@@ -85,7 +86,7 @@ def endpoint_detail(request: HttpRequest, org_slug: str, name: str) -> HttpRespo
     return render(request, "front/endpoint.html", {
         "costs": costs, "month_cents": month,
         "advice": Advice.objects.filter(endpoint=endpoint, resolved_at=None),
-        "policy_form": PolicyForm.of(endpoint),
+        "policy_form": PolicyForm.of(endpoint), "scaling_form": ScalingForm.of(endpoint),
         "memory": memory_bar(endpoint.sizing, device) if sized else None, "device_bytes": device,
         "member": member, "organization": member.organization, "endpoint": endpoint,
         "section": "endpoints", "status": _status(endpoint),
@@ -128,6 +129,15 @@ def endpoint_usage(request: HttpRequest, org_slug: str, name: str) -> JsonRespon
     })
 
 
+def _wake_seconds(endpoint: Endpoint) -> float | None:
+    """For an endpoint scaled to zero: how long its next request will wait, from this model's
+    recent starts on this kind of node; None otherwise or with no start to go by."""
+    if endpoint.state != State.IDLE:
+        return None
+    return selectors.median_start_seconds(model_id=endpoint.model_id,
+                                          gpu_type_id=endpoint.gpu_type_id)
+
+
 def _status(endpoint: Endpoint) -> dict[str, object]:
     """State, progress, ETA, replicas, events and the leading engine's last log lines."""
     replicas = list(endpoint.replicas.all())
@@ -140,9 +150,10 @@ def _status(endpoint: Endpoint) -> dict[str, object]:
         "progress": progress, "replicas": [r for r in replicas if r.state != State.STOPPED][:20],
         "ready": sum(replica.state == State.READY for replica in replicas),
         "events": list(endpoint.events.order_by("-at", "-id")[:EVENTS_SHOWN]),
-        "settled": endpoint.state in (State.READY, State.STOPPED, State.FAILED),
+        "settled": endpoint.state in (State.READY, State.IDLE, State.STOPPED, State.FAILED),
         "kv_cache_tokens": next((replica.kv_cache_tokens for replica in replicas
                                  if replica.kv_cache_tokens), None),
+        "wake_seconds": _wake_seconds(endpoint),
     }
     if status["kv_cache_tokens"]:
         status["kv_cache_requests"] = status["kv_cache_tokens"] // endpoint.context_length
@@ -206,6 +217,22 @@ def scale_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpRespon
                                    replicas=form.cleaned_data["replicas"])
         return f"Scaling {name} to {form.cleaned_data['replicas']} replica(s)."
     return change_endpoint(request, org_slug, name, scale)
+
+
+@login_required
+@require_POST
+def change_scaling(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    def change(member: Member, endpoint: Endpoint) -> str:
+        form = ScalingForm(request.POST)
+        if not form.is_valid():
+            raise ValidationError([f"{form.fields[field].label}: {message}"
+                                   for field, errors in form.errors.items()
+                                   for message in errors])
+        changed = services.do_change_endpoint_scaling(endpoint=endpoint, actor_role=member.role,
+                                                      changes=form.cleaned_data)
+        return (f"Scaling changed: {changed.min_replicas} to {changed.max_replicas} replicas, "
+                f"{changed.desired_replicas} now.")
+    return change_endpoint(request, org_slug, name, change)
 
 
 @login_required

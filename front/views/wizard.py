@@ -16,7 +16,7 @@ from django.views.decorators.http import require_POST
 
 from endpoints import planning, services
 from endpoints.models import GPUType, ModelSpec
-from endpoints.selectors import model_catalog
+from endpoints.selectors import median_start_seconds, model_catalog
 from front.forms import EndpointForm, SizingForm
 from front.scoping import Member, membership
 from kvrun.forms import add_service_errors
@@ -40,6 +40,7 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
     if not form.is_valid():
         return _page(request, member, form, status=400)
     data = form.cleaned_data
+    idle = data["scale_to_zero_after_seconds"]
     try:
         endpoint = services.do_create_endpoint(
             organization=member.organization, actor_role=member.role, created_by=request.user,
@@ -48,7 +49,8 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
             kv_cache_dtype=data["kv_cache_dtype"], prefix_caching=data["prefix_caching"],
             host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
             cache_isolation=data["cache_isolation"], prefix_affinity=data["prefix_affinity"],
-            min_replicas=data["min_replicas"], max_replicas=data["max_replicas"])
+            min_replicas=data["min_replicas"], max_replicas=data["max_replicas"],
+            **({"scale_to_zero_after_seconds": idle} if idle is not None else {}))
     except ValidationError as exc:  # Unfit included: the sizing panel shows its advice
         add_service_errors(form, exc)
         return _page(request, member, form, status=400)
@@ -85,7 +87,7 @@ def _initial(query: QueryDict) -> dict[str, object]:
                                   "kv_cache_dtype": "auto", "prefix_caching": True,
                                   "host_tier_gib": 0, "disk_tier_gib": 0,
                                   "cache_isolation": "organization", "prefix_affinity": True,
-                                  "min_replicas": 1}
+                                  "min_replicas": 1, "scale_to_zero_after_seconds": 900}
     model = model_catalog().filter(slug=query.get("model", "")).first()
     if model is not None:
         initial.update(model=model.slug, name=suggested_name(model.slug),
@@ -138,9 +140,14 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
     summary = decided.summary
     device = planning.accelerator_of(decided.gpu_type).memory_bytes
     other_dtype = "fp8" if data["kv_cache_dtype"] == "auto" else "auto"
+    monthly = Decimal(summary["hourly_price_usd"]) * HOURS_PER_MONTH
     return {
         "sizing_form": form, "plan": decided, "summary": summary,
         "daily_price": Decimal(summary["hourly_price_usd"]) * 24,
+        "monthly_price": monthly, "idle_share": IDLE_SHARE,
+        "monthly_price_scaled_to_zero": monthly * (1 - IDLE_SHARE),
+        "wake_seconds": median_start_seconds(model_id=model.id,
+                                             gpu_type_id=decided.gpu_type.id),
         "memory": memory_bar(summary, device),
         "device_bytes": device,
         "other_dtype": other_dtype,
@@ -149,6 +156,13 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
             gpu_type=decided.gpu_type, gpu_count=decided.gpu_count),
         "alternatives": _alternatives(summary["alternatives"]),
     }
+
+
+# The month a price is quoted for (365 × 24 / 12 hours), and the idle share at which the
+# wizard shows what scaling to zero would save: a working-hours endpoint is idle about half
+# the time.
+HOURS_PER_MONTH = 730
+IDLE_SHARE = Decimal("0.5")
 
 
 def memory_bar(summary: dict, device: int) -> list[dict[str, object]]:

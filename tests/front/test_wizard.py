@@ -98,6 +98,22 @@ def test_launching_creates_the_endpoint_and_opens_its_page(owner_client: Client,
     assert EndpointEvent.objects.filter(endpoint=endpoint, state="pending").exists()
 
 
+def test_an_endpoint_launched_with_no_fewest_replicas_scales_to_zero_when_idle(
+        owner_client: Client, org: Organization, cpu_node: Node) -> None:
+    sizing = owner_client.post(f"/orgs/{org.slug}/endpoints/new/sizing/", DEMO)
+    short = owner_client.post(f"/orgs/{org.slug}/endpoints/new/", {
+        **DEMO, "name": "chat", "min_replicas": "0", "scale_to_zero_after_seconds": "5"})
+    launched = owner_client.post(f"/orgs/{org.slug}/endpoints/new/", {
+        **DEMO, "name": "chat", "min_replicas": "0", "scale_to_zero_after_seconds": "600"})
+
+    assert b"idle 50 % of the time, about <strong>$" in sizing.content
+    assert short.status_code == 400 and b"Wait at least 60 s without a request" in short.content
+    assert launched.status_code == 302
+    endpoint = Endpoint.objects.get()
+    assert (endpoint.min_replicas, endpoint.max_replicas, endpoint.desired_replicas,
+            endpoint.scale_to_zero_after_seconds) == (0, 1, 1, 600)
+
+
 def test_errors_show_next_to_their_fields_and_nothing_is_created(owner_client: Client,
                                                                  org: Organization,
                                                                  cpu_node: Node) -> None:
