@@ -73,12 +73,13 @@ def response_headers(exchange: Exchange,
 async def respond(send: Send, exchange: Exchange, status: int, body: bytes,
                   extra: list[tuple[bytes, bytes]]) -> None:
     headers = response_headers(exchange, [*extra, (b"content-length", str(len(body)).encode())])
+    exchange.response_started = True
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
 async def send_error(send: Send, exchange: Exchange, error: GatewayError) -> None:
-    try:
+    """The error as the response; nothing where one has started (a stream, whose error
+    frame was sent instead)."""
+    if not exchange.response_started:
         await respond(send, exchange, error.status, error.body(), [JSON, *error.headers])
-    except RuntimeError:
-        pass  # the response had already started (a stream): its error frame was sent instead

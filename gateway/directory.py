@@ -164,10 +164,14 @@ class Directory:
     def forget_key(self, digest: str) -> None:
         self._keys.pop(digest, None)
 
-    async def routes(self, organization_id: UUID, *, fresh: bool = False) -> dict[str, Route]:
-        """The organisation's endpoints by name; `fresh`: read now, not from memory."""
+    async def routes(self, organization_id: UUID, *, max_age: float | None = None
+                     ) -> dict[str, Route]:
+        """The organisation's endpoints by name, read at most `max_age` seconds ago (by
+        default, the route cache's time)."""
         entry = self._routes.get(organization_id)
-        if entry is not None and entry[0] > time.monotonic() and not fresh:
+        oldest = time.monotonic() + self._route_seconds - (
+            self._route_seconds if max_age is None else max_age)
+        if entry is not None and entry[0] > oldest:
             return entry[1]
         try:
             rows = await self._once(("routes", organization_id),

@@ -42,7 +42,7 @@ class Exchange:
     upstream_seconds: float = 0.0  # time spent waiting on the engine
     client_seconds: float = 0.0  # time spent waiting on the client to send or to read
     held_seconds: float = 0.0  # time spent waiting for a cold start (gateway.hold)
-    response_started: bool = False  # a held stream has had its headers already
+    response_started: bool = False  # its headers are sent: an error now goes in the stream
     estimated_prompt_tokens: int = 0  # until the engine says how many there are
     response: Any = None  # the engine's response while it is being read
 

@@ -21,6 +21,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 
+from endpoints.models import State
 from endpoints.services import do_wake_endpoint
 from gateway.asgi import ClientGone, Receive, Send, response_headers
 from gateway.directory import Directory, Route
@@ -100,17 +101,20 @@ class ColdStarts:
                 exchange.response_started = True
             told = 0.0
             while True:
+                # Read at most once a poll for every request held for the organisation.
                 routes = await self._directory.routes(exchange.identity.organization_id,
-                                                      fresh=True)
+                                                      max_age=POLL_SECONDS)
                 route = routes.get(route.name, route)
                 if route.upstreams:
                     if exchange.stream:
                         await _comment(send, f"ready after {time.perf_counter() - started:.1f} s")
                     return route
-                if not route.scales_to_zero or route.name not in routes:
-                    raise GatewayError(503, f"Endpoint {route.name!r} was stopped or deleted "
-                                       "while this request waited for it to start.",
-                                       code="endpoint_not_ready")
+                if route.name not in routes or not route.scales_to_zero:
+                    why = ("deleted" if route.name not in routes else
+                           "failed to start; its events in the dashboard say why"
+                           if route.state == State.FAILED else "stopped")
+                    raise GatewayError(503, f"Endpoint {route.name!r} was {why} while this "
+                                       "request waited for it.", code="endpoint_not_ready")
                 if route.desired_replicas == 0:  # scaled to zero again since it was woken
                     await self._wake(route)
                 now = time.perf_counter()

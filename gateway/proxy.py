@@ -178,6 +178,7 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
     chunk (the engine sends running usage) and shown only as the client asked. A stream held
     for a cold start has had its headers already."""
     if not exchange.response_started:
+        exchange.response_started = True
         await send({"type": "http.response.start", "status": 200,
                     "headers": response_headers(exchange, [EVENT_STREAM,
                                                            (b"cache-control", b"no-cache")])})

@@ -12,7 +12,7 @@ from django.utils import timezone
 
 from accounts.models import Organization
 from billing.models import UsageRecord
-from endpoints.models import Endpoint, EndpointEvent, Node, Replica, State
+from endpoints.models import DesiredState, Endpoint, EndpointEvent, Node, Replica, State
 from kvrun.redis import redis_client
 from scaling.activity import in_flight_name
 from tests.factories import ready_endpoint
@@ -114,3 +114,22 @@ def test_past_the_count_bound_a_request_gets_a_429_with_retry_after(
     assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
     assert second.json()["error"]["code"] == "cold_start_queue_full"
     assert first.result(30).status_code == 200
+
+
+def test_an_endpoint_stopped_while_a_request_waits_ends_the_wait_with_a_503(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int]
+) -> None:
+    endpoint, _ = waking(org, stub_ports[0])
+
+    held = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi",
+                                                "stream": True}))
+    assert wait_until(lambda: redis_client().zcard(in_flight_name(endpoint.id)), 5,
+                      interval=0.05)
+    Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.STOPPED)
+    streamed = held.result(30)
+
+    # The stream had its headers already: the error is its last event.
+    assert streamed.status_code == 200
+    assert '"code":"endpoint_not_ready"' in streamed.text
+    assert "Endpoint 'sleepy' was stopped while this request waited for it." in streamed.text
+    assert streamed.text.rstrip().endswith("data: [DONE]")
