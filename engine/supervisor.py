@@ -86,11 +86,12 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
     return argv, env
 
 
-# How long an engine keeps an idle client connection open: longer than the gateway's pool keeps
-# one (gateway.proxy), so the client always closes an idle connection first. vLLM's default
-# (5 s) closed connections the gateway still held, and a request sent on one just as the engine
-# closed it failed with a disconnect (a 502 to the user).
-KEEP_ALIVE_SECONDS = 75
+# How long an engine keeps an idle client connection open: vLLM's own default, set so that an
+# inherited value cannot undercut the gateway's pool, which drops idle connections sooner
+# (gateway.proxy): the client always closes first, or a request sent on a connection just as
+# the engine closed it would fail (a 502). Not longer: measured with 75 s, a client that left
+# before its answer no longer stopped the engine's generation.
+KEEP_ALIVE_SECONDS = 5
 
 
 def _engine_kv(spec: EngineSpec) -> EngineKV:

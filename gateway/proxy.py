@@ -29,8 +29,9 @@ from kvrun.digests import cache_salt
 logger = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_SECONDS = 3.0
-# Idle engine connections are dropped before the engine would close them (its keep-alive).
-POOLED_IDLE_SECONDS = 30
+# Idle engine connections are dropped before the engine would close them (its keep-alive,
+# engine.supervisor.KEEP_ALIVE_SECONDS).
+POOLED_IDLE_SECONDS = 4
 EVENT_STREAM = (b"content-type", b"text/event-stream")
 DONE = b"data: [DONE]\n\n"
 
