@@ -10,6 +10,7 @@ from uuid import UUID
 from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db import IntegrityError, transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from accounts.models import Organization, User
@@ -303,17 +304,10 @@ def do_wake_endpoint(*, endpoint_id: UUID) -> bool:
     requests), one wakes the endpoint and the rest change nothing. Returns whether this call
     woke it; False also for an endpoint stopped, deleted, failed or not at zero.
     """
-    with transaction.atomic():
-        woken = Endpoint.objects.filter(
-            id=endpoint_id, deleted_at=None, desired_state=DesiredState.RUNNING,
-            min_replicas=0, desired_replicas=0).exclude(state=State.FAILED).update(
-                desired_replicas=1)
-        if woken:
-            endpoint = Endpoint.objects.get(id=endpoint_id)
-            EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
-                                         message="woken by a request: starting one replica")
-            _reconcile_after_commit(endpoint)
-    return bool(woken)
+    return _move_desired_replicas(
+        endpoint_id=endpoint_id, where=Q(min_replicas=0, desired_replicas=0) & ~Q(
+            state=State.FAILED),
+        to_replicas=1, message="woken by a request: starting one replica")
 
 
 def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str) -> bool:
@@ -322,16 +316,9 @@ def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str) 
     made at. A conditional update: a request that woke the endpoint or a scaling change
     made since, or a second autoscaler deciding the same, changes nothing. Returns whether
     this call scaled it."""
-    with transaction.atomic():
-        scaled = Endpoint.objects.filter(
-            id=endpoint_id, deleted_at=None, desired_state=DesiredState.RUNNING,
-            min_replicas=0, desired_replicas=replicas).update(desired_replicas=0)
-        if scaled:
-            endpoint = Endpoint.objects.get(id=endpoint_id)
-            EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
-                                         message=f"scaling to zero: {reason}")
-            _reconcile_after_commit(endpoint)
-    return bool(scaled)
+    return _move_desired_replicas(
+        endpoint_id=endpoint_id, where=Q(min_replicas=0, desired_replicas=replicas),
+        to_replicas=0, message=f"scaling to zero: {reason}")
 
 
 def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int, reason: str
@@ -341,17 +328,26 @@ def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int,
     a change made since, or a second autoscaler deciding the same, changes nothing. Returns
     whether this call scaled it; the reconciler then adds replicas, or stops one (its node
     agent drains it first)."""
+    return _move_desired_replicas(
+        endpoint_id=endpoint_id, where=Q(desired_replicas=replicas), to_replicas=to_replicas,
+        message=reason, last_scaled_at=timezone.now())
+
+
+def _move_desired_replicas(*, endpoint_id: UUID, where: Q, to_replicas: int, message: str,
+                           **also: object) -> bool:
+    """Set `to_replicas` (and `also`) on the endpoint if it still matches `where`, runs and
+    is not deleted, with `message` as its event, and reconcile it once that commits; returns
+    whether it did."""
     with transaction.atomic():
-        scaled = Endpoint.objects.filter(
-            id=endpoint_id, deleted_at=None, desired_state=DesiredState.RUNNING,
-            desired_replicas=replicas).update(desired_replicas=to_replicas,
-                                              last_scaled_at=timezone.now())
-        if scaled:
+        moved = Endpoint.objects.filter(
+            where, id=endpoint_id, deleted_at=None, desired_state=DesiredState.RUNNING).update(
+                desired_replicas=to_replicas, **also)
+        if moved:
             endpoint = Endpoint.objects.get(id=endpoint_id)
             EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
-                                         message=reason)
+                                         message=message)
             _reconcile_after_commit(endpoint)
-    return bool(scaled)
+    return bool(moved)
 
 
 # What an engine starts with: a change replaces the replicas. The rest is the gateway's.
