@@ -5,6 +5,7 @@ requests and KV cache usage are the engines' (telemetry), one value per scrape p
 import math
 from collections import defaultdict
 from datetime import datetime, timedelta
+from statistics import fmean
 from uuid import UUID
 
 from django.conf import settings
@@ -59,15 +60,11 @@ def _engine_metric_over(*, endpoint_id: UUID, replica_ids: list[UUID], metric: s
                 read[replica_id]) for replica_id in replica_ids):
         return None
     values = []
-    last = {replica_id: _mean(read[replica_id][min(read[replica_id])])
+    last = {replica_id: fmean(read[replica_id][min(read[replica_id])])
             for replica_id in replica_ids}
     for period in range(periods):
         for replica_id in replica_ids:
             if period in read[replica_id]:
-                last[replica_id] = _mean(read[replica_id][period])
+                last[replica_id] = fmean(read[replica_id][period])
         values.append(sum(last.values()) / len(replica_ids))
     return values
-
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)

@@ -4,6 +4,7 @@ workers deciding at once make one change and one event."""
 
 import math
 from datetime import datetime, timedelta
+from statistics import fmean
 
 from django.db.models import Max
 from django.db.models.functions import Greatest
@@ -22,9 +23,11 @@ def do_autoscale_endpoints(*, now: datetime) -> int:
 
 
 def do_record_in_flight(*, now: datetime) -> None:
-    """Read every running endpoint's requests in flight across the gateways, kept for its
-    longest window."""
-    windows = dict(Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING)
+    """Read the requests in flight across the gateways of every running endpoint that scales
+    on them (more than one replica allowed), kept for its longest window."""
+    windows = dict(Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING,
+                                           max_replicas__gt=1,
+                                           scaling_metric=ScalingMetric.IN_FLIGHT)
                    .values_list("id", Greatest("scale_up_window_seconds",
                                                "scale_down_window_seconds")))
     activity = activity_of(endpoint_ids=list(windows), now=now)
@@ -74,12 +77,12 @@ def _decide(endpoint: Endpoint, replica_ids: list, *, now: datetime) -> tuple[in
         if not values or len(values) < 3:
             return None
         size = len(values) / 3
-        return [_mean(values[round(n * size):round((n + 1) * size)]) for n in range(3)]
+        return [fmean(values[round(n * size):round((n + 1) * size)]) for n in range(3)]
 
     up = endpoint.scale_up_window_seconds
     if current < endpoint.max_replicas and (thirds := thirds_over(up)) and min(thirds) > target:
         wanted = min(endpoint.max_replicas,
-                     max(current + 1, math.ceil(current * _mean(thirds) / target)))
+                     max(current + 1, math.ceil(current * fmean(thirds) / target)))
         return wanted, (
             f"scaling up from {current} to {wanted} replica(s): {what} stayed above its target "
             f"of {target:g} through the last {up} s (each third's mean: {_shown(thirds)}); "
@@ -99,9 +102,6 @@ def _decide(endpoint: Endpoint, replica_ids: list, *, now: datetime) -> tuple[in
 def _shown(values: list[float]) -> str:
     return ", ".join(f"{value:.1f}" for value in values)
 
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)
 
 
 def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:
