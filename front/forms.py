@@ -143,6 +143,12 @@ class PolicyForm(KVRoutingFields):
         return cls(initial={name: getattr(endpoint, name) for name in cls.base_fields})
 
 
+def refusal(form: forms.Form) -> ValidationError:
+    """An invalid form's errors as one refusal, each message after its field's label."""
+    return ValidationError([f"{form.fields[field].label}: {message}"
+                            for field, errors in form.errors.items() for message in errors])
+
+
 class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=1, label="Replicas")
 

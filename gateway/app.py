@@ -59,7 +59,6 @@ from kvrun.clients import client_address_from
 logger = logging.getLogger(__name__)
 
 
-
 class Gateway:
     def __init__(self) -> None:
         self._started = False

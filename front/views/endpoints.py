@@ -24,7 +24,7 @@ from billing.selectors import (
 from endpoints import selectors, services
 from endpoints.models import ACTIVE_STATES, Endpoint, State
 from endpoints.planning import accelerator_of
-from front.forms import PolicyForm, ScaleForm, ScalingForm
+from front.forms import PolicyForm, ScaleForm, ScalingForm, refusal
 from front.scoping import Member, current_organization, endpoint_of, membership
 from front.views.wizard import memory_bar
 from telemetry.models import Advice
@@ -225,9 +225,7 @@ def change_scaling(request: HttpRequest, org_slug: str, name: str) -> HttpRespon
     def change(member: Member, endpoint: Endpoint) -> str:
         form = ScalingForm(request.POST)
         if not form.is_valid():
-            raise ValidationError([f"{form.fields[field].label}: {message}"
-                                   for field, errors in form.errors.items()
-                                   for message in errors])
+            raise refusal(form)
         changed = services.do_change_endpoint_scaling(endpoint=endpoint, actor_role=member.role,
                                                       changes=form.cleaned_data)
         return (f"Scaling changed: {changed.min_replicas} to {changed.max_replicas} replicas, "

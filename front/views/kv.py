@@ -4,7 +4,6 @@ policy form, and the advice with its one-click change."""
 from datetime import timedelta
 
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
@@ -12,7 +11,7 @@ from django.views.decorators.http import require_POST
 
 from endpoints import services
 from endpoints.models import Endpoint
-from front.forms import PolicyForm
+from front.forms import PolicyForm, refusal
 from front.scoping import Member, endpoint_of, membership
 from front.views.endpoints import change_endpoint
 from telemetry import selectors
@@ -57,9 +56,7 @@ def change_policy(request: HttpRequest, org_slug: str, name: str) -> HttpRespons
     def change(member: Member, endpoint: Endpoint) -> str:
         form = PolicyForm(request.POST)
         if not form.is_valid():
-            raise ValidationError([f"{form.fields[field].label}: {message}"
-                                   for field, errors in form.errors.items()
-                                   for message in errors])
+            raise refusal(form)
         return "KV policy changed. " + services.do_change_endpoint_policy(
             endpoint=endpoint, actor_role=member.role, changes=form.cleaned_data)
     return change_endpoint(request, org_slug, name, change)
