@@ -321,16 +321,26 @@ def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str) 
         to_replicas=0, message=f"scaling to zero: {reason}")
 
 
-def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int, reason: str
-                          ) -> bool:
+def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int, reason: str,
+                          stop_replica_id: UUID | None = None) -> bool:
     """Move a running endpoint from `replicas` (the count the decision was made at) to
     `to_replicas`, with `reason` (the numbers behind it) as its event. A conditional update:
     a change made since, or a second autoscaler deciding the same, changes nothing. Returns
-    whether this call scaled it; the reconciler then adds replicas, or stops one (its node
-    agent drains it first)."""
-    return _move_desired_replicas(
-        endpoint_id=endpoint_id, where=Q(desired_replicas=replicas), to_replicas=to_replicas,
-        message=reason, last_scaled_at=timezone.now())
+    whether this call scaled it; the reconciler then adds replicas.
+
+    Scaling down, `stop_replica_id` is the replica to remove, stopped in the same
+    transaction (its node agent drains it first); without one, or if it has moved on since,
+    the reconciler stops the newest."""
+    with transaction.atomic():
+        moved = _move_desired_replicas(
+            endpoint_id=endpoint_id, where=Q(desired_replicas=replicas), to_replicas=to_replicas,
+            message=reason, last_scaled_at=timezone.now())
+        if moved and stop_replica_id is not None:
+            replica = (Replica.objects.select_related("node")
+                       .filter(id=stop_replica_id, endpoint_id=endpoint_id).first())
+            if replica is not None:
+                do_stop_replica(replica=replica, reason="scaled down")
+    return moved
 
 
 def _move_desired_replicas(*, endpoint_id: UUID, where: Q, to_replicas: int, message: str,

@@ -10,7 +10,7 @@ from uuid import UUID
 
 from django.conf import settings
 
-from endpoints.models import ScalingMetric
+from endpoints.models import Replica, ScalingMetric
 from scaling.activity import in_flight_readings
 from telemetry.models import EngineSample
 
@@ -68,3 +68,18 @@ def _engine_metric_over(*, endpoint_id: UUID, replica_ids: list[UUID], metric: s
                 last[replica_id] = fmean(read[replica_id][period])
         values.append(sum(last.values()) / len(replica_ids))
     return values
+
+
+def replica_to_remove(*, replicas: list[Replica]) -> tuple[Replica, int | None]:
+    """Of an endpoint's ready replicas, the one to stop when it scales down, and its requests
+    running or waiting (None if its engine was never read): the fewest in its engine's last
+    sample, since it drains soonest and cuts least; among equals the newest, whose cache has
+    had the least time to warm. A replica never read comes last."""
+    busy = {replica_id: running + waiting for replica_id, running, waiting in (
+        EngineSample.objects
+        .filter(replica_id__in=[replica.id for replica in replicas], resolution_seconds=0)
+        .order_by("replica_id", "-at").distinct("replica_id")
+        .values_list("replica_id", "running", "waiting"))}
+    chosen = min(replicas, key=lambda replica: (
+        replica.id not in busy, busy.get(replica.id, 0), -replica.created_at.timestamp()))
+    return chosen, busy.get(chosen.id)

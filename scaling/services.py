@@ -12,7 +12,7 @@ from django.db.models.functions import Greatest
 from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
 from scaling.activity import activity_of, record_in_flight
-from scaling.selectors import signal_over
+from scaling.selectors import replica_to_remove, signal_over
 
 
 def do_autoscale_endpoints(*, now: datetime) -> int:
@@ -39,8 +39,10 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
     """Add replicas to an endpoint whose metric per replica stayed above its target through
     the up window, as many as bring it to the target (at most max_replicas); remove one from
     an endpoint whose load, through the down window, would have stayed at or under the target
-    on one replica fewer (never below min_replicas, nor below one: zero is the idle rule's). Only endpoints whose replicas are all ready are judged, each direction a
-    window after the last change. Returns how many it changed."""
+    on one replica fewer (never below min_replicas, nor below one: zero is the idle rule's), the replica that
+    is least busy (scaling.selectors.replica_to_remove). Only endpoints whose replicas are all
+    ready are judged, each direction a window after the last change. Returns how many it
+    changed."""
     endpoints = (Endpoint.objects
                  .filter(deleted_at=None, desired_state=DesiredState.RUNNING,
                          desired_replicas__gt=0, max_replicas__gt=1)
@@ -54,10 +56,18 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
                 replica.state != State.READY for replica in live):
             continue  # starting, stopping or rolling: judged once it has settled
         decision = _decide(endpoint, [replica.id for replica in live], now=now)
-        if decision is not None:
-            scaled += do_autoscale_endpoint(endpoint_id=endpoint.id,
-                                            replicas=endpoint.desired_replicas,
-                                            to_replicas=decision[0], reason=decision[1])
+        if decision is None:
+            continue
+        to_replicas, reason = decision
+        stopped = None
+        if to_replicas < endpoint.desired_replicas:
+            stopped, busy = replica_to_remove(replicas=live)
+            reason += (f"; replica {str(stopped.id)[:8]} stops, the one with the fewest "
+                       f"requests running or waiting in its engine's last sample "
+                       f"({'not read yet' if busy is None else busy}), drained first")
+        scaled += do_autoscale_endpoint(
+            endpoint_id=endpoint.id, replicas=endpoint.desired_replicas, to_replicas=to_replicas,
+            reason=reason, stop_replica_id=stopped.id if stopped else None)
     return scaled
 
 
@@ -94,14 +104,12 @@ def _decide(endpoint: Endpoint, replica_ids: list, *, now: datetime) -> tuple[in
         return current - 1, (
             f"scaling down from {current} to {current - 1} replica(s): {what} stayed at or under "
             f"{fits:.1f} through the last {down} s (each third's mean: {_shown(thirds)}), so one "
-            f"replica fewer keeps it under the target of {target:g}; the replica stopped is "
-            "drained first")
+            f"replica fewer keeps it under the target of {target:g}")
     return None
 
 
 def _shown(values: list[float]) -> str:
     return ", ".join(f"{value:.1f}" for value in values)
-
 
 
 def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:

@@ -156,8 +156,11 @@ def test_a_sustained_load_scales_up_to_max_and_after_it_down_with_no_request_fai
             Replica.objects.filter(endpoint=endpoint).exclude(state=State.STOPPED).count() == 1)
     assert autoscaled(scaled_down, 240)
     assert set(light) == {200} and len(light) >= 3
-    assert EndpointEvent.objects.filter(endpoint=endpoint,
-                                        message__startswith="scaling down from 2 to 1").count() == 1
+    [down] = EndpointEvent.objects.filter(endpoint=endpoint,
+                                          message__startswith="scaling down from 2 to 1")
+    stopped = Replica.objects.get(endpoint=endpoint, state=State.STOPPED)
+    assert f"replica {str(stopped.id)[:8]} stops, the one with the fewest requests" in (
+        down.message)
     assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 1
 
     do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)

@@ -181,9 +181,37 @@ def test_a_load_that_fits_on_one_replica_fewer_removes_one_after_the_down_window
 
     assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 2
     [message] = scaling_events(endpoint)
-    assert message.startswith("scaling down from 3 to 2 replica(s): requests in flight per "
-                              "replica stayed at or under 1.3 through the last 120 s (each "
-                              "third's mean: 1.0, 1.0, 1.0)")
+    newest = endpoint.replicas.order_by("created_at").last()
+    assert message == ("scaling down from 3 to 2 replica(s): requests in flight per replica "
+                       "stayed at or under 1.3 through the last 120 s (each third's mean: 1.0, "
+                       "1.0, 1.0), so one replica fewer keeps it under the target of 2; replica "
+                       f"{str(newest.id)[:8]} stops, the one with the fewest requests running "
+                       "or waiting in its engine's last sample (not read yet), drained first")
+    assert list(endpoint.replicas.order_by("created_at").values_list("state", flat=True)) == [
+        State.READY, State.READY, State.STOPPING]
+
+
+def test_scaling_down_stops_the_replica_with_the_fewest_requests_in_its_engine(
+        org: Organization) -> None:
+    endpoint, now = busy(org, 3, min_replicas=1), timezone.now()
+    load(endpoint, seconds=120, in_flight=1, now=now)
+    oldest, middle, newest = endpoint.replicas.order_by("created_at")
+    for replica, running, waiting in [(oldest, 2, 1), (middle, 1, 0), (newest, 3, 0)]:
+        for seconds_ago, also in [(10, 5), (2, 0)]:  # only the last sample counts
+            EngineSample.objects.create(
+                replica=replica, endpoint=endpoint, at=now - timedelta(seconds=seconds_ago),
+                kv_cache_usage=0.1, running=running + also, waiting=waiting, prefix_queries=0,
+                prefix_hits=0, preemptions=0, prompt_tokens=0, generation_tokens=0,
+                requests=0)
+
+    assert do_scale_endpoints_on_signals(now=now) == 1
+
+    [message] = scaling_events(endpoint)
+    assert message.endswith(f"; replica {str(middle.id)[:8]} stops, the one with the fewest "
+                            "requests running or waiting in its engine's last sample (1), "
+                            "drained first")
+    assert {replica.id: replica.state for replica in endpoint.replicas.all()} == {
+        oldest.id: State.READY, middle.id: State.STOPPING, newest.id: State.READY}
 
 
 def test_it_decides_nothing_without_readings_over_the_whole_window_or_while_starting(
