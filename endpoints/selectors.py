@@ -1,10 +1,21 @@
 import statistics
+from collections import Counter
 from collections.abc import Iterable
+from datetime import datetime
+from uuid import UUID
 
 from django.db.models import F, Prefetch, Q, QuerySet, Sum
 
 from accounts.selectors import Quota
-from endpoints.models import DesiredState, Endpoint, GPUType, ModelSpec, Replica, State
+from endpoints.models import (
+    DesiredState,
+    Endpoint,
+    GPUType,
+    ModelSpec,
+    Replica,
+    ReplicaInterval,
+    State,
+)
 from engine.sizing import CPU
 
 
@@ -80,3 +91,19 @@ def median_start_seconds(*, model_id: int, gpu_type_id: int, last: int = 20) -> 
              .order_by("-ready_at").values_list("created_at", "ready_at")[:last])
     seconds = [(ready - created).total_seconds() for created, ready in spans]
     return statistics.median(seconds) if seconds else None
+
+
+def replica_timeline(*, endpoint_id: UUID, since: datetime, until: datetime
+                     ) -> list[tuple[datetime, Counter[str]]]:
+    """How many of the endpoint's replicas held devices in each phase (BilledPhase) from
+    `since` to `until`, read from the GPU-time ledger: an entry at `since` and one at each
+    moment a replica changed phase after it, each counting from then to the next entry."""
+    intervals = list(
+        ReplicaInterval.objects.filter(endpoint_id=endpoint_id, started_at__lt=until)
+        .filter(Q(ended_at=None) | Q(ended_at__gt=since))
+        .values_list("phase", "started_at", "ended_at"))
+    moments = sorted({since, *(started for _, started, _ in intervals if started > since),
+                      *(ended for _, _, ended in intervals if ended and ended < until)})
+    return [(moment, Counter(phase for phase, started, ended in intervals
+                             if started <= moment and (ended is None or ended > moment)))
+            for moment in moments]

@@ -15,6 +15,8 @@ urlpatterns = [
          name="endpoint-status"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/usage/", endpoints.endpoint_usage,
          name="endpoint-usage"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/replicas/", endpoints.endpoint_replicas,
+         name="endpoint-replicas"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/kv/", kv.endpoint_kv_series,
          name="endpoint-kv"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/policy/", kv.change_policy,

@@ -1,15 +1,17 @@
 import functools
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from uuid import uuid4
 
 import factory
+import time_machine
 from django.contrib.auth.hashers import make_password
 from django.utils import timezone
 
 from accounts.models import APIKey, Organization, Role, Scope, User
 from accounts.services import do_create_api_key, do_create_organization
 from billing.usage_stream import UsageReport
+from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from endpoints.services import do_load_catalogs
 
@@ -66,6 +68,33 @@ def ready_endpoint(organization: Organization, name: str, ports: list[int],
         Replica.objects.create(endpoint=endpoint, node=node, state=state, port=port,
                                ready_at=timezone.now())
     return endpoint
+
+
+def endpoint_at_zero(organization: Organization, name: str, *, start_seconds: float,
+                     **fields: object) -> Endpoint:
+    """An endpoint scaled to zero whose model started once, an hour ago, in `start_seconds`
+    on this kind of node: the history a wake's ETA is drawn from."""
+    endpoint = ready_endpoint(organization, name, [], state=State.IDLE, min_replicas=0,
+                              desired_replicas=0, **fields)
+    started = timezone.now() - timedelta(hours=1)
+    Replica.objects.create(endpoint=endpoint, state=State.STOPPED, created_at=started,
+                           ready_at=started + timedelta(seconds=start_seconds),
+                           stopped_at=timezone.now(), node=Node.objects.get(name="stub-node"))
+    return endpoint
+
+
+def replica_history(endpoint: Endpoint, moves: list[tuple[datetime, str]]) -> Replica:
+    """A replica of `endpoint` taken through `moves` (when, to which state) by the lifecycle's
+    own transitions, so that its events and GPU-time ledger are the ones they write."""
+    replica = Replica.objects.create(endpoint=endpoint, state=State.PENDING,
+                                     created_at=moves[0][0])
+    state = State.PENDING
+    for at, to_state in moves:
+        with time_machine.travel(at, tick=False):
+            assert do_transition_replica(replica_id=replica.id, from_states=[state],
+                                         to_state=to_state)
+        state = to_state
+    return replica
 
 
 USAGE_STARTED = datetime(2026, 12, 2, 12, 0, 0, 123000, tzinfo=UTC)

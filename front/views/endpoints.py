@@ -22,7 +22,7 @@ from billing.selectors import (
     window_costs,
 )
 from endpoints import selectors, services
-from endpoints.models import ACTIVE_STATES, Endpoint, State
+from endpoints.models import ACTIVE_STATES, BilledPhase, Endpoint, State
 from endpoints.planning import accelerator_of
 from front.forms import PolicyForm, ScaleForm, ScalingForm, refusal
 from front.scoping import Member, current_organization, endpoint_of, membership
@@ -34,6 +34,8 @@ ENDPOINTS_PER_PAGE = 50
 LOG_LINES = 15
 EVENTS_SHOWN = 20
 CHART_MINUTES = 60
+# Long enough to show an endpoint idling to zero and waking again at its default idle time.
+TIMELINE = timedelta(hours=6)
 SNIPPET_MAX_TOKENS = 64
 
 
@@ -126,6 +128,24 @@ def endpoint_usage(request: HttpRequest, org_slug: str, name: str) -> JsonRespon
         "requests": sum(row["requests"] for row in rows.values()),
         "prompt_tokens": sum(row["prompt_tokens"] for row in rows.values()),
         "completion_tokens": sum(row["completion_tokens"] for row in rows.values()),
+    })
+
+
+@login_required
+def endpoint_replicas(request: HttpRequest, org_slug: str, name: str) -> JsonResponse:
+    """The replica timeline: how many replicas were ready, starting (scheduled or loading)
+    and stopping (draining) over the last six hours, a point at each change."""
+    endpoint = endpoint_of(membership(request, org_slug), name)
+    now = timezone.now()
+    timeline = selectors.replica_timeline(
+        endpoint_id=endpoint.id, since=max(now - TIMELINE, endpoint.created_at), until=now)
+    timeline.append((now, timeline[-1][1]))  # the last counts hold until now
+    return JsonResponse({
+        "times": [round(moment.timestamp(), 3) for moment, _ in timeline],
+        "ready": [phases[BilledPhase.READY] for _, phases in timeline],
+        "starting": [phases[BilledPhase.STARTING] + phases[BilledPhase.LOADING]
+                     for _, phases in timeline],
+        "stopping": [phases[BilledPhase.STOPPING] for _, phases in timeline],
     })
 
 

@@ -1,8 +1,10 @@
 // The endpoint page's charts: each group ([data-charts]) redrawn every 10 s from its URL.
+// A chart marked data-stepped draws counts that hold until the next point (replicas).
 // The usage group: the last hour of usage records, a point per minute; the KV group: the
 // engines' metrics as the node agent read them, a point per minute with samples.
 (() => {
   const count = new Intl.NumberFormat();
+  const COLOURS = ["#2f54eb", "#e8590c", "#868e96"];
 
   function size(el) {
     return { width: Math.max(240, el.clientWidth), height: 160 };
@@ -39,8 +41,10 @@
             scales: { x: { time: true, range: (u, min, max) => latest[x].length
               ? [latest[x][0], latest[x][latest[x].length - 1]] : [min, max] } },
             series: [{}, ...names.map((name, i) => ({
-              label: name.replaceAll("_", " "), stroke: i ? "#e8590c" : "#2f54eb", width: 2,
-              points: { show: true, size: 5 },
+              label: name.replaceAll("_", " "), stroke: COLOURS[i], width: 2,
+              ...("stepped" in el.dataset
+                ? { paths: uPlot.paths.stepped({ align: 1 }), points: { show: false } }
+                : { points: { show: true, size: 5 } }),
             }))],
           };
           charts[index] = new uPlot(options, series, el);

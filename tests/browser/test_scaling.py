@@ -1,5 +1,6 @@
 """Scaling in a real Chromium against Django alone: an endpoint at zero in the list and on
-its page, its scaling settings changed there, and the wizard's scale-to-zero price."""
+its page with its replica timeline, its scaling settings changed there, and the wizard's
+scale-to-zero price."""
 
 from collections.abc import Callable
 from datetime import timedelta
@@ -9,12 +10,12 @@ from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from accounts.models import Organization
-from endpoints.models import Endpoint, Node, Replica, State
+from endpoints.models import Endpoint, State
 from endpoints.services import do_load_catalogs
 from engine.devices import HostResources
 from nodes.services import do_register_node
 from tests.browser.conftest import sign_up
-from tests.factories import ready_endpoint
+from tests.factories import endpoint_at_zero, replica_history
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
@@ -25,13 +26,15 @@ def test_an_owner_sees_an_endpoint_at_zero_and_changes_how_it_scales(
     do_register_node(name="laptop", resources=HostResources(devices=[], cpu_count=2,
                                                             memory_bytes=24 * 2**30))
     sign_up(page, live_server.url)
-    endpoint = ready_endpoint(Organization.objects.get(name="Engines"), "sleepy", ports=[],
-                              state=State.IDLE, min_replicas=0, desired_replicas=0,
-                              max_replicas=2)
-    started = timezone.now() - timedelta(hours=1)
-    Replica.objects.create(endpoint=endpoint, state=State.STOPPED, created_at=started,
-                           ready_at=started + timedelta(seconds=23),
-                           node=Node.objects.get(name="stub-node"))
+    endpoint = endpoint_at_zero(Organization.objects.get(name="Engines"), "sleepy",
+                                start_seconds=23, max_replicas=2)
+    now = timezone.now()
+    Endpoint.objects.filter(id=endpoint.id).update(created_at=now - timedelta(hours=6))
+    for came, went in [(5 * 60, 50), (3 * 60, 2 * 60)]:  # minutes ago
+        replica_history(endpoint, [(now - timedelta(minutes=came), State.STARTING),
+                                   (now - timedelta(minutes=came - 1), State.READY),
+                                   (now - timedelta(minutes=went), State.STOPPING),
+                                   (now - timedelta(minutes=went - 1), State.STOPPED)])
 
     page.goto(f"{live_server.url}/orgs/engines/")
     expect(page.get_by_role("row", name="sleepy")).to_contain_text(
@@ -40,6 +43,9 @@ def test_an_owner_sees_an_endpoint_at_zero_and_changes_how_it_scales(
 
     page.get_by_role("link", name="sleepy").click()
     expect(page.get_by_test_id("idle")).to_contain_text("waits about 23 s")
+    # The replica timeline draws the ledger: one replica, a second for an hour, none now.
+    expect(page.get_by_test_id("replica-timeline").locator("canvas")).to_be_visible()
+    expect(page.get_by_test_id("replica-timeline")).to_contain_text("ready")
     page.get_by_text("Autoscaling and scale to zero").click()
     page.get_by_label("Idle time before zero (s)").fill("300")
     page.get_by_label("Most replicas").fill("3")

@@ -1,15 +1,15 @@
 """Scaling in the dashboard: the endpoint page's settings, and an endpoint at zero in the
 list and on its page."""
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from django.test import Client
 from django.utils import timezone
 
 from accounts.models import Organization
-from endpoints.models import Endpoint, EndpointEvent, Node, Replica, State
-from tests.factories import ready_endpoint
+from endpoints.models import Endpoint, EndpointEvent, Node, State
+from tests.factories import endpoint_at_zero, ready_endpoint, replica_history
 
 pytestmark = pytest.mark.django_db
 
@@ -58,12 +58,7 @@ def test_a_member_cannot_change_scaling(member_client: Client, org: Organization
 
 def test_an_endpoint_at_zero_says_so_and_when_a_request_would_be_served(
         owner_client: Client, org: Organization) -> None:
-    endpoint = ready_endpoint(org, "sleepy", ports=[], state=State.IDLE, min_replicas=0,
-                              desired_replicas=0)
-    started = timezone.now() - timedelta(hours=1)
-    Replica.objects.create(endpoint=endpoint, state=State.STOPPED, created_at=started,
-                           ready_at=started + timedelta(seconds=42),
-                           node=Node.objects.get(name="stub-node"))
+    endpoint_at_zero(org, "sleepy", start_seconds=42)
 
     listing = owner_client.get(f"/orgs/{org.slug}/")
     page = owner_client.get(f"/orgs/{org.slug}/endpoints/sleepy/")
@@ -71,3 +66,37 @@ def test_an_endpoint_at_zero_says_so_and_when_a_request_would_be_served(
     assert b"scaled to zero; a request wakes it in about 42 s" in listing.content
     assert b"Scaled to zero: no replica runs, none is billed. The next request wakes it and " \
            b"waits about 42 s" in page.content
+
+
+def test_the_replica_timeline_counts_each_phase_from_the_ledger(
+        owner_client: Client, org: Organization) -> None:
+    endpoint = ready_endpoint(org, "chat", ports=[], max_replicas=2)
+    now = timezone.now()
+    Endpoint.objects.filter(id=endpoint.id).update(created_at=now - timedelta(hours=3))
+
+    def ago(minutes: int) -> datetime:
+        return now - timedelta(minutes=minutes)
+
+    replica_history(endpoint, [(ago(120), State.STARTING), (ago(119), State.READY),
+                               (ago(60), State.STOPPING), (ago(59), State.STOPPED)])
+    replica_history(endpoint, [(ago(90), State.LOADING), (ago(88), State.READY)])
+
+    data = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/replicas/").json()
+
+    # From the endpoint's creation, then each change, then now.
+    assert [round((now.timestamp() - at) / 60) for at in data["times"]] == [
+        180, 120, 119, 90, 88, 60, 59, 0]
+    assert data["ready"] == [0, 0, 1, 1, 2, 1, 1, 1]
+    assert data["starting"] == [0, 1, 0, 1, 0, 0, 0, 0]
+    assert data["stopping"] == [0, 0, 0, 0, 0, 1, 0, 0]
+    page = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/")
+    assert f'data-url="/orgs/{org.slug}/endpoints/chat/replicas/"'.encode() in page.content
+
+
+def test_the_replica_timeline_is_the_organisations_own(
+        owner_client: Client, org: Organization, other_org: Organization) -> None:
+    ready_endpoint(other_org, "theirs", ports=[])
+
+    response = owner_client.get(f"/orgs/{other_org.slug}/endpoints/theirs/replicas/")
+
+    assert response.status_code == 404

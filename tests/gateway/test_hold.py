@@ -3,7 +3,6 @@ its replica within the hold's bounds, streams are told how the start goes. The r
 part is played here by the test; the whole path on a real engine is tests/e2e."""
 
 import time
-from datetime import timedelta
 
 import httpx
 import pytest
@@ -12,25 +11,14 @@ from django.utils import timezone
 
 from accounts.models import Organization
 from billing.models import UsageRecord
-from endpoints.models import DesiredState, Endpoint, EndpointEvent, Node, Replica, State
+from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
 from kvrun.redis import redis_client
 from scaling.activity import in_flight_name
-from tests.factories import ready_endpoint
+from tests.factories import endpoint_at_zero, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, stored
 from tests.helpers import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
-
-
-def asleep(org: Organization) -> Endpoint:
-    """An endpoint at zero whose model started in 40 s on this kind of node before."""
-    endpoint = ready_endpoint(org, "sleepy", [], state=State.IDLE, min_replicas=0,
-                              desired_replicas=0)
-    started = timezone.now() - timedelta(hours=1)
-    Replica.objects.create(endpoint=endpoint, state=State.STOPPED, created_at=started,
-                           ready_at=started + timedelta(seconds=40), stopped_at=timezone.now(),
-                           node=Node.objects.get(name="stub-node"))
-    return endpoint
 
 
 def waking(org: Organization, port: int) -> tuple[Endpoint, Replica]:
@@ -47,7 +35,7 @@ def test_an_endpoint_at_zero_is_listed_and_a_request_wakes_it_once(
     gateway: InProcessGateway, org: Organization, secret: str
 ) -> None:
     ready_endpoint(org, "chat", [], state=State.STOPPED)  # stopped: neither listed nor woken
-    endpoint = asleep(org)
+    endpoint = endpoint_at_zero(org, "sleepy", start_seconds=40)
 
     assert [model["id"] for model in gateway.get(secret, "/v1/models").json()["data"]] == [
         "sleepy"]
