@@ -19,7 +19,7 @@ from collections import Counter
 import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import close_old_connections
+from django.db import DatabaseError, close_old_connections
 
 from endpoints.models import State
 from endpoints.services import do_wake_endpoint
@@ -151,7 +151,14 @@ class ColdStarts:
             pending = asyncio.ensure_future(sync_to_async(_wake)(route.endpoint_id))
             self._waking[route.endpoint_id] = pending
             pending.add_done_callback(lambda _: self._waking.pop(route.endpoint_id, None))
-        await asyncio.shield(pending)
+        try:
+            await asyncio.shield(pending)
+        except DatabaseError as error:  # PostgreSQL restarting: the client may come back
+            wait = retry_after(route)
+            raise GatewayError(
+                503, f"Endpoint {route.name!r} is scaled to zero and kvrun could not start it "
+                f"just now (its database did not answer); retry in {wait.decode()} s.",
+                code="cold_start_unavailable", headers=[(b"retry-after", wait)]) from error
 
 
 async def _comment(send: Send, text: str) -> None:

@@ -18,12 +18,14 @@ from django.db import connection
 from django.db.models import QuerySet
 from django.test import override_settings
 
+from accounts.models import Organization
 from billing.models import UsageRecord
 from billing.services import do_ingest_usage
 from billing.usage_stream import INTERRUPTED_CODE
 from endpoints.models import Endpoint
 from engine.processes import free_port
 from kvrun.redis import redis_client
+from tests.factories import endpoint_at_zero
 from tests.gateway.helpers import received
 from tests.helpers import RestartableRedis, start_web, stop, wait_until
 
@@ -173,6 +175,35 @@ def test_a_restart_of_postgresql_under_load_fails_no_request_and_loses_no_record
                                     served_while_postgres_was_down=started_at - stopped_at)
     assert load.transport_errors == 0
     assert set(load.statuses) == {200}
+
+
+def test_a_request_to_an_endpoint_at_zero_while_postgresql_is_down_is_told_to_retry(
+        org: Organization, secret: str) -> None:
+    endpoint = endpoint_at_zero(org, "sleepy", start_seconds=40)
+    port = free_port()
+    web = start_web(port, KVRUN_GATEWAY_HOLD_SECONDS="1")
+    base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {secret}"}
+    request = {"model": "sleepy", "prompt": "hi"}
+    try:
+        assert httpx.get(f"{base}/v1/models", headers=auth).status_code == 200  # key, routes
+        postgres = SuitePostgres()
+        postgres.stop()
+        try:
+            refused = httpx.post(f"{base}/v1/completions", json=request, headers=auth,
+                                 timeout=30)
+        finally:
+            postgres.start()
+        # Once the database answers again, a request wakes it (and waits past its 1 s hold).
+        waited = httpx.post(f"{base}/v1/completions", json=request, headers=auth, timeout=30)
+    finally:
+        stop(web)
+
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "40"  # its ETA
+    assert refused.json()["error"]["code"] == "cold_start_unavailable"
+    assert "could not start it just now (its database did not answer)" in (
+        refused.json()["error"]["message"])
+    assert waited.json()["error"]["code"] == "cold_start_timeout"
+    assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 1
 
 
 class SuitePostgres:
