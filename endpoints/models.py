@@ -254,6 +254,13 @@ class Endpoint(models.Model):
                 ScalingMetric.KV_CACHE_USAGE: 90.0}[self.scaling_metric]
 
     @property
+    def autoscaler_reads_in_flight(self) -> bool:
+        """Whether the autoscaler reads the gateways' requests in flight to this endpoint:
+        it may scale to zero (never with one in flight), or it scales on them."""
+        return self.min_replicas == 0 or (
+            self.max_replicas > 1 and self.scaling_metric == ScalingMetric.IN_FLIGHT)
+
+    @property
     def kv_policy(self) -> KVPolicy:
         return KVPolicy(kv_cache_dtype=self.kv_cache_dtype, prefix_caching=self.prefix_caching,
                         host_tier_gib=self.host_tier_gib, disk_tier_gib=self.disk_tier_gib)

@@ -267,6 +267,7 @@ class Gateway:
         try:
             return await self.limiter.admit(
                 endpoint_id=exchange.route.endpoint_id,
+                counts_in_flight=exchange.route.counts_in_flight,
                 # Now, not when the request began: a body uploaded for minutes must not be
                 # counted in a minute long gone.
                 identity=exchange.identity, request_id=exchange.request_id,

@@ -60,8 +60,10 @@ if tpm > 0 then
 end
 redis.call('HSET', KEYS[7], request_id, ARGV[10])
 redis.call('ZADD', KEYS[6], now, request_id)
-redis.call('ZADD', KEYS[8], now, request_id)
-redis.call('PEXPIRE', KEYS[8], lease)
+if ARGV[12] == '1' then
+  redis.call('ZADD', KEYS[8], now, request_id)
+  redis.call('PEXPIRE', KEYS[8], lease)
+end
 redis.call('SET', KEYS[9], now, 'PX', tonumber(ARGV[11]))
 return {0, rc, rp, tc, tp, in_flight}
 """
@@ -88,7 +90,8 @@ class Admission:
     window: int  # the minute it was admitted in
     reserved_tokens: int  # 0 when the key has no token limit
     in_flight_set: str | None
-    endpoint_in_flight_set: str  # empty when Redis was unreachable at admission
+    # Empty where the autoscaler does not read it, or Redis was unreachable at admission.
+    endpoint_in_flight_set: str
 
     def renew(self, pipe: Pipeline, *, now_ms: int) -> None:
         """Queue on `pipe` the renewal of the request's in-flight leases."""
@@ -139,11 +142,13 @@ class Limiter:
     def __init__(self, redis: Redis) -> None:
         self._admit = redis.register_script(ADMIT)
 
-    async def admit(self, *, identity: KeyIdentity, endpoint_id: str, request_id: str,
-                    now_ms: int, tokens: int, trace: bytes) -> Admission:
+    async def admit(self, *, identity: KeyIdentity, endpoint_id: str, counts_in_flight: bool,
+                    request_id: str, now_ms: int, tokens: int, trace: bytes) -> Admission:
         """Take a slot for the request and reserve its `tokens`, leave its `trace` (the
-        encoded report of the request as if interrupted) for the usage ledger and count it in
-        flight to its endpoint; or raise a 429 that says which limit and when to retry."""
+        encoded report of the request as if interrupted) for the usage ledger, note the
+        endpoint's last request and, where the autoscaler reads them (`counts_in_flight`),
+        count it in flight to its endpoint; or raise a 429 that says which limit and when to
+        retry."""
         window, elapsed = divmod(now_ms, WINDOW_MS)
         overlap = (WINDOW_MS - elapsed) * 1_000_000 // WINDOW_MS
         rpm, tpm = identity.requests_per_minute, identity.tokens_per_minute
@@ -159,7 +164,8 @@ class Limiter:
                   in_flight, ADMITTED_SEEN, ADMITTED, endpoint_in_flight,
                   activity.last_request_name(endpoint_id)],
             args=[now_ms, rpm, tpm, concurrent, overlap, request_id, reserve, lease_ms(),
-                  COUNTER_TTL_MS, trace, activity.LAST_REQUEST_TTL_MS])
+                  COUNTER_TTL_MS, trace, activity.LAST_REQUEST_TTL_MS,
+                  int(counts_in_flight)])
         weight = overlap / 1_000_000
         headers = []
         reset = f"{math.ceil((WINDOW_MS - elapsed) / 1000)}s".encode()
@@ -177,7 +183,8 @@ class Limiter:
             return Admission(request_id=request_id, identity=identity, headers=headers,
                              window=window, reserved_tokens=reserve if tpm else 0,
                              in_flight_set=in_flight if concurrent else None,
-                             endpoint_in_flight_set=endpoint_in_flight)
+                             endpoint_in_flight_set=endpoint_in_flight if counts_in_flight
+                             else "")
         if verdict == REQUESTS:
             wait = seconds_until_room(current=rc, previous=rp, limit=rpm, elapsed_ms=elapsed)
             message = (f"This API key's limit of {rpm} requests per minute is used up; retry "
