@@ -6,16 +6,20 @@ import secrets
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
+from django.db import connection
 
 from engine.processes import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 # The worker started for the suite marks a node lost after this many silent seconds.
 NODE_LOST_AFTER_SECONDS = 3
 # Fast restarts and an early verdict, so that failure paths finish in seconds.
@@ -51,6 +55,33 @@ def process_alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state not in {"Z", "X"}
+
+
+def at_once(*calls: Callable[[], T]) -> list[T]:
+    """What each of `calls` returns, in their order: each runs in a thread of its own, on
+    its own database connection, and all are released together, as workers or clients of
+    their own would run them. The first exception a call raised is raised here."""
+    barrier = threading.Barrier(len(calls))
+    results: dict[int, T] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int, call: Callable[[], T]) -> None:
+        try:
+            barrier.wait(10)
+            results[index] = call()
+        except BaseException as error:  # noqa: BLE001  handed to the test's thread
+            errors.append(error)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=run, args=pair) for pair in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [results[index] for index in range(len(calls))]
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.2) -> bool:

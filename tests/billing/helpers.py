@@ -1,13 +1,9 @@
 """Endpoints, replica lifecycles, usage and month ends for billing tests, on a controlled
 clock."""
 
-import threading
-from collections.abc import Callable
 from datetime import datetime, timedelta
-from typing import TypeVar
 
 import time_machine
-from django.db import connection
 
 from accounts.models import APIKey, Organization
 from billing.invoicing import do_finalize_due_invoices
@@ -16,8 +12,6 @@ from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from tests.factories import usage_report
-
-T = TypeVar("T")
 
 
 def demo_endpoint(org: Organization) -> Endpoint:
@@ -59,24 +53,3 @@ def finalize_at(moment: datetime) -> int:
     with time_machine.travel(moment, tick=False):
         do_roll_up_usage()
         return do_finalize_due_invoices()
-
-
-def at_once(call: Callable[[], T], workers: int = 2) -> list[T]:
-    """What `call` returns in each of `workers` threads released together, as workers of
-    their own would run it, each on its own database connection."""
-    barrier = threading.Barrier(workers)
-    results: list[T] = []
-
-    def worker() -> None:
-        try:
-            barrier.wait(10)
-            results.append(call())
-        finally:
-            connection.close()
-
-    threads = [threading.Thread(target=worker) for _ in range(workers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-    return results

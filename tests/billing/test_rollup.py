@@ -18,8 +18,9 @@ from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint
-from tests.billing.helpers import at_once, demo_endpoint, run_replica
+from tests.billing.helpers import demo_endpoint, run_replica
 from tests.factories import inference_key, usage_report
+from tests.helpers import at_once
 
 T0 = datetime(2026, 1, 31, 23, 30, tzinfo=UTC)  # half an hour before a month ends
 
@@ -130,7 +131,7 @@ def test_the_rollup_run_twice_or_by_two_workers_at_once_gives_the_same_totals(
                 tuple(TokenHour.objects.order_by("hour").values_list(
                     "hour", "requests", "prompt_tokens", "completion_tokens")))
 
-    runs = at_once(lambda: do_roll_up_usage(now=now))
+    runs = at_once(*[lambda: do_roll_up_usage(now=now)] * 2)
     concurrent = totals()
     do_roll_up_usage(now=now)
 

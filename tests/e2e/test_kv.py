@@ -5,7 +5,7 @@ Two engines serve the whole module, so its rows must outlive each test: the modu
 its own data and flushes once at the end. Its tests run in file order.
 """
 
-import threading
+import functools
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +27,7 @@ from engine.metrics import totals
 from kvrun.digests import engine_api_key
 from telemetry.models import EngineSample
 from tests.factories import UserFactory, api_key, inference_key
-from tests.helpers import api_servers, drive, records_for, wait_until
+from tests.helpers import api_servers, at_once, drive, records_for, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -128,21 +128,14 @@ def test_the_agent_reads_each_engine_s_metrics_and_the_api_charts_their_rates(
 
 def test_a_saturated_replica_spills_to_the_other(pair: Pair) -> None:
     shared = document()
-    ids: list[str] = []
-    together = threading.Barrier(4)
 
-    def one(n: int) -> None:
-        together.wait()
+    def one(n: int) -> str:
         # Long answers, so that the four are in flight at once: one replica would take two
         # (its concurrency), and its bound, 1.25 × the average in flight, fewer.
-        ids.append(pair.complete(f"{shared} Tell me more, {n}.", max_tokens=1024,
-                                 ignore_eos=True).headers["x-request-id"])
+        return pair.complete(f"{shared} Tell me more, {n}.", max_tokens=1024,
+                             ignore_eos=True).headers["x-request-id"]
 
-    threads = [threading.Thread(target=one, args=(n,)) for n in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    ids = at_once(*(functools.partial(one, n) for n in range(4)))
 
     # The same prefix, which alone would stay on one replica (the first test), spilled.
     served = [record.replica_id for record in records_for(ids)]

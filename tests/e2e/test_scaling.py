@@ -3,6 +3,7 @@ endpoint scales to zero and a burst of requests at zero, streamed and not, is he
 gateway (a web process) while one replica starts, and served; a sustained load scales an
 endpoint up to its max, and after it, down, with no request failed."""
 
+import functools
 import threading
 from collections.abc import Callable
 
@@ -17,7 +18,7 @@ from endpoints.services import do_create_endpoint, do_delete_endpoint
 from endpoints.tasks import reconcile
 from scaling.tasks import autoscale
 from tests.factories import inference_key
-from tests.helpers import api_servers, drive, records_for, wait_until
+from tests.helpers import api_servers, at_once, drive, records_for, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -60,21 +61,14 @@ def test_an_idle_endpoint_scales_to_zero_and_a_burst_at_zero_is_served_by_one_st
     listed = httpx.get(f"{web}/v1/models", headers={"Authorization": f"Bearer {secret}"})
     assert [model["id"] for model in listed.json()["data"]] == ["sleepy"]
 
-    together = threading.Barrier(4)
-    responses: dict[int, httpx.Response] = {}
 
-    def send(n: int) -> None:
-        together.wait()
-        responses[n] = httpx.post(
+    def send(n: int) -> httpx.Response:
+        return httpx.post(
             f"{web}/v1/completions", timeout=300, headers={"Authorization": f"Bearer {secret}"},
             json={"model": "sleepy", "prompt": f"Wake up, {n}.", "max_tokens": 4,
                   "stream": n % 2 == 0})
 
-    threads = [threading.Thread(target=send, args=(n,)) for n in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    responses = at_once(*(functools.partial(send, n) for n in range(4)))
 
     assert [responses[n].status_code for n in range(4)] == [200] * 4, [
         responses[n].text[:300] for n in range(4)]

@@ -1,11 +1,9 @@
 """An endpoint at zero: created to scale there, summarised as idle, woken once however many
 requests ask at once."""
 
-import threading
 
 import pytest
 from django.core.exceptions import ValidationError
-from django.db import connection
 from django.test import override_settings
 
 from accounts.models import Organization, Role
@@ -19,6 +17,7 @@ from endpoints.services import (
     do_wake_endpoint,
 )
 from tests.factories import ready_endpoint
+from tests.helpers import at_once
 
 
 def create(org: Organization, **scaling: object) -> Endpoint:
@@ -65,19 +64,7 @@ def test_an_endpoint_with_no_replica_asked_for_is_idle() -> None:
 def test_requests_at_once_wake_an_endpoint_at_zero_once(org: Organization) -> None:
     endpoint = ready_endpoint(org, "sleepy", [], state=State.IDLE, min_replicas=0,
                               desired_replicas=0)
-    together = threading.Barrier(4)
-    woken = []
-
-    def wake() -> None:
-        together.wait()
-        woken.append(do_wake_endpoint(endpoint_id=endpoint.id))
-        connection.close()
-
-    threads = [threading.Thread(target=wake) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    woken = at_once(*[lambda: do_wake_endpoint(endpoint_id=endpoint.id)] * 4)
 
     assert sorted(woken) == [False, False, False, True]
     assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 1

@@ -1,12 +1,10 @@
 """The autoscaler's decisions: scale to zero from the gateways' activity in Redis, and
 replicas added or removed from the engines' samples."""
 
-import threading
 from datetime import datetime, timedelta
 
 import pytest
 from django.conf import settings
-from django.db import connection
 from django.utils import timezone
 
 from accounts.models import Organization
@@ -16,6 +14,7 @@ from scaling.activity import in_flight_name, last_request_name, readings_name, r
 from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero
 from telemetry.models import EngineSample
 from tests.factories import ready_endpoint
+from tests.helpers import at_once
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -77,19 +76,7 @@ def test_it_leaves_endpoints_that_may_not_scale_to_zero_or_are_stopped(
 
 
 def test_two_autoscalers_at_once_make_one_decision(idle: Endpoint) -> None:
-    together = threading.Barrier(2)
-    results = []
-
-    def decide() -> None:
-        together.wait()
-        results.append(do_scale_idle_endpoints_to_zero(now=timezone.now()))
-        connection.close()
-
-    threads = [threading.Thread(target=decide) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = at_once(*[lambda: do_scale_idle_endpoints_to_zero(now=timezone.now())] * 2)
 
     assert sorted(results) == [0, 1]
     assert len(zero_events(idle)) == 1
@@ -243,18 +230,6 @@ def test_waiting_requests_are_read_from_the_engines_samples(org: Organization) -
 def test_two_autoscalers_on_signals_at_once_make_one_change(org: Organization) -> None:
     endpoint, now = busy(org, 2), timezone.now()
     load(endpoint, seconds=60, in_flight=3, now=now)
-    together = threading.Barrier(2)
-    results = []
-
-    def decide() -> None:
-        together.wait()
-        results.append(do_scale_endpoints_on_signals(now=now))
-        connection.close()
-
-    threads = [threading.Thread(target=decide) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    results = at_once(*[lambda: do_scale_endpoints_on_signals(now=now)] * 2)
 
     assert sorted(results) == [0, 1] and len(scaling_events(endpoint)) == 1
