@@ -11,6 +11,7 @@ from django.db.models.functions import Greatest
 
 from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
+from kvrun.units import duration_text
 from scaling.activity import activity_of, record_in_flight
 from scaling.selectors import replica_to_remove, signal_over
 
@@ -128,19 +129,14 @@ def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:
                     default=None)
         if seen.in_flight or since is None:  # busy, or still starting its first replica
             continue
-        idle = now - since
-        wanted = timedelta(seconds=endpoint.scale_to_zero_after_seconds)
+        idle = (now - since).total_seconds()
+        wanted = endpoint.scale_to_zero_after_seconds
         if idle < wanted:
             continue
-        reason = (f"no request for {_duration(idle)} and none in flight (its idle time is "
-                  f"{_duration(wanted)}); stopping its {endpoint.desired_replicas} "
+        reason = (f"no request for {duration_text(idle)} and none in flight (its idle time is "
+                  f"{duration_text(wanted)}); stopping its {endpoint.desired_replicas} "
                   "replica(s). The next request wakes it.")
         scaled += do_scale_endpoint_to_zero(endpoint_id=endpoint.id,
                                             replicas=endpoint.desired_replicas, reason=reason)
     return scaled
 
-
-def _duration(span: timedelta) -> str:
-    seconds = int(span.total_seconds())
-    minutes, seconds = divmod(seconds, 60)
-    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"

@@ -4,6 +4,7 @@ dollars."""
 from django import template
 
 from billing.invoicing import usd
+from kvrun.units import duration_text
 
 register = template.Library()
 
@@ -32,10 +33,7 @@ def tokens(count: int) -> str:
 
 @register.filter
 def duration(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    seconds = round(seconds)
-    return f"{seconds // 60} min {seconds % 60} s" if seconds >= 60 else f"{seconds} s"
+    return "" if seconds is None else duration_text(seconds)
 
 
 @register.filter
