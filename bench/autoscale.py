@@ -14,7 +14,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -30,13 +29,11 @@ from django.conf import settings  # noqa: E402
 
 from accounts.models import Role, Scope, User  # noqa: E402
 from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
-from bench.provision import bare_start, start_processes  # noqa: E402
+from bench.provision import bare_start, start_processes, start_web  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_create_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model  # noqa: E402
-from engine.processes import free_port  # noqa: E402
 from kvrun.celery import app  # noqa: E402
-from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -102,14 +99,9 @@ def main() -> int:
     organization = do_create_organization(user=owner, name="bench autoscale")
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
     children = start_processes(logs)
-    port = free_port()
-    web = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application", port=port)],
-                           cwd=ROOT, env=os.environ.copy())
-    children.append(web)
-    base = f"http://127.0.0.1:{port}"
     bare, rounds = [], []
     try:
-        wait_until_listening(web, port)
+        base = start_web(children)
         secret = do_create_api_key(organization=organization, name="bench",
                                    scope=Scope.INFERENCE, actor_role=Role.OWNER,
                                    created_by=None)[1]

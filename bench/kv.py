@@ -21,7 +21,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -38,7 +37,7 @@ from django.conf import settings  # noqa: E402
 
 from accounts.models import Role, Scope, User  # noqa: E402
 from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
-from bench.provision import start_processes  # noqa: E402
+from bench.provision import start_processes, start_web  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import (  # noqa: E402
     do_change_endpoint_policy,
@@ -46,9 +45,7 @@ from endpoints.services import (  # noqa: E402
     do_delete_endpoint,
     do_load_catalogs,
 )
-from engine.processes import free_port  # noqa: E402
 from kvrun.celery import app  # noqa: E402
-from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -166,14 +163,9 @@ def main() -> int:
     organization = do_create_organization(user=owner, name="bench kv")
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
     children = start_processes(logs)
-    port = free_port()
-    web = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application", port=port)],
-                           cwd=ROOT, env=os.environ.copy())
-    children.append(web)
-    base = f"http://127.0.0.1:{port}"
     rng = random.Random(SEED)
     try:
-        wait_until_listening(web, port)
+        base = start_web(children)
         inference = do_create_api_key(organization=organization, name="bench",
                                       scope=Scope.INFERENCE, actor_role=Role.OWNER,
                                       created_by=None)[1]

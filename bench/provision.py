@@ -33,6 +33,7 @@ from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_c
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.sizing import CPU, GIB, kv_cache_tokens  # noqa: E402
 from kvrun.celery import app  # noqa: E402
+from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -88,6 +89,17 @@ def start_processes(logs: Path) -> list[subprocess.Popen]:
         assert time.monotonic() < deadline, "worker or node agent did not start"
     time.sleep(2)  # both consumers subscribed
     return [worker, agent]
+
+
+def start_web(children: list[subprocess.Popen]) -> str:
+    """The web process (gateway and dashboard) as `make run` starts it, added to `children`
+    before it is waited for; returns its base URL."""
+    port = processes.free_port()
+    web = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application", port=port)],
+                           cwd=ROOT, env=os.environ.copy())
+    children.append(web)
+    wait_until_listening(web, port)
+    return f"http://127.0.0.1:{port}"
 
 
 def main() -> None:
