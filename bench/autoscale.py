@@ -10,12 +10,12 @@ Goals: cold first token ≤ bare start + 1 s, ETA within ±25 %, no request fail
 round's ETA comes from the endpoint's own first start. Writes bench/results/autoscale.json.
 """
 
+import functools
 import json
 import os
 import re
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -34,6 +34,7 @@ from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_create_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model  # noqa: E402
 from kvrun.celery import app  # noqa: E402
+from tests.helpers import at_once  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -56,13 +57,10 @@ def at_zero(endpoint: Endpoint) -> None:
 
 def cold_burst(web: str, secret: str) -> dict:
     """Four requests at once to the endpoint at zero; what the first stream saw."""
-    together = threading.Barrier(4)
-    outcomes: dict[int, dict] = {}
 
-    def send(n: int) -> None:
+    def send(n: int) -> dict:
         body = {"model": "sleepy", "prompt": f"Wake up, {n}.", "max_tokens": 4,
                 "stream": n < 2}
-        together.wait()
         sent = time.perf_counter()
         seen: dict = {"status": None, "first_token_s": None, "eta_s": None, "waited_s": None}
         with httpx.stream("POST", f"{web}/v1/completions", json=body, timeout=600,
@@ -77,17 +75,13 @@ def cold_burst(web: str, secret: str) -> dict:
                     seen["first_token_s"] = time.perf_counter() - sent
             if not body["stream"]:
                 seen["waited_s"] = int(response.headers.get("x-kvrun-cold-start-ms", 0)) / 1000
-        outcomes[n] = seen
+        return seen
 
-    threads = [threading.Thread(target=send, args=(n,)) for n in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    outcomes = at_once(*(functools.partial(send, n) for n in range(4)))
     streamed = outcomes[0]
     return {"first_token_s": streamed["first_token_s"], "eta_s": streamed["eta_s"],
             "waited_s": streamed["waited_s"],
-            "failed": sum(outcome["status"] != 200 for outcome in outcomes.values())}
+            "failed": sum(outcome["status"] != 200 for outcome in outcomes)}
 
 
 def main() -> int:

@@ -159,6 +159,14 @@ class ScalingMetric(models.TextChoices):
     KV_CACHE_USAGE = "kv_cache_usage", "KV cache usage, %"
 
 
+# The endpoints whose gateways' requests in flight the autoscaler reads: those that may scale
+# to zero (never with one in flight) and those that scale on them. The gateways count
+# requests in flight only to these; one rule for both sides, so they cannot drift apart.
+MAY_SCALE_TO_ZERO = models.Q(min_replicas=0)
+SCALES_ON_IN_FLIGHT = models.Q(max_replicas__gt=1, scaling_metric=ScalingMetric.IN_FLIGHT)
+READS_IN_FLIGHT = MAY_SCALE_TO_ZERO | SCALES_ON_IN_FLIGHT
+
+
 class CacheIsolation(models.TextChoices):
     """Whose requests may reuse one another's cached prefixes (vLLM's cache_salt)."""
 
@@ -252,13 +260,6 @@ class Endpoint(models.Model):
             return self.scaling_target
         return {ScalingMetric.IN_FLIGHT: float(self.concurrency), ScalingMetric.WAITING: 1.0,
                 ScalingMetric.KV_CACHE_USAGE: 90.0}[self.scaling_metric]
-
-    @property
-    def autoscaler_reads_in_flight(self) -> bool:
-        """Whether the autoscaler reads the gateways' requests in flight to this endpoint:
-        it may scale to zero (never with one in flight), or it scales on them."""
-        return self.min_replicas == 0 or (
-            self.max_replicas > 1 and self.scaling_metric == ScalingMetric.IN_FLIGHT)
 
     @property
     def kv_policy(self) -> KVPolicy:

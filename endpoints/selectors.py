@@ -1,13 +1,14 @@
 import statistics
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from datetime import datetime
 from uuid import UUID
 
-from django.db.models import F, Prefetch, Q, QuerySet, Sum
+from django.db.models import BooleanField, ExpressionWrapper, F, Prefetch, Q, QuerySet, Sum
 
 from accounts.selectors import Quota
 from endpoints.models import (
+    READS_IN_FLIGHT,
     DesiredState,
     Endpoint,
     GPUType,
@@ -74,10 +75,12 @@ def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str,
 
 def endpoints_for_gateway(*, organization_id: object) -> QuerySet[Endpoint]:
     """The organisation's live endpoints with their ready replicas and nodes: what the
-    gateway routes by."""
+    gateway routes by; `reads_in_flight` whether it counts their requests in flight."""
     ready = Replica.objects.filter(state=State.READY, port__isnull=False,
                                    node__isnull=False).select_related("node")
     return (Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
+            .annotate(reads_in_flight=ExpressionWrapper(READS_IN_FLIGHT,
+                                                        output_field=BooleanField()))
             .select_related("organization")
             .prefetch_related("replicas",
                               Prefetch("replicas", queryset=ready, to_attr="ready_replicas")))
@@ -98,12 +101,17 @@ def replica_timeline(*, endpoint_id: UUID, since: datetime, until: datetime
     """How many of the endpoint's replicas held devices in each phase (BilledPhase) from
     `since` to `until`, read from the GPU-time ledger: an entry at `since` and one at each
     moment a replica changed phase after it, each counting from then to the next entry."""
-    intervals = list(
-        ReplicaInterval.objects.filter(endpoint_id=endpoint_id, started_at__lt=until)
-        .filter(Q(ended_at=None) | Q(ended_at__gt=since))
-        .values_list("phase", "started_at", "ended_at"))
-    moments = sorted({since, *(started for _, started, _ in intervals if started > since),
-                      *(ended for _, _, ended in intervals if ended and ended < until)})
-    return [(moment, Counter(phase for phase, started, ended in intervals
-                             if started <= moment and (ended is None or ended > moment)))
-            for moment in moments]
+    changes: dict[datetime, Counter[str]] = defaultdict(Counter)
+    for phase, started, ended in (
+            ReplicaInterval.objects.filter(endpoint_id=endpoint_id, started_at__lt=until)
+            .filter(Q(ended_at=None) | Q(ended_at__gt=since))
+            .values_list("phase", "started_at", "ended_at")):
+        changes[max(started, since)][phase] += 1
+        if ended is not None and ended < until:
+            changes[ended][phase] -= 1
+    counts: Counter[str] = Counter()
+    timeline = []
+    for moment in sorted({since, *changes}):
+        counts.update(changes[moment])  # adds, negative counts included
+        timeline.append((moment, +counts))
+    return timeline

@@ -328,9 +328,9 @@ def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int,
     a change made since, or a second autoscaler deciding the same, changes nothing. Returns
     whether this call scaled it; the reconciler then adds replicas.
 
-    Scaling down, `stop_replica_id` is the replica to remove, stopped in the same
-    transaction (its node agent drains it first); without one, or if it has moved on since,
-    the reconciler stops the newest."""
+    Scaling down, `stop_replica_id` is the replica to remove (the one the event names),
+    stopped in the same transaction; its node agent drains it first. If it has moved on
+    since, nothing changes and False is returned: the next pass decides again."""
     with transaction.atomic():
         moved = _move_desired_replicas(
             endpoint_id=endpoint_id, where=Q(desired_replicas=replicas), to_replicas=to_replicas,
@@ -338,8 +338,9 @@ def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int,
         if moved and stop_replica_id is not None:
             replica = (Replica.objects.select_related("node")
                        .filter(id=stop_replica_id, endpoint_id=endpoint_id).first())
-            if replica is not None:
-                do_stop_replica(replica=replica, reason="scaled down")
+            if replica is None or not do_stop_replica(replica=replica, reason="scaled down"):
+                transaction.set_rollback(True)
+                return False
     return moved
 
 

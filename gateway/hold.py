@@ -19,7 +19,7 @@ from collections import Counter
 import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import DatabaseError, close_old_connections
+from django.db import InterfaceError, OperationalError, close_old_connections
 
 from endpoints.models import State
 from endpoints.services import do_wake_endpoint
@@ -153,7 +153,7 @@ class ColdStarts:
             pending.add_done_callback(lambda _: self._waking.pop(route.endpoint_id, None))
         try:
             await asyncio.shield(pending)
-        except DatabaseError as error:  # PostgreSQL restarting: the client may come back
+        except (OperationalError, InterfaceError) as error:  # PostgreSQL away: come back
             wait = retry_after(route)
             raise GatewayError(
                 503, f"Endpoint {route.name!r} is scaled to zero and kvrun could not start it "

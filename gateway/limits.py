@@ -1,9 +1,10 @@
 """Per-key requests and tokens per minute, and per-organisation requests in flight, in Redis.
 
 One Lua script checks all three, takes the request's share of each, traces the request
-for the usage ledger (billing.usage_stream) and counts it in its endpoint's activity
-(scaling.activity), atomically and in the one round trip admission
-costs, so gateways on many hosts share the limits exactly. Minutes are sliding windows (this
+for the usage ledger (billing.usage_stream) and notes it in its endpoint's activity
+(scaling.activity: its last request, and its requests in flight where the autoscaler reads
+them), atomically and in the one round trip admission costs, so gateways on many hosts share
+the limits exactly. Minutes are sliding windows (this
 minute's count plus the last minute's, weighted by how much of it still overlaps).
 
 Tokens are reserved at admission, as many as the request may consume (gateway.protocol), so
@@ -90,16 +91,22 @@ class Admission:
     window: int  # the minute it was admitted in
     reserved_tokens: int  # 0 when the key has no token limit
     in_flight_set: str | None
+    endpoint_id: str
     # Empty where the autoscaler does not read it, or Redis was unreachable at admission.
     endpoint_in_flight_set: str
 
     def renew(self, pipe: Pipeline, *, now_ms: int) -> None:
-        """Queue on `pipe` the renewal of the request's in-flight leases."""
+        """Queue on `pipe` the renewal of the request's in-flight leases, and its endpoint's
+        last request moved to now: a request still running keeps an endpoint from idling to
+        zero even where it was not counted in flight (admitted before the endpoint could
+        scale to zero)."""
         for name in filter(None, (self.in_flight_set, self.endpoint_in_flight_set)):
             pipe.zadd(name, {self.request_id: now_ms}, xx=True)
             # The set lives as long as a lease from its last renewal, or its slots would go
             # with it while their requests still run.
             pipe.pexpire(name, lease_ms())
+        pipe.set(activity.last_request_name(self.endpoint_id), now_ms,
+                 px=activity.LAST_REQUEST_TTL_MS)
 
     def release(self, pipe: Pipeline, *, tokens: int, now_ms: int) -> None:
         """Queue on `pipe` the end of the request's hold: its in-flight slot given back, and
@@ -183,6 +190,7 @@ class Limiter:
             return Admission(request_id=request_id, identity=identity, headers=headers,
                              window=window, reserved_tokens=reserve if tpm else 0,
                              in_flight_set=in_flight if concurrent else None,
+                             endpoint_id=endpoint_id,
                              endpoint_in_flight_set=endpoint_in_flight if counts_in_flight
                              else "")
         if verdict == REQUESTS:

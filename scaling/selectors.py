@@ -1,6 +1,7 @@
-"""The autoscaler's signal: an endpoint's metric per ready replica over a window. Requests in
-flight are the gateways' (scaling.activity), as the autoscaler read them at each pass; waiting
-requests and KV cache usage are the engines' (telemetry), one value per scrape period."""
+"""What the autoscaler reads. Its signal: an endpoint's metric per ready replica over a
+window. Requests in flight are the gateways' (scaling.activity), as the autoscaler read them at
+each pass; waiting requests and KV cache usage are the engines' (telemetry), one value per
+scrape period. And on scaling down, which replica to stop."""
 
 import math
 from collections import defaultdict
@@ -70,14 +71,16 @@ def _engine_metric_over(*, endpoint_id: UUID, replica_ids: list[UUID], metric: s
     return values
 
 
-def replica_to_remove(*, replicas: list[Replica]) -> tuple[Replica, int | None]:
+def replica_to_remove(*, replicas: list[Replica], since: datetime
+                      ) -> tuple[Replica, int | None]:
     """Of an endpoint's ready replicas, the one to stop when it scales down, and its requests
-    running or waiting (None if its engine was never read): the fewest in its engine's last
-    sample, since it drains soonest and cuts least; among equals the newest, whose cache has
-    had the least time to warm. A replica never read comes last."""
+    running or waiting (None if its engine was not read since `since`): the fewest in its
+    engine's last sample, since it drains soonest and cuts least; among equals the newest,
+    whose cache has had the least time to warm. A replica not read since comes last."""
     busy = {replica_id: running + waiting for replica_id, running, waiting in (
         EngineSample.objects
-        .filter(replica_id__in=[replica.id for replica in replicas], resolution_seconds=0)
+        .filter(replica_id__in=[replica.id for replica in replicas], resolution_seconds=0,
+                at__gte=since)
         .order_by("replica_id", "-at").distinct("replica_id")
         .values_list("replica_id", "running", "waiting"))}
     chosen = min(replicas, key=lambda replica: (

@@ -9,7 +9,14 @@ from statistics import fmean
 from django.db.models import Max
 from django.db.models.functions import Greatest
 
-from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
+from endpoints.models import (
+    MAY_SCALE_TO_ZERO,
+    SCALES_ON_IN_FLIGHT,
+    DesiredState,
+    Endpoint,
+    ScalingMetric,
+    State,
+)
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
 from kvrun.units import duration_text
 from scaling.activity import activity_of, record_in_flight
@@ -26,9 +33,8 @@ def do_autoscale_endpoints(*, now: datetime) -> int:
 def do_record_in_flight(*, now: datetime) -> None:
     """Read the requests in flight across the gateways of every running endpoint that scales
     on them (more than one replica allowed), kept for its longest window."""
-    windows = dict(Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING,
-                                           max_replicas__gt=1,
-                                           scaling_metric=ScalingMetric.IN_FLIGHT)
+    windows = dict(Endpoint.objects.filter(SCALES_ON_IN_FLIGHT, deleted_at=None,
+                                           desired_state=DesiredState.RUNNING)
                    .values_list("id", Greatest("scale_up_window_seconds",
                                                "scale_down_window_seconds")))
     activity = activity_of(endpoint_ids=list(windows), now=now)
@@ -40,10 +46,10 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
     """Add replicas to an endpoint whose metric per replica stayed above its target through
     the up window, as many as bring it to the target (at most max_replicas); remove one from
     an endpoint whose load, through the down window, would have stayed at or under the target
-    on one replica fewer (never below min_replicas, nor below one: zero is the idle rule's), the replica that
-    is least busy (scaling.selectors.replica_to_remove). Only endpoints whose replicas are all
-    ready are judged, each direction a window after the last change. Returns how many it
-    changed."""
+    on one replica fewer (never below min_replicas, nor below one: zero is the idle rule's):
+    the replica that is least busy (scaling.selectors.replica_to_remove). Only endpoints
+    whose replicas are all ready are judged, each direction a window after the last change.
+    Returns how many it changed."""
     endpoints = (Endpoint.objects
                  .filter(deleted_at=None, desired_state=DesiredState.RUNNING,
                          desired_replicas__gt=0, max_replicas__gt=1)
@@ -62,7 +68,8 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
         to_replicas, reason = decision
         stopped = None
         if to_replicas < endpoint.desired_replicas:
-            stopped, busy = replica_to_remove(replicas=live)
+            stopped, busy = replica_to_remove(
+                replicas=live, since=now - timedelta(seconds=endpoint.scale_down_window_seconds))
             reason += (f"; replica {str(stopped.id)[:8]} stops, the one with the fewest "
                        f"requests running or waiting in its engine's last sample "
                        f"({'not read yet' if busy is None else busy}), drained first")
@@ -118,8 +125,8 @@ def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:
     idle time, counted from its last request or, where none is known, from when its last
     replica became ready; never one with a request in flight. Returns how many it scaled."""
     candidates = list(
-        Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING,
-                                min_replicas=0, desired_replicas__gt=0)
+        Endpoint.objects.filter(MAY_SCALE_TO_ZERO, deleted_at=None,
+                                desired_state=DesiredState.RUNNING, desired_replicas__gt=0)
         .exclude(state=State.FAILED).annotate(last_ready_at=Max("replicas__ready_at")))
     activity = activity_of(endpoint_ids=[endpoint.id for endpoint in candidates], now=now)
     scaled = 0

@@ -78,7 +78,7 @@ def at_once(*calls: Callable[[], T]) -> list[T]:
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join()
+        thread.join(600)  # the calls' own timeouts end them first
     if errors:
         raise errors[0]
     return [results[index] for index in range(len(calls))]

@@ -1,7 +1,8 @@
 // The endpoint page's charts: each group ([data-charts]) redrawn every 10 s from its URL.
-// A chart marked data-stepped draws counts that hold until the next point (replicas).
 // The usage group: the last hour of usage records, a point per minute; the KV group: the
-// engines' metrics as the node agent read them, a point per minute with samples.
+// engines' metrics as the node agent read them, a point per minute with samples; the replica
+// timeline: replicas per phase over 6 hours, a point per change, drawn stepped
+// (data-stepped: each count holds until the next point).
 (() => {
   const count = new Intl.NumberFormat();
   const COLOURS = ["#2f54eb", "#e8590c", "#868e96"];

@@ -61,7 +61,6 @@ def test_an_idle_endpoint_scales_to_zero_and_a_burst_at_zero_is_served_by_one_st
     listed = httpx.get(f"{web}/v1/models", headers={"Authorization": f"Bearer {secret}"})
     assert [model["id"] for model in listed.json()["data"]] == ["sleepy"]
 
-
     def send(n: int) -> httpx.Response:
         return httpx.post(
             f"{web}/v1/completions", timeout=300, headers={"Authorization": f"Bearer {secret}"},

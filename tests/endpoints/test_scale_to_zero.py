@@ -1,7 +1,6 @@
 """An endpoint at zero: created to scale there, summarised as idle, woken once however many
 requests ask at once."""
 
-
 import pytest
 from django.core.exceptions import ValidationError
 from django.test import override_settings

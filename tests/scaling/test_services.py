@@ -8,9 +8,11 @@ from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import Organization
-from endpoints.models import DesiredState, Endpoint, EndpointEvent, State
+from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
+from endpoints.services import do_autoscale_endpoint
 from kvrun.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
+from scaling.selectors import replica_to_remove
 from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero
 from telemetry.models import EngineSample
 from tests.factories import ready_endpoint
@@ -103,6 +105,13 @@ def load(endpoint: Endpoint, *, seconds: int, in_flight: float, now: datetime) -
         record_in_flight(readings={endpoint.id: (round(in_flight * replicas), 3600)}, now=at)
 
 
+def sample(replica: Replica, *, at: datetime, running: int, waiting: float = 0) -> None:
+    EngineSample.objects.create(
+        replica=replica, endpoint=replica.endpoint, at=at, kv_cache_usage=0.1, running=running,
+        waiting=waiting, prefix_queries=0, prefix_hits=0, preemptions=0, prompt_tokens=0,
+        generation_tokens=0, requests=0)
+
+
 def engine_load(endpoint: Endpoint, *, seconds: int, waiting: float, now: datetime) -> None:
     """Samples of each replica every scrape over the last `seconds`: `waiting` requests each
     (half a request more on the first, half less on the last: only their mean is
@@ -112,11 +121,8 @@ def engine_load(endpoint: Endpoint, *, seconds: int, waiting: float, now: dateti
     for n in range(int(seconds // step) + 1):
         for index, replica in enumerate(replicas):
             skew = 0.5 if index == 0 else -0.5 if index == len(replicas) - 1 else 0
-            EngineSample.objects.create(
-                replica=replica, endpoint=endpoint, at=now - timedelta(seconds=n * step),
-                kv_cache_usage=0.5, running=4, waiting=waiting + skew, prefix_queries=0,
-                prefix_hits=0, preemptions=0, prompt_tokens=0, generation_tokens=0,
-                requests=0)
+            sample(replica, at=now - timedelta(seconds=n * step), running=4,
+                   waiting=waiting + skew)
 
 
 def scaling_events(endpoint: Endpoint) -> list[str]:
@@ -183,13 +189,10 @@ def test_scaling_down_stops_the_replica_with_the_fewest_requests_in_its_engine(
     endpoint, now = busy(org, 3, min_replicas=1), timezone.now()
     load(endpoint, seconds=120, in_flight=1, now=now)
     oldest, middle, newest = endpoint.replicas.order_by("created_at")
-    for replica, running, waiting in [(oldest, 2, 1), (middle, 1, 0), (newest, 3, 0)]:
-        for seconds_ago, also in [(10, 5), (2, 0)]:  # only the last sample counts
-            EngineSample.objects.create(
-                replica=replica, endpoint=endpoint, at=now - timedelta(seconds=seconds_ago),
-                kv_cache_usage=0.1, running=running + also, waiting=waiting, prefix_queries=0,
-                prefix_hits=0, preemptions=0, prompt_tokens=0, generation_tokens=0,
-                requests=0)
+    # Only the last sample counts: before it, the middle one was the busiest.
+    for replica, earlier, last in [(oldest, 0, (2, 1)), (middle, 9, (1, 0)), (newest, 0, (3, 0))]:
+        sample(replica, at=now - timedelta(seconds=10), running=earlier)
+        sample(replica, at=now - timedelta(seconds=2), running=last[0], waiting=last[1])
 
     assert do_scale_endpoints_on_signals(now=now) == 1
 
@@ -200,6 +203,32 @@ def test_scaling_down_stops_the_replica_with_the_fewest_requests_in_its_engine(
     assert {replica.id: replica.state for replica in endpoint.replicas.all()} == {
         oldest.id: State.READY, middle.id: State.STOPPING, newest.id: State.READY}
 
+
+def test_among_replicas_as_busy_the_newest_stops_and_one_not_read_lately_comes_last(
+        org: Organization) -> None:
+    endpoint, now = busy(org, 3, min_replicas=1), timezone.now()
+    oldest, middle, newest = endpoint.replicas.order_by("created_at")
+    sample(oldest, at=now - timedelta(seconds=2), running=1)
+    sample(middle, at=now - timedelta(seconds=2), running=1)
+    sample(newest, at=now - timedelta(hours=1), running=0)  # its agent went quiet since
+
+    chosen, busy_count = replica_to_remove(replicas=[oldest, middle, newest],
+                                           since=now - timedelta(minutes=5))
+
+    assert (chosen, busy_count) == (middle, 1)
+
+
+def test_a_replica_chosen_that_has_moved_on_changes_nothing(org: Organization) -> None:
+    endpoint = busy(org, 2, min_replicas=1)
+    chosen = endpoint.replicas.order_by("created_at").first()
+    Replica.objects.filter(id=chosen.id).update(state=State.STOPPED)
+
+    scaled = do_autoscale_endpoint(endpoint_id=endpoint.id, replicas=2, to_replicas=1,
+                                   reason="scaling down from 2 to 1", stop_replica_id=chosen.id)
+
+    assert scaled is False
+    assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 2
+    assert scaling_events(endpoint) == []
 
 def test_it_decides_nothing_without_readings_over_the_whole_window_or_while_starting(
         org: Organization) -> None:
