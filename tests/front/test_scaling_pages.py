@@ -66,6 +66,8 @@ def test_an_endpoint_at_zero_says_so_and_when_a_request_would_be_served(
     assert b"scaled to zero; a request wakes it in about 42 s" in listing.content
     assert b"Scaled to zero: no replica runs, none is billed. The next request wakes it and " \
            b"waits about 42 s" in page.content
+    # Scaling by hand from zero starts at one replica, the fewest the form takes.
+    assert b'id="id_replicas" min="1" max="1" value="1"' in page.content
 
 
 def test_the_replica_timeline_counts_each_phase_from_the_ledger(
