@@ -159,14 +159,6 @@ class ScalingMetric(models.TextChoices):
     KV_CACHE_USAGE = "kv_cache_usage", "KV cache usage, %"
 
 
-# The endpoints whose gateways' requests in flight the autoscaler reads: those that may scale
-# to zero (never with one in flight) and those that scale on them. The gateways count
-# requests in flight only to these; one rule for both sides, so they cannot drift apart.
-MAY_SCALE_TO_ZERO = models.Q(min_replicas=0)
-SCALES_ON_IN_FLIGHT = models.Q(max_replicas__gt=1, scaling_metric=ScalingMetric.IN_FLIGHT)
-READS_IN_FLIGHT = MAY_SCALE_TO_ZERO | SCALES_ON_IN_FLIGHT
-
-
 class CacheIsolation(models.TextChoices):
     """Whose requests may reuse one another's cached prefixes (vLLM's cache_salt)."""
 

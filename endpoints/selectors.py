@@ -4,11 +4,10 @@ from collections.abc import Iterable
 from datetime import datetime
 from uuid import UUID
 
-from django.db.models import BooleanField, ExpressionWrapper, F, Prefetch, Q, QuerySet, Sum
+from django.db.models import F, Prefetch, Q, QuerySet, Sum
 
 from accounts.selectors import Quota
 from endpoints.models import (
-    READS_IN_FLIGHT,
     DesiredState,
     Endpoint,
     GPUType,
@@ -75,12 +74,10 @@ def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str,
 
 def endpoints_for_gateway(*, organization_id: object) -> QuerySet[Endpoint]:
     """The organisation's live endpoints with their ready replicas and nodes: what the
-    gateway routes by; `reads_in_flight` whether it counts their requests in flight."""
+    gateway routes by."""
     ready = Replica.objects.filter(state=State.READY, port__isnull=False,
                                    node__isnull=False).select_related("node")
     return (Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
-            .annotate(reads_in_flight=ExpressionWrapper(READS_IN_FLIGHT,
-                                                        output_field=BooleanField()))
             .select_related("organization")
             .prefetch_related("replicas",
                               Prefetch("replicas", queryset=ready, to_attr="ready_replicas")))

@@ -267,7 +267,6 @@ class Gateway:
         try:
             return await self.limiter.admit(
                 endpoint_id=exchange.route.endpoint_id,
-                counts_in_flight=exchange.route.counts_in_flight,
                 # Now, not when the request began: a body uploaded for minutes must not be
                 # counted in a minute long gone.
                 identity=exchange.identity, request_id=exchange.request_id,
@@ -285,7 +284,7 @@ class Gateway:
             return Admission(request_id=exchange.request_id, identity=exchange.identity,
                              headers=[], window=time.time_ns() // 1_000_000 // WINDOW_MS,
                              reserved_tokens=0, in_flight_set=None,
-                             endpoint_id=exchange.route.endpoint_id, endpoint_in_flight_set="")
+                             endpoint_in_flight_set="")
 
     async def _route(self, identity: KeyIdentity, name: str) -> Route:
         route = (await self.directory.routes(identity.organization_id)).get(name)

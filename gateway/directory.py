@@ -71,10 +71,6 @@ class Route:
     # Scaled to zero, or may be: a request waits for its cold start (gateway.hold).
     scales_to_zero: bool = False
     desired_replicas: int = 1
-    # The autoscaler reads its requests in flight (endpoints.models.READS_IN_FLIGHT); a
-    # request to another is noted only as its last (a count costs every request a ZADD and
-    # a ZREM and, while it runs, a renewal).
-    counts_in_flight: bool = True
     cold_start_eta_s: float | None = None  # the median start of this model on this node type
     starting_since: float | None = None  # when its replica starting now was asked for (epoch)
     upstreams: tuple[Upstream, ...] = field(default=())
@@ -110,7 +106,6 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
                       cache_isolation=endpoint.cache_isolation,
                       prefix_affinity=endpoint.prefix_affinity,
                       scales_to_zero=scales_to_zero, desired_replicas=endpoint.desired_replicas,
-                      counts_in_flight=endpoint.reads_in_flight,
                       cold_start_eta_s=median_start_seconds(
                           model_id=endpoint.model_id, gpu_type_id=endpoint.gpu_type_id)
                       if scales_to_zero else None,

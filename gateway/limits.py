@@ -1,10 +1,9 @@
 """Per-key requests and tokens per minute, and per-organisation requests in flight, in Redis.
 
 One Lua script checks all three, takes the request's share of each, traces the request
-for the usage ledger (billing.usage_stream) and notes it in its endpoint's activity
-(scaling.activity: its last request, and its requests in flight where the autoscaler reads
-them), atomically and in the one round trip admission costs, so gateways on many hosts share
-the limits exactly. Minutes are sliding windows (this
+for the usage ledger (billing.usage_stream) and counts it in its endpoint's activity
+(scaling.activity), atomically and in the one round trip admission
+costs, so gateways on many hosts share the limits exactly. Minutes are sliding windows (this
 minute's count plus the last minute's, weighted by how much of it still overlaps).
 
 Tokens are reserved at admission, as many as the request may consume (gateway.protocol), so
@@ -61,10 +60,8 @@ if tpm > 0 then
 end
 redis.call('HSET', KEYS[7], request_id, ARGV[10])
 redis.call('ZADD', KEYS[6], now, request_id)
-if ARGV[12] == '1' then
-  redis.call('ZADD', KEYS[8], now, request_id)
-  redis.call('PEXPIRE', KEYS[8], lease)
-end
+redis.call('ZADD', KEYS[8], now, request_id)
+redis.call('PEXPIRE', KEYS[8], lease)
 redis.call('SET', KEYS[9], now, 'PX', tonumber(ARGV[11]))
 return {0, rc, rp, tc, tp, in_flight}
 """
@@ -91,22 +88,15 @@ class Admission:
     window: int  # the minute it was admitted in
     reserved_tokens: int  # 0 when the key has no token limit
     in_flight_set: str | None
-    endpoint_id: str
-    # Empty where the autoscaler does not read it, or Redis was unreachable at admission.
-    endpoint_in_flight_set: str
+    endpoint_in_flight_set: str  # empty when Redis was unreachable at admission
 
     def renew(self, pipe: Pipeline, *, now_ms: int) -> None:
-        """Queue on `pipe` the renewal of the request's in-flight leases, and its endpoint's
-        last request moved to now: a request still running keeps an endpoint from idling to
-        zero even where it was not counted in flight (admitted before the endpoint could
-        scale to zero)."""
+        """Queue on `pipe` the renewal of the request's in-flight leases."""
         for name in filter(None, (self.in_flight_set, self.endpoint_in_flight_set)):
             pipe.zadd(name, {self.request_id: now_ms}, xx=True)
             # The set lives as long as a lease from its last renewal, or its slots would go
             # with it while their requests still run.
             pipe.pexpire(name, lease_ms())
-        pipe.set(activity.last_request_name(self.endpoint_id), now_ms,
-                 px=activity.LAST_REQUEST_TTL_MS)
 
     def release(self, pipe: Pipeline, *, tokens: int, now_ms: int) -> None:
         """Queue on `pipe` the end of the request's hold: its in-flight slot given back, and
@@ -149,13 +139,11 @@ class Limiter:
     def __init__(self, redis: Redis) -> None:
         self._admit = redis.register_script(ADMIT)
 
-    async def admit(self, *, identity: KeyIdentity, endpoint_id: str, counts_in_flight: bool,
-                    request_id: str, now_ms: int, tokens: int, trace: bytes) -> Admission:
+    async def admit(self, *, identity: KeyIdentity, endpoint_id: str, request_id: str,
+                    now_ms: int, tokens: int, trace: bytes) -> Admission:
         """Take a slot for the request and reserve its `tokens`, leave its `trace` (the
-        encoded report of the request as if interrupted) for the usage ledger, note the
-        endpoint's last request and, where the autoscaler reads them (`counts_in_flight`),
-        count it in flight to its endpoint; or raise a 429 that says which limit and when to
-        retry."""
+        encoded report of the request as if interrupted) for the usage ledger and count it in
+        flight to its endpoint; or raise a 429 that says which limit and when to retry."""
         window, elapsed = divmod(now_ms, WINDOW_MS)
         overlap = (WINDOW_MS - elapsed) * 1_000_000 // WINDOW_MS
         rpm, tpm = identity.requests_per_minute, identity.tokens_per_minute
@@ -171,8 +159,7 @@ class Limiter:
                   in_flight, ADMITTED_SEEN, ADMITTED, endpoint_in_flight,
                   activity.last_request_name(endpoint_id)],
             args=[now_ms, rpm, tpm, concurrent, overlap, request_id, reserve, lease_ms(),
-                  COUNTER_TTL_MS, trace, activity.LAST_REQUEST_TTL_MS,
-                  int(counts_in_flight)])
+                  COUNTER_TTL_MS, trace, activity.LAST_REQUEST_TTL_MS])
         weight = overlap / 1_000_000
         headers = []
         reset = f"{math.ceil((WINDOW_MS - elapsed) / 1000)}s".encode()
@@ -190,9 +177,7 @@ class Limiter:
             return Admission(request_id=request_id, identity=identity, headers=headers,
                              window=window, reserved_tokens=reserve if tpm else 0,
                              in_flight_set=in_flight if concurrent else None,
-                             endpoint_id=endpoint_id,
-                             endpoint_in_flight_set=endpoint_in_flight if counts_in_flight
-                             else "")
+                             endpoint_in_flight_set=endpoint_in_flight)
         if verdict == REQUESTS:
             wait = seconds_until_room(current=rc, previous=rp, limit=rpm, elapsed_ms=elapsed)
             message = (f"This API key's limit of {rpm} requests per minute is used up; retry "

@@ -1,11 +1,9 @@
 """Which endpoints are being asked for, across every web process.
 
 The gateway's admission script (gateway.limits) writes it in Redis with the request's other
-holds, in the same round trip; the autoscaler reads it. Per endpoint: the time of its last
-request (moved on while one runs, at each renewal) and, for endpoints whose requests in
-flight the autoscaler reads (endpoints.models.READS_IN_FLIGHT), a sorted set of them
-(request id → last renewal, ms), where a slot not renewed for a lease belongs to a web
-process that died and no longer counts.
+holds, in the same round trip; the autoscaler reads it. Per endpoint: a sorted set of its
+requests in flight (request id → last renewal, ms), where a slot not renewed for a lease
+belongs to a web process that died and no longer counts, and the time of its last request.
 The autoscaler keeps what it read of the requests in flight at each pass, for as long as its
 longest window, so that a decision rests on the whole window, not one reading.
 """

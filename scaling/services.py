@@ -9,14 +9,7 @@ from statistics import fmean
 from django.db.models import Max
 from django.db.models.functions import Greatest
 
-from endpoints.models import (
-    MAY_SCALE_TO_ZERO,
-    SCALES_ON_IN_FLIGHT,
-    DesiredState,
-    Endpoint,
-    ScalingMetric,
-    State,
-)
+from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
 from kvrun.units import duration_text
 from scaling.activity import activity_of, record_in_flight
@@ -33,8 +26,9 @@ def do_autoscale_endpoints(*, now: datetime) -> int:
 def do_record_in_flight(*, now: datetime) -> None:
     """Read the requests in flight across the gateways of every running endpoint that scales
     on them (more than one replica allowed), kept for its longest window."""
-    windows = dict(Endpoint.objects.filter(SCALES_ON_IN_FLIGHT, deleted_at=None,
-                                           desired_state=DesiredState.RUNNING)
+    windows = dict(Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING,
+                                           max_replicas__gt=1,
+                                           scaling_metric=ScalingMetric.IN_FLIGHT)
                    .values_list("id", Greatest("scale_up_window_seconds",
                                                "scale_down_window_seconds")))
     activity = activity_of(endpoint_ids=list(windows), now=now)
@@ -125,8 +119,8 @@ def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:
     idle time, counted from its last request or, where none is known, from when its last
     replica became ready; never one with a request in flight. Returns how many it scaled."""
     candidates = list(
-        Endpoint.objects.filter(MAY_SCALE_TO_ZERO, deleted_at=None,
-                                desired_state=DesiredState.RUNNING, desired_replicas__gt=0)
+        Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING,
+                                min_replicas=0, desired_replicas__gt=0)
         .exclude(state=State.FAILED).annotate(last_ready_at=Max("replicas__ready_at")))
     activity = activity_of(endpoint_ids=[endpoint.id for endpoint in candidates], now=now)
     scaled = 0

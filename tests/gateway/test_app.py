@@ -28,7 +28,6 @@ from gateway.idempotency import MAX_KEPT_BYTES, Claim, Idempotency
 from gateway.limits import in_flight_name
 from kvrun.digests import engine_api_key
 from kvrun.redis import redis_client
-from scaling import activity
 from tests.factories import api_key, inference_key, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, received, stored, with_redis
 from tests.helpers import wait_until
@@ -930,22 +929,3 @@ def test_an_organisation_held_by_its_budget_is_refused_with_the_budget_s_message
     refused = gateway.post(secret, {"model": "chat", "prompt": "hello"}).json()["error"]
     assert (refused["message"], refused["code"], refused["type"]) == (
         reason, "billing_hold", "insufficient_quota")
-
-
-def test_only_endpoints_the_autoscaler_reads_count_their_requests_in_flight(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
-    stub_ports: list[int], stubs: list[httpx.Client]
-) -> None:
-    scaled = ready_endpoint(org, "scaled", stub_ports[1:], max_replicas=2)
-    redis = redis_client()
-    redis.delete(activity.in_flight_name(endpoint.id), activity.in_flight_name(scaled.id))
-
-    answers = [gateway.submit(gateway.send(secret, {"model": name, "prompt": "slow"}))
-               for name in ("chat", "scaled")]
-    assert wait_until(lambda: all(received(stub) for stub in stubs), 10, interval=0.02)
-    counted = [redis.zcard(activity.in_flight_name(each.id)) for each in (endpoint, scaled)]
-    assert [answer.result(30).status_code for answer in answers] == [200, 200]
-
-    # One replica at most, never at zero: nothing reads it, so nothing is written.
-    assert counted == [0, 1]
-    assert redis.get(activity.last_request_name(endpoint.id)) is not None

@@ -43,7 +43,7 @@ def admit_all(key: KeyIdentity, times: int, now_ms: int, tokens: int = 1) -> lis
         statuses = []
         for _ in range(times):
             try:
-                await limiter.admit(identity=key, endpoint_id=ENDPOINT, counts_in_flight=True,
+                await limiter.admit(identity=key, endpoint_id=ENDPOINT,
                                     request_id=f"r{uuid4().hex}", now_ms=now_ms,
                                     tokens=tokens, trace=b"{}")
                 statuses.append(200)
@@ -53,11 +53,10 @@ def admit_all(key: KeyIdentity, times: int, now_ms: int, tokens: int = 1) -> lis
     return asyncio.run(with_redis(run))
 
 
-def admit(key: KeyIdentity, now_ms: int, tokens: int = 1, counts_in_flight: bool = True
-          ) -> Admission:
+def admit(key: KeyIdentity, now_ms: int, tokens: int = 1) -> Admission:
     return asyncio.run(with_redis(lambda redis: Limiter(redis).admit(
-        identity=key, endpoint_id=ENDPOINT, counts_in_flight=counts_in_flight,
-        request_id=f"r{uuid4().hex}", now_ms=now_ms, tokens=tokens, trace=b"{}")))
+        identity=key, endpoint_id=ENDPOINT, request_id=f"r{uuid4().hex}", now_ms=now_ms,
+        tokens=tokens, trace=b"{}")))
 
 
 def settle(admission: Admission, *, tokens: int = 0, now_ms: int = 0, renew: bool = False) -> None:
@@ -153,7 +152,7 @@ def test_admission_traces_the_request_for_the_ledger() -> None:
     now = int(time.time() * 1000)
 
     async def run(redis: Redis) -> tuple[object, object]:
-        await Limiter(redis).admit(identity=identity(), endpoint_id=ENDPOINT, counts_in_flight=True,
+        await Limiter(redis).admit(identity=identity(), endpoint_id=ENDPOINT,
                                    request_id="r-traced", now_ms=now,
                                    tokens=1, trace=b'{"request_id": "r-traced"}')
         traced = await redis.hget(ADMITTED, "r-traced"), await redis.zscore(ADMITTED_SEEN,
@@ -220,23 +219,7 @@ def test_a_request_counts_in_flight_to_its_endpoint_until_its_release() -> None:
     assert redis.zscore(in_flight, running.request_id) == now + 5000
     settle(running, tokens=3, now_ms=now + 6000)
     assert redis.zcard(in_flight) == 0
-    assert int(redis.get(activity.last_request_name(ENDPOINT))) == now + 5000
-
-
-def test_a_request_the_autoscaler_does_not_count_in_flight_still_moves_the_last_request(
-) -> None:
-    key, now = identity(), int(time.time() * 1000)
-    redis = redis_client()
-    redis.delete(activity.in_flight_name(ENDPOINT))
-
-    running = admit(key, now, counts_in_flight=False)
     assert int(redis.get(activity.last_request_name(ENDPOINT))) == now
-    settle(running, renew=True, now_ms=now + 5000)
-
-    assert redis.zcard(activity.in_flight_name(ENDPOINT)) == 0
-    assert running.endpoint_in_flight_set == ""
-    # Still running: its renewal keeps the endpoint from idling to zero under it.
-    assert int(redis.get(activity.last_request_name(ENDPOINT))) == now + 5000
 
 
 @pytest.mark.parametrize(("status", "message", "expected"), [
