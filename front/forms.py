@@ -2,6 +2,7 @@ import re
 from decimal import Decimal
 
 from django import forms
+from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
@@ -125,6 +126,19 @@ class EndpointForm(SizingForm, KVRoutingFields):
         min_value=1, initial=900, required=False, label="Idle time before zero (s)",
         help_text="With fewest replicas 0: how long without a request before it scales to zero.")
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        _show_idle_floor(self)
+
+
+def _show_idle_floor(form: forms.Form) -> None:
+    """The shortest idle time before zero, in the field's help and as its least value, so the
+    browser says so before a submit (the service checks it; settings may change it)."""
+    shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
+    field = form.fields["scale_to_zero_after_seconds"]
+    field.widget.attrs["min"] = shortest
+    field.help_text = f"{field.help_text} At least {shortest} s."
+
 
 class PolicyForm(KVRoutingFields):
     """An endpoint's KV policy, changed on its hardware."""
@@ -171,10 +185,13 @@ class ScalingForm(forms.Form):
     scale_up_window_seconds = forms.IntegerField(label="Up after (s) above target")
     scale_down_window_seconds = forms.IntegerField(label="Down after (s) under target")
 
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        _show_idle_floor(self)
+
     @classmethod
     def of(cls, endpoint: Endpoint) -> "ScalingForm":
         return cls(initial={name: getattr(endpoint, name) for name in cls.base_fields})
-
 
 
 class BudgetForm(forms.Form):

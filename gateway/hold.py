@@ -53,6 +53,8 @@ def _progress(route: Route) -> str:
     eta = eta_seconds(route, now=time.time())
     when = ("no start of this model on this kind of node is known yet to tell how long"
             if eta is None else f"ready in about {math.ceil(eta)} s")
+    if route.desired_replicas == 0 or route.state == State.IDLE:  # read before the wake
+        return f"asking for a replica (0%), {when}"
     stage = route.progress.get("stage") or route.state
     return f"{stage} ({route.progress.get('percent', 0)}%), {when}"
 

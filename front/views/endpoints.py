@@ -36,6 +36,8 @@ EVENTS_SHOWN = 20
 CHART_MINUTES = 60
 # Long enough to show an endpoint idling to zero and waking again at its default idle time.
 TIMELINE = timedelta(hours=6)
+# A new endpoint's timeline still spans this much, so its axis reads in minutes.
+SHORTEST_TIMELINE = timedelta(minutes=15)
 SNIPPET_MAX_TOKENS = 64
 
 
@@ -138,7 +140,8 @@ def endpoint_replicas(request: HttpRequest, org_slug: str, name: str) -> JsonRes
     endpoint = endpoint_of(membership(request, org_slug), name)
     now = timezone.now()
     timeline = selectors.replica_timeline(
-        endpoint_id=endpoint.id, since=max(now - TIMELINE, endpoint.created_at), until=now)
+        endpoint_id=endpoint.id, until=now,
+        since=max(now - TIMELINE, min(endpoint.created_at, now - SHORTEST_TIMELINE)))
     timeline.append((now, timeline[-1][1]))  # the last counts hold until now
     return JsonResponse({
         "times": [round(moment.timestamp(), 3) for moment, _ in timeline],

@@ -41,6 +41,8 @@
             ...size(el),
             scales: { x: { time: true, range: (u, min, max) => latest[x].length
               ? [latest[x][0], latest[x][latest[x].length - 1]] : [min, max] } },
+            // Counts of replicas: whole numbers on the axis.
+            ...("stepped" in el.dataset ? { axes: [{}, { incrs: [1, 2, 5, 10, 20, 50] }] } : {}),
             series: [{}, ...names.map((name, i) => ({
               label: name.replaceAll("_", " "), stroke: COLOURS[i], width: 2,
               ...("stepped" in el.dataset

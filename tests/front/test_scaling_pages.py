@@ -68,6 +68,10 @@ def test_an_endpoint_at_zero_says_so_and_when_a_request_would_be_served(
            b"waits about 42 s" in page.content
     # Scaling by hand from zero starts at one replica, the fewest the form takes.
     assert b'id="id_replicas" min="1" max="1" value="1"' in page.content
+    assert b"No engine runs while it is scaled to zero." in page.content
+    # The shortest idle time is shown before a submit could be refused for it.
+    assert b"At least 60 s." in page.content
+    assert b'name="scale_to_zero_after_seconds" value="900" min="60"' in page.content
 
 
 def test_the_replica_timeline_counts_each_phase_from_the_ledger(

@@ -58,6 +58,20 @@ def test_an_endpoint_at_zero_is_listed_and_a_request_wakes_it_once(
     assert sorted(UsageRecord.objects.values_list("status_code", flat=True)) == [503] * 3
 
 
+def test_a_stream_held_at_zero_is_told_first_that_a_replica_is_asked_for(
+    gateway: InProcessGateway, org: Organization, secret: str
+) -> None:
+    endpoint_at_zero(org, "sleepy", start_seconds=40)
+
+    with override_settings(KVRUN_GATEWAY_HOLD_SECONDS=1.0):
+        response = gateway.post(secret, {"model": "sleepy", "prompt": "hi", "stream": True})
+
+    assert response.headers["x-kvrun-cold-start"] == "true"
+    assert response.text.startswith(": kvrun: starting from zero: asking for a replica (0%), "
+                                    "ready in about 40 s\n\n")
+    assert '"code":"cold_start_timeout"' in response.text
+
+
 def test_held_requests_are_served_once_the_replica_is_ready(
     gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
     stubs: list[httpx.Client]
