@@ -99,7 +99,20 @@ class Services:
         import psycopg
 
         server = pgserver.get_server(STATE_DIR / "postgres", cleanup_mode="stop")
-        self._stops.append(server.cleanup)
+
+        def stop_postgres() -> None:
+            server.cleanup()
+            # pgserver stops the server only while the postmaster it started still runs; one
+            # restarted since (the fault suite restarts PostgreSQL) it leaves running, as a
+            # CI clone's was. Stopped here once this was the last process using the server.
+            last = server.pgdata not in pgserver.PostgresServer._instances
+            if last and (server.pgdata / "postmaster.pid").exists():
+                try:
+                    pgserver.pg_ctl(["stop", "-m", "fast", "-w"], pgdata=server.pgdata,
+                                    user=server.system_user)
+                except subprocess.CalledProcessError as exc:  # a stale pid file: none runs
+                    log(f"PostgreSQL (embedded) was not running: {exc.stderr or exc}")
+        self._stops.append(stop_postgres)
         socket_dir = server.get_postmaster_info().socket_dir
         with psycopg.connect(server.get_uri("postgres"), autocommit=True) as conn:
             exists = conn.execute(

@@ -151,6 +151,33 @@ def test_a_sigkilled_launcher_leaves_only_the_embedded_postgresql(state_dir: Pat
     assert wait_until(lambda: not process_alive(postmaster), 30)
 
 
+def test_an_embedded_postgresql_restarted_under_the_launcher_stops_with_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pgserver
+    import psutil
+
+    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
+    services = launcher.Services()
+    services._start_postgres()
+    data = tmp_path / "postgres"
+    server = pgserver.get_server(data)  # the launcher's own handle
+    socket_dir, user = server.get_postmaster_info().socket_dir, server.system_user
+    try:
+        # What the fault suite does to the suite's PostgreSQL.
+        pgserver.pg_ctl(["stop", "-m", "fast", "-w"], pgdata=data, user=user)
+        pgserver.pg_ctl(["start", "-w", "-o", f"-h '' -k {socket_dir}"], pgdata=data, user=user)
+        # As on a host whose init reaps the first postmaster: pgserver sees it gone, and
+        # left the restarted one running (a CI clone's was).
+        monkeypatch.setattr(psutil.Process, "is_running", lambda self: False)
+
+        services.stop()
+
+        assert not (data / "postmaster.pid").exists()
+    finally:
+        if (data / "postmaster.pid").exists():
+            pgserver.pg_ctl(["stop", "-m", "immediate", "-w"], pgdata=data, user=user)
+
+
 def test_secrets_missing_from_an_older_state_directory_are_added_and_kept_private(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
