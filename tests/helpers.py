@@ -131,12 +131,18 @@ def start_agent(name: str, logs: Path) -> subprocess.Popen:
 
 def drive(predicate: Callable[[], bool], timeout: float) -> bool:
     """Wait for `predicate`, running the reconciler and the liveness check on the worker as
-    beat would."""
+    beat would: again once the worker has taken the last ones. Sent every second whatever
+    the worker's pace, they piled up while an engine start slowed its passes, and a node's
+    loss was seen half a minute late."""
     from endpoints.tasks import mark_lost_nodes, reconcile
+    from kvrun.redis import redis_client
+
+    broker = redis_client()
 
     def step() -> bool:
-        reconcile.delay()
-        mark_lost_nodes.delay()
+        if not broker.llen("control"):  # the control queue's list in Redis
+            reconcile.delay()
+            mark_lost_nodes.delay()
         return predicate()
     return wait_until(step, timeout, interval=1.0)
 

@@ -42,7 +42,7 @@ def test_an_owner_sees_the_cache_charts_and_applies_the_advice(
     page.goto(f"{live_server.url}/orgs/engines/endpoints/chat/")
 
     expect(page.get_by_test_id("kv-policy")).to_contain_text("prefix-affinity routing on")
-    expect(page.locator("[data-charts][data-x=times] canvas")).to_have_count(5)
+    expect(page.locator("section[aria-labelledby=kv-title] canvas")).to_have_count(5)
     advice = page.get_by_test_id("kv-advice")
     expect(advice).to_contain_text("Cache-bound")
     # A CPU engine's KV pool is its budget: the room comes from a larger one.
