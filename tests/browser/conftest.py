@@ -6,6 +6,10 @@ from collections.abc import Callable, Iterator
 import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from endpoints.models import Node
+from endpoints.services import do_load_catalogs
+from engine.devices import HostResources
+from nodes.services import do_register_node
 from tests.helpers import ROOT
 
 CHROMIUM = "/usr/bin/chromium"
@@ -63,3 +67,21 @@ def sign_up(page: Page, base: str, organization: str = "Engines") -> None:
     page.get_by_label("Organisation name").fill(organization)
     page.get_by_role("button", name="Sign up").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Endpoints")
+
+
+@pytest.fixture
+def laptop(live_server: object, page: Page) -> Node:
+    """A CPU node with the catalogs loaded, and the page signed up as the owner of a new
+    organisation, Engines: where most dashboard tests begin."""
+    do_load_catalogs()
+    node = do_register_node(name="laptop", resources=HostResources(
+        devices=[], cpu_count=2, memory_bytes=24 * 2**30))
+    sign_up(page, live_server.url)
+    return node
+
+
+def choose_the_demo_model(page: Page) -> None:
+    """From an organisation without endpoints: the wizard, with the demo model picked."""
+    page.get_by_role("link", name="Create your first endpoint").click()
+    page.get_by_label("Search").fill("demo")
+    page.get_by_text("kvrun demo").click()

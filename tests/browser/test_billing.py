@@ -13,23 +13,15 @@ from accounts.models import Organization
 from billing.invoicing import lines_for_month, month_bounds, month_of
 from billing.models import GPUPrice
 from billing.rollup import do_roll_up_usage
-from endpoints.models import Replica, State
-from endpoints.services import do_load_catalogs
-from engine.devices import HostResources
+from endpoints.models import Node, Replica, State
 from front.templatetags.units import cents
-from nodes.services import do_register_node
 from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, run_replica
-from tests.browser.test_dashboard import sign_up
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 def test_the_billing_pages_show_the_month_its_invoices_and_the_rows_behind_a_line(
-        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
-    do_load_catalogs()
-    node = do_register_node(name="laptop", resources=HostResources(
-        devices=[], cpu_count=2, memory_bytes=24 * 2**30))
-    sign_up(page, live_server.url)
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
     organization = Organization.objects.get()
     endpoint = demo_endpoint(organization)
     replica = Replica.objects.create(endpoint=endpoint)
@@ -38,10 +30,10 @@ def test_the_billing_pages_show_the_month_its_invoices_and_the_rows_behind_a_lin
     now = timezone.now()
     this_month = month_bounds(month_of(now))[0]
     last_month = month_bounds(month_of(this_month - timedelta(days=1)))[0]
-    ready_for(endpoint, node, last_month + timedelta(days=9, hours=8), hours=10)
+    ready_for(endpoint, laptop, last_month + timedelta(days=9, hours=8), hours=10)
     finalize_at(this_month + timedelta(hours=2))
     started = now - timedelta(hours=1)
-    run_replica(replica, node, [(started, State.SCHEDULING), (started, State.STARTING),
+    run_replica(replica, laptop, [(started, State.SCHEDULING), (started, State.STARTING),
                                 (started, State.LOADING), (started, State.READY)])
     do_roll_up_usage()
 

@@ -8,10 +8,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey
-from endpoints.models import Endpoint
-from endpoints.services import do_load_catalogs
-from engine.devices import HostResources
-from nodes.services import do_register_node
+from endpoints.models import Endpoint, Node
 from tests.browser.conftest import sign_up
 from tests.factories import organization_with_owner, ready_endpoint
 
@@ -33,11 +30,7 @@ def test_sign_up_errors_show_next_to_their_fields(live_server: object, page: Pag
 
 
 def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
-        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
-    do_load_catalogs()
-    do_register_node(name="laptop", resources=HostResources(devices=[], cpu_count=2,
-                                                            memory_bytes=24 * 2**30))
-    sign_up(page, live_server.url)
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
     page.get_by_role("link", name="Create your first endpoint").click()
 
     page.get_by_label("Search").fill("llama 3.1 8b")

@@ -23,6 +23,7 @@ from billing.invoicing import month_bounds, month_of
 from billing.models import GPUPrice, TokenHour, UsageRecord
 from billing.tasks import ingest_usage, roll_up_usage
 from endpoints.models import Endpoint, Node, Replica, State
+from tests.browser.conftest import choose_the_demo_model
 from tests.helpers import api_servers, drive, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -49,9 +50,7 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
     page.get_by_role("button", name="Sign up").click()
     shot("journey-02-no-endpoints")
 
-    page.get_by_role("link", name="Create your first endpoint").click()
-    page.get_by_label("Search").fill("demo")
-    page.get_by_text("kvrun demo").click()
+    choose_the_demo_model(page)
     page.get_by_label("Context length (tokens)").fill("2048")
     sizing = page.get_by_test_id("sizing")
     expect(sizing).to_contain_text("1 × CPU only")

@@ -9,25 +9,18 @@ from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from accounts.models import Organization
-from endpoints.models import Endpoint
-from endpoints.services import do_load_catalogs
-from engine.devices import HostResources
+from endpoints.models import Endpoint, Node
 from engine.metrics import EngineSnapshot
-from nodes.services import do_register_node
 from telemetry.advice import do_advise_endpoint
 from telemetry.services import do_record_engine_samples
-from tests.browser.conftest import sign_up
+from tests.browser.conftest import choose_the_demo_model
 from tests.factories import ready_endpoint
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 def test_an_owner_sees_the_cache_charts_and_applies_the_advice(
-        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
-    do_load_catalogs()
-    do_register_node(name="laptop", resources=HostResources(devices=[], cpu_count=2,
-                                                            memory_bytes=24 * 2**30))
-    sign_up(page, live_server.url)
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
     endpoint = ready_endpoint(Organization.objects.get(name="Engines"), "chat", ports=[41010])
     replica = endpoint.replicas.get()
     now = timezone.now()
@@ -57,14 +50,8 @@ def test_an_owner_sees_the_cache_charts_and_applies_the_advice(
 
 
 def test_the_wizard_explains_a_tier_the_cpu_node_cannot_use(
-        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
-    do_load_catalogs()
-    do_register_node(name="laptop", resources=HostResources(devices=[], cpu_count=2,
-                                                            memory_bytes=24 * 2**30))
-    sign_up(page, live_server.url)
-    page.get_by_role("link", name="Create your first endpoint").click()
-    page.get_by_label("Search").fill("demo")
-    page.get_by_text("kvrun demo").click()
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
+    choose_the_demo_model(page)
     expect(page.get_by_test_id("kv-tokens")).to_contain_text("tokens")
 
     page.get_by_text("KV cache policy: tiers, isolation and routing").click()

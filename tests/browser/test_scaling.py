@@ -10,22 +10,15 @@ from django.utils import timezone
 from playwright.sync_api import Page, expect
 
 from accounts.models import Organization
-from endpoints.models import Endpoint, State
-from endpoints.services import do_load_catalogs
-from engine.devices import HostResources
-from nodes.services import do_register_node
-from tests.browser.conftest import sign_up
+from endpoints.models import Endpoint, Node, State
+from tests.browser.conftest import choose_the_demo_model
 from tests.factories import endpoint_at_zero, replica_history
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 
 
 def test_an_owner_sees_an_endpoint_at_zero_and_changes_how_it_scales(
-        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
-    do_load_catalogs()
-    do_register_node(name="laptop", resources=HostResources(devices=[], cpu_count=2,
-                                                            memory_bytes=24 * 2**30))
-    sign_up(page, live_server.url)
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
     endpoint = endpoint_at_zero(Organization.objects.get(name="Engines"), "sleepy",
                                 start_seconds=23, max_replicas=2)
     now = timezone.now()
@@ -62,14 +55,8 @@ def test_an_owner_sees_an_endpoint_at_zero_and_changes_how_it_scales(
 
 
 def test_the_wizard_shows_what_scaling_to_zero_would_cost_a_month(
-        live_server: object, page: Page, shot: Callable[[str], None]) -> None:
-    do_load_catalogs()
-    do_register_node(name="laptop", resources=HostResources(devices=[], cpu_count=2,
-                                                            memory_bytes=24 * 2**30))
-    sign_up(page, live_server.url)
-    page.get_by_role("link", name="Create your first endpoint").click()
-    page.get_by_label("Search").fill("demo")
-    page.get_by_text("kvrun demo").click()
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
+    choose_the_demo_model(page)
 
     expect(page.get_by_test_id("scale-to-zero-price")).to_contain_text(
         "With fewest replicas 0 it scales to zero when idle: idle 50 % of the time, about $")
