@@ -219,10 +219,13 @@ def _hold_quota(*, organization_id: object, gpu_type: GPUType, gpu_count: int, r
 
 def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: int) -> Endpoint:
     require_manager(actor_role, "scale endpoints")
-    if not 1 <= replicas <= endpoint.max_replicas:
+    fewest = max(1, endpoint.min_replicas)
+    if not fewest <= replicas <= endpoint.max_replicas:
+        # Below min_replicas nothing would bring it back up but load: the range is the
+        # autoscaler's, and it is changed with the scaling settings.
         raise ValidationError({"replicas": [
-            f"Choose between 1 and max_replicas ({endpoint.max_replicas}); to run none, "
-            "stop the endpoint."]})
+            f"Choose between {fewest} and max_replicas ({endpoint.max_replicas}); to run "
+            "fewer, lower min_replicas, or stop the endpoint."]})
     Endpoint.objects.filter(id=endpoint.id).update(desired_replicas=replicas)
     EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
                                  message=f"scaled to {replicas} replica(s)")

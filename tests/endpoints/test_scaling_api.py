@@ -82,6 +82,21 @@ def test_bad_scaling_input_says_what_to_change_and_changes_nothing(
     assert EndpointEvent.objects.count() == events
 
 
+def test_scaling_by_hand_below_min_replicas_is_refused_and_changes_nothing(
+        owner_api: APIClient, org: Organization, cpu_node: Node) -> None:
+    owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {**DEMO, "min_replicas": 2,
+                                                                     "max_replicas": 3},
+                   format="json")
+
+    response = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/demo/scale/",
+                              {"replicas": 1}, format="json")
+
+    assert response.status_code == 400
+    assert "Choose between 2 and max_replicas (3); to run fewer, lower min_replicas" in " ".join(
+        response.json()["error"]["fields"]["replicas"])
+    assert Endpoint.objects.get(name="demo").desired_replicas == 2
+
+
 def test_a_higher_max_replicas_is_held_to_the_organisation_s_quota(
         owner_api: APIClient, org: Organization, cpu_node: Node, settings: object) -> None:
     settings.KVRUN_ORG_MAX_REPLICAS = 2
