@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import orjson
 from django.conf import settings
 
 from gateway.errors import GatewayError
@@ -79,7 +80,11 @@ async def respond(send: Send, exchange: Exchange, status: int, body: bytes,
 
 
 async def send_error(send: Send, exchange: Exchange, error: GatewayError) -> None:
-    """The error as the response; nothing where one has started (a stream, whose error
-    frame was sent instead)."""
+    """The error as the response or, where a stream has had its headers already (one held
+    for a cold start), as its last event before [DONE]: either way the client reads it."""
     if not exchange.response_started:
         await respond(send, exchange, error.status, error.body(), [JSON, *error.headers])
+    elif exchange.stream:
+        await send({"type": "http.response.body", "more_body": False,
+                    "body": b"data: " + orjson.dumps({"error": error.as_dict()})
+                    + b"\n\ndata: [DONE]\n\n"})

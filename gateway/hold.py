@@ -16,7 +16,6 @@ import math
 import time
 from collections import Counter
 
-import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import InterfaceError, OperationalError, close_old_connections
@@ -84,8 +83,8 @@ class ColdStarts:
     async def wait_for_replica(self, exchange: Exchange, receive: Receive, send: Send) -> Route:
         """Wake the exchange's endpoint if it is at zero and wait until it has a ready
         replica; returns the route with it. Raises GatewayError past the hold's time, or
-        if the endpoint is stopped or deleted meanwhile, and ClientGone if the client leaves
-        (a stream has then had its error frame already)."""
+        if the endpoint is stopped or deleted meanwhile, and ClientGone if the client
+        leaves."""
         route = exchange.route
         assert route is not None and exchange.identity is not None
         self._held[route.endpoint_id] += 1
@@ -133,12 +132,6 @@ class ColdStarts:
                 if done:
                     exchange.disconnected = True
                     raise ClientGone
-        except GatewayError as error:
-            if exchange.response_started:  # a stream: its error goes in an event
-                await send({"type": "http.response.body", "more_body": False,
-                            "body": b"data: " + orjson.dumps({"error": error.as_dict()})
-                            + b"\n\ndata: [DONE]\n\n"})
-            raise
         finally:
             left.cancel()
             self._held[route.endpoint_id] -= 1

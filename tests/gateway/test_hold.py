@@ -135,3 +135,23 @@ def test_an_endpoint_stopped_while_a_request_waits_ends_the_wait_with_a_503(
     assert '"code":"endpoint_not_ready"' in streamed.text
     assert "Endpoint 'sleepy' was stopped while this request waited for it." in streamed.text
     assert streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_held_stream_that_the_engine_refuses_ends_with_the_engine_s_error(
+    gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client]
+) -> None:
+    _, replica = waking(org, stub_ports[0])
+
+    held = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "context",
+                                                "stream": True}))
+    time.sleep(0.5)
+    Replica.objects.filter(id=replica.id).update(state=State.READY, ready_at=timezone.now())
+    streamed = held.result(30)
+
+    # Its headers went out while it waited: the engine's 400 is the stream's last event.
+    assert streamed.status_code == 200
+    assert '"code":"context_length_exceeded"' in streamed.text
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    assert stored(1)
+    assert UsageRecord.objects.get().status_code == 400
