@@ -16,9 +16,8 @@ from endpoints.models import (
     State,
 )
 from endpoints.selectors import progress_of
+from endpoints.services import MAX_IDLE_SECONDS
 from kvrun.api import StrictSerializer
-
-MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
 
 
 class ModelSpecSerializer(serializers.ModelSerializer):

@@ -237,8 +237,9 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
 SCALING_FIELDS = ("min_replicas", "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
                   "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds")
 # The autoscaler judges a window by the engines' samples: one needs a few scrapes to say
-# anything, and a day is past any load pattern's stabilisation.
-SHORTEST_WINDOW_SECONDS, LONGEST_WINDOW_SECONDS = 15, 86400
+# anything, and the samples are kept as read for two hours (telemetry.services.RAW_KEPT).
+SHORTEST_WINDOW_SECONDS, LONGEST_WINDOW_SECONDS = 15, 7200
+MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
 
 
 def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
@@ -261,8 +262,8 @@ def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
             _hold_quota(organization_id=locked.organization_id, excluding=locked.id,
                         gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
                         replicas=new["max_replicas"])
-        low = new["min_replicas"] if locked.desired_replicas else 0  # at zero it stays there
-        desired = min(new["max_replicas"], max(low, locked.desired_replicas))
+        # At zero it stays there while zero is allowed; a minimum of one or more starts them.
+        desired = min(new["max_replicas"], max(new["min_replicas"], locked.desired_replicas))
         Endpoint.objects.filter(id=locked.id).update(desired_replicas=desired, **new)
         said = ", ".join(f"{name.replace('_', ' ')} {_shown(value)}"
                          for name, value in new.items() if value != getattr(locked, name))
@@ -291,6 +292,10 @@ def _scaling_errors(new: dict[str, Any]) -> dict[str, list[str]]:
         errors["scale_to_zero_after_seconds"] = [
             f"Wait at least {shortest} s without a request before scaling to zero: each wake "
             "is a cold start."]
+    elif new["scale_to_zero_after_seconds"] > MAX_IDLE_SECONDS:
+        errors["scale_to_zero_after_seconds"] = [
+            f"Wait at most {MAX_IDLE_SECONDS} s (30 days); to never scale to zero, set the "
+            "fewest replicas to 1 or more."]
     if new["scaling_target"] is not None and new["scaling_target"] <= 0:
         errors["scaling_target"] = ["Set a target above 0, or none for the metric's default."]
     for name in ("scale_up_window_seconds", "scale_down_window_seconds"):

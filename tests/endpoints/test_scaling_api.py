@@ -61,6 +61,7 @@ def test_a_narrower_range_moves_the_replicas_asked_for_into_it(
     ({"min_replicas": 3, "max_replicas": 2}, "max_replicas", "Choose between 3"),
     ({"min_replicas": -1}, "min_replicas", "Run at least 0 replicas"),
     ({"scale_to_zero_after_seconds": 5}, "scale_to_zero_after_seconds", "Wait at least 60 s"),
+    ({"scale_down_window_seconds": 7201}, "scale_down_window_seconds", "and 7200 s"),
     ({"scaling_target": 0}, "scaling_target", "Set a target above 0"),
     ({"scale_down_window_seconds": 5}, "scale_down_window_seconds", "between 15 s and"),
     ({"scaling_metric": "vibes"}, "scaling_metric", "not a valid choice"),
@@ -80,6 +81,19 @@ def test_bad_scaling_input_says_what_to_change_and_changes_nothing(
     assert phrase in " ".join(response.json()["error"]["fields"][field])
     assert Endpoint.objects.values().get(name="demo") == before
     assert EndpointEvent.objects.count() == events
+
+
+def test_a_minimum_of_one_set_at_zero_starts_a_replica(
+        owner_api: APIClient, org: Organization, cpu_node: Node) -> None:
+    owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {**DEMO, "min_replicas": 0},
+                   format="json")
+    Endpoint.objects.filter(name="demo").update(desired_replicas=0)  # scaled to zero
+
+    response = owner_api.patch(url(org), {"min_replicas": 1}, format="json")
+
+    assert response.status_code == 200 and response.json()["desired_replicas"] == 1
+    assert EndpointEvent.objects.filter(message="scaling changed: min replicas 1; "
+                                                "1 replica(s) now").exists()
 
 
 def test_scaling_by_hand_below_min_replicas_is_refused_and_changes_nothing(

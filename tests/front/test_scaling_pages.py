@@ -34,14 +34,19 @@ def test_the_scaling_settings_change_from_the_endpoint_page(
     assert b"scales to zero after 600 s without a request" in response.content
 
 
+@pytest.mark.parametrize(("change", "phrase"), [
+    ({"scale_down_window_seconds": "2"}, b"Choose between 15 s and 7200 s."),
+    ({"scale_to_zero_after_seconds": str(2**31)}, b"Wait at most 2592000 s (30 days)"),
+])
 def test_bad_scaling_settings_are_refused_on_the_page_and_change_nothing(
-        owner_client: Client, org: Organization, cpu_node: Node) -> None:
+        owner_client: Client, org: Organization, cpu_node: Node, change: dict,
+        phrase: bytes) -> None:
     ready_endpoint(org, "chat", ports=[])
 
     response = owner_client.post(f"/orgs/{org.slug}/endpoints/chat/scaling/",
-                                 {**SCALING, "scale_down_window_seconds": "2"}, follow=True)
+                                 {**SCALING, **change}, follow=True)
 
-    assert b"Choose between 15 s and 86400 s." in response.content
+    assert phrase in response.content
     assert Endpoint.objects.get(name="chat").min_replicas == 1
     assert not EndpointEvent.objects.filter(message__startswith="scaling changed").exists()
 

@@ -9,12 +9,13 @@ from django.utils import timezone
 
 from accounts.models import Organization
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
-from endpoints.services import do_autoscale_endpoint
+from endpoints.services import LONGEST_WINDOW_SECONDS, do_autoscale_endpoint
 from kvrun.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.selectors import replica_to_remove
 from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero
 from telemetry.models import EngineSample
+from telemetry.services import RAW_KEPT
 from tests.factories import ready_endpoint
 from tests.helpers import at_once
 
@@ -262,3 +263,8 @@ def test_two_autoscalers_on_signals_at_once_make_one_change(org: Organization) -
     results = at_once(*[lambda: do_scale_endpoints_on_signals(now=now)] * 2)
 
     assert sorted(results) == [0, 1] and len(scaling_events(endpoint)) == 1
+
+
+def test_the_longest_window_is_one_the_engines_samples_cover_as_read() -> None:
+    # A window longer than raw samples are kept would never be covered: no decision, ever.
+    assert LONGEST_WINDOW_SECONDS <= RAW_KEPT.total_seconds()
