@@ -140,6 +140,10 @@ class KeyPurpose(models.TextChoices):
     PLAYGROUND = "playground", "playground"
 
 
+# The largest value the limits' columns hold (PostgreSQL's integer).
+LARGEST_LIMIT = 2**31 - 1
+
+
 class APIKey(models.Model):
     """An organisation's API key. The secret is shown once; only its HMAC is stored."""
 

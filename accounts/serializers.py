@@ -1,6 +1,15 @@
 from rest_framework import serializers
 
-from accounts.models import APIKey, Invite, Membership, Organization, Role, Scope, User
+from accounts.models import (
+    LARGEST_LIMIT,
+    APIKey,
+    Invite,
+    Membership,
+    Organization,
+    Role,
+    Scope,
+    User,
+)
 from kvrun.api import StrictSerializer
 
 
@@ -105,10 +114,6 @@ class InviteInput(StrictSerializer):
 
 class AcceptInviteInput(StrictSerializer):
     token = serializers.CharField(max_length=200)
-
-
-# The largest value the limits' columns hold (PostgreSQL's integer).
-LARGEST_LIMIT = 2**31 - 1
 
 
 class APIKeyInput(StrictSerializer):

@@ -6,7 +6,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
-from accounts.models import Role, Scope
+from accounts.models import LARGEST_LIMIT, Role, Scope
 from billing.models import BudgetAction
 from endpoints.models import (
     MAX_DISK_TIER_GIB,
@@ -28,9 +28,9 @@ class APIKeyForm(forms.Form):
     endpoint_names = forms.CharField(
         required=False, label="Only these endpoints",
         help_text="Names separated by commas; empty: every endpoint of the organisation.")
-    requests_per_minute = forms.IntegerField(required=False, min_value=1,
+    requests_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT,
                                              help_text="Empty: the deployment's default.")
-    tokens_per_minute = forms.IntegerField(required=False, min_value=1,
+    tokens_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT,
                                            help_text="Empty: the deployment's default.")
     expires_at = forms.DateTimeField(required=False, label="Expires at (UTC, optional)",
                                      widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
@@ -205,7 +205,9 @@ class BudgetForm(forms.Form):
 
     def clean_thresholds(self) -> list[int]:
         parts = [part for part in re.split(r"[\s,%]+", self.cleaned_data["thresholds"]) if part]
-        if not parts or not all(part.isdigit() for part in parts):
+        # isdigit alone takes "²" and numbers int() refuses for their length.
+        if not parts or not all(part.isascii() and part.isdigit() and len(part) <= 9
+                                for part in parts):
             raise ValidationError("Give whole percentages separated by commas, such as "
                                   "50, 80, 100.")
         return [int(part) for part in parts]

@@ -139,13 +139,19 @@ def test_an_owner_sets_a_budget_and_sees_the_thresholds_it_reached(
     assert b"$1.00 a month" in page.content
 
 
+@pytest.mark.parametrize(("thresholds", "phrase"), [
+    ("50, 2000", "from 1 to 1000"),
+    ("50, 8\u00b2", "Give whole percentages"),
+    ("9" * 5000, "Give whole percentages"),
+])
 def test_a_budget_that_makes_no_sense_shows_the_error_next_to_its_field(
-        owner_client: Client, org: Organization, billed: Endpoint) -> None:
+        owner_client: Client, org: Organization, billed: Endpoint, thresholds: str,
+        phrase: str) -> None:
     response = owner_client.post(f"/orgs/{org.slug}/billing/budget/", {
-        "monthly_limit_usd": "5", "thresholds": "50, 2000", "action": "stop"})
+        "monthly_limit_usd": "5", "thresholds": thresholds, "action": "stop"})
 
     assert response.status_code == 400
-    assert "from 1 to 1000" in response.context["budget_form"].errors["thresholds"][0]
+    assert phrase in response.context["budget_form"].errors["thresholds"][0]
     assert not Budget.objects.exists()
 
 

@@ -31,10 +31,12 @@ def test_a_new_key_is_shown_once_with_its_restrictions(owner_client: Client,
         ["chat"], 30, 5000)
 
 
+@pytest.mark.parametrize("requests_per_minute", ["0", str(2**31)])
 def test_bad_key_input_shows_the_error_next_to_its_field(owner_client: Client,
-                                                         org: Organization) -> None:
+                                                         org: Organization,
+                                                         requests_per_minute: str) -> None:
     response = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
-        "name": "x", "scope": "inference", "requests_per_minute": "0",
+        "name": "x", "scope": "inference", "requests_per_minute": requests_per_minute,
         "endpoint_names": "not-an-endpoint"})
 
     assert response.status_code == 400
