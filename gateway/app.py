@@ -227,8 +227,13 @@ class Gateway:
                               [JSON, (b"x-kvrun-idempotent-replay", b"true")])
                 return
         if not route.upstreams:
-            self.cold_starts.check_room(route)
-        exchange.admission = await self._admit(exchange, payload)
+            await self._take_cold_start_room(exchange)
+        try:
+            exchange.admission = await self._admit(exchange, payload)
+        except BaseException:
+            if not route.upstreams:
+                self.cold_starts.give_room(route)
+            raise
         self.sink.track(exchange)
         answer = None
         try:
@@ -257,6 +262,17 @@ class Gateway:
                                "Idempotency-Key runs only once (its store is unreachable); "
                                "retry in a few seconds.", code="idempotency_unavailable",
                                headers=[(b"retry-after", b"5")]) from None
+
+    async def _take_cold_start_room(self, exchange: Exchange) -> None:
+        """The request's room among those held for its endpoint's cold start; a 429 frees
+        its Idempotency-Key."""
+        assert exchange.route is not None
+        try:
+            self.cold_starts.take_room(exchange.route)
+        except GatewayError as refusal:
+            exchange.status = refusal.status
+            await self._settle(exchange, answer=None)
+            raise
 
     async def _admit(self, exchange: Exchange, payload: dict[str, Any]) -> Admission:
         """The request's admission under its key's limits; a 429 frees its Idempotency-Key.

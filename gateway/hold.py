@@ -69,8 +69,11 @@ class ColdStarts:
         self._held: Counter[str] = Counter()
         self._waking: dict[str, asyncio.Future[bool]] = {}
 
-    def check_room(self, route: Route) -> None:
-        """Refuse with a 429 a request that would pass the endpoint's bound on held ones."""
+    def take_room(self, route: Route) -> None:
+        """Count a request as held for the endpoint, or refuse it with a 429 past the bound.
+        Counted at once, with no await between the check and the count, so that a burst
+        cannot pass the bound; wait_for_replica gives the room back, and give_room where
+        the request is refused before it waits."""
         held, most = self._held[route.endpoint_id], settings.KVRUN_GATEWAY_HOLD_MAX_REQUESTS
         if held >= most:
             wait = retry_after(route)
@@ -79,15 +82,20 @@ class ColdStarts:
                 f"wait for it, the most that may; retry in {wait.decode()} s.",
                 code="cold_start_queue_full", kind="requests",
                 headers=[(b"retry-after", wait)])
+        self._held[route.endpoint_id] += 1
+
+    def give_room(self, route: Route) -> None:
+        self._held[route.endpoint_id] -= 1
+        if not self._held[route.endpoint_id]:
+            del self._held[route.endpoint_id]
 
     async def wait_for_replica(self, exchange: Exchange, receive: Receive, send: Send) -> Route:
         """Wake the exchange's endpoint if it is at zero and wait until it has a ready
-        replica; returns the route with it. Raises GatewayError past the hold's time, or
-        if the endpoint is stopped or deleted meanwhile, and ClientGone if the client
-        leaves."""
+        replica; returns the route with it. The request has taken its room (take_room),
+        which this gives back. Raises GatewayError past the hold's time, or if the endpoint
+        is stopped or deleted meanwhile, and ClientGone if the client leaves."""
         route = exchange.route
         assert route is not None and exchange.identity is not None
-        self._held[route.endpoint_id] += 1
         started = time.perf_counter()
         deadline = started + settings.KVRUN_GATEWAY_HOLD_SECONDS
         left = asyncio.ensure_future(_client_left(receive))
@@ -134,9 +142,7 @@ class ColdStarts:
                     raise ClientGone
         finally:
             left.cancel()
-            self._held[route.endpoint_id] -= 1
-            if not self._held[route.endpoint_id]:
-                del self._held[route.endpoint_id]
+            self.give_room(route)
             exchange.held_seconds = time.perf_counter() - started
 
     async def _wake(self, route: Route) -> None:

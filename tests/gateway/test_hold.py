@@ -104,18 +104,27 @@ def test_past_the_count_bound_a_request_gets_a_429_with_retry_after(
     gateway: InProcessGateway, org: Organization, secret: str, stub_ports: list[int],
     stubs: list[httpx.Client]
 ) -> None:
-    endpoint, replica = waking(org, stub_ports[0])
+    _, replica = waking(org, stub_ports[0])
+    body = {"model": "sleepy", "prompt": "hi"}
 
     with override_settings(KVRUN_GATEWAY_HOLD_MAX_REQUESTS=1):
-        first = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
-        assert wait_until(lambda: redis_client().zcard(in_flight_name(endpoint.id)), 5,
+        burst = {f"order-{n}": gateway.submit(gateway.send(secret, body,
+                                                           **{"Idempotency-Key": f"order-{n}"}))
+                 for n in range(5)}
+        assert wait_until(lambda: sum(answer.done() for answer in burst.values()) == 4, 10,
                           interval=0.05)
-        second = gateway.post(secret, {"model": "sleepy", "prompt": "hi"})
+    refused = {key: answer.result() for key, answer in burst.items() if answer.done()}
     Replica.objects.filter(id=replica.id).update(state=State.READY, ready_at=timezone.now())
 
-    assert second.status_code == 429 and int(second.headers["retry-after"]) >= 1
-    assert second.json()["error"]["code"] == "cold_start_queue_full"
-    assert first.result(30).status_code == 200
+    # Arriving together, only one is held: the bound is counted as each is let in.
+    for response in refused.values():
+        assert response.status_code == 429 and int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "cold_start_queue_full"
+    [held] = [answer for key, answer in burst.items() if key not in refused]
+    assert held.result(30).status_code == 200
+    # A refused request ran nothing: its Idempotency-Key is free for the retry.
+    retried = gateway.post(secret, body, **{"Idempotency-Key": next(iter(refused))})
+    assert retried.status_code == 200 and "x-kvrun-idempotent-replay" not in retried.headers
 
 
 def test_an_endpoint_stopped_while_a_request_waits_ends_the_wait_with_a_503(
