@@ -300,7 +300,7 @@ class Gateway:
             return Admission(request_id=exchange.request_id, identity=exchange.identity,
                              headers=[], window=time.time_ns() // 1_000_000 // WINDOW_MS,
                              reserved_tokens=0, in_flight_set=None,
-                             endpoint_in_flight_set="")
+                             endpoint_id="")
 
     async def _route(self, identity: KeyIdentity, name: str) -> Route:
         route = (await self.directory.routes(identity.organization_id)).get(name)

@@ -88,25 +88,29 @@ class Admission:
     window: int  # the minute it was admitted in
     reserved_tokens: int  # 0 when the key has no token limit
     in_flight_set: str | None
-    endpoint_in_flight_set: str  # empty when Redis was unreachable at admission
+    endpoint_id: str  # empty when Redis was unreachable at admission: nothing to give back
 
     def renew(self, pipe: Pipeline, *, now_ms: int) -> None:
         """Queue on `pipe` the renewal of the request's in-flight leases."""
-        for name in filter(None, (self.in_flight_set, self.endpoint_in_flight_set)):
+        endpoint_in_flight = activity.in_flight_name(self.endpoint_id) if self.endpoint_id else None
+        for name in filter(None, (self.in_flight_set, endpoint_in_flight)):
             pipe.zadd(name, {self.request_id: now_ms}, xx=True)
             # The set lives as long as a lease from its last renewal, or its slots would go
             # with it while their requests still run.
             pipe.pexpire(name, lease_ms())
 
     def release(self, pipe: Pipeline, *, tokens: int, now_ms: int) -> None:
-        """Queue on `pipe` the end of the request's hold: its in-flight slot given back, and
-        its reservation settled against the `tokens` it used. While the minute it was
-        admitted in still counts, the difference goes there; after that a request that used
-        more than it reserved has the excess counted in the current minute."""
+        """Queue on `pipe` the end of the request's hold: its in-flight slot given back, its
+        end as its endpoint's last request (idle time counts from there: a long generation is
+        not idle), and its reservation settled against the `tokens` it used. While the minute
+        it was admitted in still counts, the difference goes there; after that a request that
+        used more than it reserved has the excess counted in the current minute."""
         if self.in_flight_set:
             pipe.zrem(self.in_flight_set, self.request_id)
-        if self.endpoint_in_flight_set:
-            pipe.zrem(self.endpoint_in_flight_set, self.request_id)
+        if self.endpoint_id:
+            pipe.zrem(activity.in_flight_name(self.endpoint_id), self.request_id)
+            pipe.set(activity.last_request_name(self.endpoint_id), now_ms,
+                     px=activity.LAST_REQUEST_TTL_MS)
         if not self.reserved_tokens:
             return
         difference = tokens - self.reserved_tokens
@@ -177,7 +181,7 @@ class Limiter:
             return Admission(request_id=request_id, identity=identity, headers=headers,
                              window=window, reserved_tokens=reserve if tpm else 0,
                              in_flight_set=in_flight if concurrent else None,
-                             endpoint_in_flight_set=endpoint_in_flight)
+                             endpoint_id=endpoint_id)
         if verdict == REQUESTS:
             wait = seconds_until_room(current=rc, previous=rp, limit=rpm, elapsed_ms=elapsed)
             message = (f"This API key's limit of {rpm} requests per minute is used up; retry "

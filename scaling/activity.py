@@ -3,7 +3,8 @@
 The gateway's admission script (gateway.limits) writes it in Redis with the request's other
 holds, in the same round trip; the autoscaler reads it. Per endpoint: a sorted set of its
 requests in flight (request id → last renewal, ms), where a slot not renewed for a lease
-belongs to a web process that died and no longer counts, and the time of its last request.
+belongs to a web process that died and no longer counts, and the time of its last request
+(set when it is let in, and again when it ends).
 The autoscaler keeps what it read of the requests in flight at each pass, for as long as its
 longest window, so that a decision rests on the whole window, not one reading.
 """

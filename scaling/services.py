@@ -116,7 +116,7 @@ def _shown(values: list[float]) -> str:
 
 def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:
     """Scale to zero every endpoint that may (min_replicas 0) and has had no request for its
-    idle time, counted from its last request or, where none is known, from when its last
+    idle time, counted from its last request's end or, where none is known, from when its last
     replica became ready; never one with a request in flight. Returns how many it scaled."""
     candidates = list(
         Endpoint.objects.filter(deleted_at=None, desired_state=DesiredState.RUNNING,
