@@ -79,8 +79,15 @@ def endpoints_for_gateway(*, organization_id: object) -> QuerySet[Endpoint]:
                                    node__isnull=False).select_related("node")
     return (Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
             .select_related("organization")
-            .prefetch_related("replicas",
+            .prefetch_related(unended_replicas(),
                               Prefetch("replicas", queryset=ready, to_attr="ready_replicas")))
+
+
+def unended_replicas() -> Prefetch:
+    """An endpoint's replicas but those stopped or failed, whose rows grow with every wake,
+    scale-up and rollout: for code that reads `endpoint.replicas.all()` every few seconds."""
+    return Prefetch("replicas", queryset=Replica.objects.exclude(
+        state__in=(State.STOPPED, State.FAILED)))
 
 
 def median_start_seconds(*, model_id: int, gpu_type_id: int, last: int = 20) -> float | None:

@@ -10,6 +10,7 @@ from django.db.models import Max
 from django.db.models.functions import Greatest
 
 from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
+from endpoints.selectors import unended_replicas
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
 from kvrun.units import duration_text
 from scaling.activity import activity_of, record_in_flight
@@ -48,11 +49,10 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
                  .filter(deleted_at=None, desired_state=DesiredState.RUNNING,
                          desired_replicas__gt=0, max_replicas__gt=1)
                  .exclude(state=State.FAILED)
-                 .prefetch_related("replicas"))
+                 .prefetch_related(unended_replicas()))
     scaled = 0
     for endpoint in endpoints:
-        live = [replica for replica in endpoint.replicas.all()
-                if replica.state not in (State.STOPPED, State.FAILED)]
+        live = list(endpoint.replicas.all())
         if len(live) != endpoint.desired_replicas or any(
                 replica.state != State.READY for replica in live):
             continue  # starting, stopping or rolling: judged once it has settled
