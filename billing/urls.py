@@ -4,6 +4,7 @@ from django.urls import path, register_converter
 
 from billing import api
 from billing.invoicing import month_label
+from billing.rollup import FIRST_PRICE_FROM
 
 
 class MonthConverter:
@@ -12,7 +13,10 @@ class MonthConverter:
     regex = r"\d{4}-(0[1-9]|1[0-2])"
 
     def to_python(self, value: str) -> date:
-        return date(int(value[:4]), int(value[5:7]), 1)
+        year = int(value[:4])
+        if year < FIRST_PRICE_FROM.year:  # before anything was billed: not a month of ours
+            raise ValueError(value)
+        return date(year, int(value[5:7]), 1)
 
     def to_url(self, value: date | str) -> str:
         return value if isinstance(value, str) else month_label(value)

@@ -86,7 +86,8 @@ def test_it_validates_ownership(owner_api: APIClient, other_org: Organization,
 
 @pytest.mark.parametrize("path", ["invoices/2026-13/", "invoices/2026-03/",
                                   "invoices/2026-01/lines/9/usage/",
-                                  "invoices/2026-01/lines/0/usage/"])
+                                  "invoices/2026-01/lines/0/usage/", "invoices/0001-01/",
+                                  "invoices/0001-01/lines/1/usage/"])
 def test_a_month_or_line_that_does_not_exist_is_a_404(
         owner_api: APIClient, org: Organization, billed: Endpoint, at_now: None,
         path: str) -> None:

@@ -107,7 +107,8 @@ def test_it_validates_ownership(owner_client: Client, other_org: Organization,
 
 
 @pytest.mark.parametrize("path", ["billing/2026-03/", "billing/2026-13/",
-                                  "billing/2026-01/lines/99/"])
+                                  "billing/2026-01/lines/99/", "billing/0001-01/",
+                                  "billing/0001-01/csv/"])
 def test_a_month_or_line_that_does_not_exist_is_a_404(owner_client: Client, org: Organization,
                                                       billed: Endpoint, path: str) -> None:
     assert owner_client.get(f"/orgs/{org.slug}/{path}").status_code == 404
