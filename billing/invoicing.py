@@ -229,7 +229,9 @@ def _token_lines(organization_id: UUID, month: date) -> list[Line]:
             GROUP BY 1, 2, 3, 4, 5
             ORDER BY 2, 3, 4, 5""", [organization_id, start, end])
         rows = cursor.fetchall()
-    lines = []
+    # A row per price version; a version that changed another kind's price leaves this
+    # kind's the same, and one kind at one price is one line (Line.key).
+    counted: dict[tuple, tuple[datetime, datetime, int]] = {}
     for endpoint_id, endpoint_name, *row in rows:
         prices, (first, last), tokens = row[0:3], row[3:5], row[5:8]
         for kind, price, count in zip(
@@ -237,13 +239,18 @@ def _token_lines(organization_id: UUID, month: date) -> list[Line]:
                 prices, tokens, strict=True):
             if not price or not count:
                 continue
-            lines.append(Line(
-                kind=kind, endpoint_id=endpoint_id, endpoint_name=endpoint_name,
-                gpu_type_id=None, phase="", usage_month=month, period_start=first,
-                period_end=last, quantity=Decimal(count) / 1_000_000, unit=MILLION_TOKENS,
-                unit_price_usd=price, amount_cents=cents(count * price / 1_000_000),
-                description=f"{endpoint_name}: {LineKind(kind).label}"))
-    return lines
+            key = (endpoint_id, endpoint_name, kind, price)
+            if key in counted:
+                was_first, was_last, was_count = counted[key]
+                first, last, count = min(was_first, first), max(was_last, last), was_count + count
+            counted[key] = (first, last, count)
+    return [Line(kind=kind, endpoint_id=endpoint_id, endpoint_name=endpoint_name,
+                 gpu_type_id=None, phase="", usage_month=month, period_start=first,
+                 period_end=last, quantity=Decimal(count) / 1_000_000, unit=MILLION_TOKENS,
+                 unit_price_usd=price, amount_cents=cents(count * price / 1_000_000),
+                 description=f"{endpoint_name}: {LineKind(kind).label}")
+            for (endpoint_id, endpoint_name, kind, price), (first, last, count)
+            in counted.items()]
 
 
 def _line_from_billed(key: tuple, month: date) -> Line:

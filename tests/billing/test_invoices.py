@@ -175,6 +175,30 @@ def test_an_adjustment_is_billed_even_without_usage_in_the_next_month(
     assert february.total_cents == 100
 
 
+def test_a_price_change_of_one_kind_leaves_the_others_one_line_each(
+        cpu_endpoint: Endpoint, key: APIKey) -> None:
+    for completion, since in ((2, datetime(2025, 1, 1, tzinfo=UTC)),
+                              (3, datetime(2026, 1, 15, tzinfo=UTC))):
+        TokenPrice.objects.create(model=cpu_endpoint.model, prompt_per_million_usd=Decimal(1),
+                                  completion_per_million_usd=Decimal(completion),
+                                  effective_from=since)
+    for day in (10, 20):
+        record(cpu_endpoint, key, datetime(2026, 1, day, tzinfo=UTC), prompt_tokens=1_000_000,
+               completion_tokens=0)
+    finalize_at(FEB_1 + timedelta(hours=2))
+    record(cpu_endpoint, key, datetime(2026, 1, 31, 23, 59, tzinfo=UTC), prompt_tokens=0,
+           completion_tokens=100_000)
+
+    finalize_at(MAR_1 + timedelta(hours=2))
+
+    assert lines_of(Invoice.objects.get(month=JAN)) == [
+        ("chat: prompt tokens", Decimal(2), Decimal(1), 200)]
+    # Only what arrived late is adjusted: the prompt tokens are not credited back.
+    assert lines_of(Invoice.objects.get(month=FEB)) == [
+        ("Adjustment for January 2026: chat: completion tokens, recorded after its invoice",
+         Decimal("0.1"), Decimal(3), 30)]
+
+
 def test_an_organisation_with_the_longest_slug_is_invoiced(cpu_node: Node) -> None:
     organization = organization_with_owner("A" * 50 + " Laboratories of Inference")
     endpoint = demo_endpoint(organization)
