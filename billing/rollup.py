@@ -199,3 +199,25 @@ def do_write_down_list_prices() -> None:
             SELECT id, hourly_price_usd, %s, now() FROM endpoints_gputype gpu
             WHERE NOT EXISTS (SELECT 1 FROM billing_gpuprice WHERE gpu_type_id = gpu.id)
             ON CONFLICT DO NOTHING""", [FIRST_PRICE_FROM])
+
+
+def do_quote_prices_in_effect(*, now: datetime) -> int:
+    """Make each GPU type's list price, which sizing, the wizard and the endpoints quote, the
+    price version in effect at `now`, and each live endpoint's price per replica follow it:
+    what is quoted is what is billed, an operator's new version included. Returns how many
+    endpoints were repriced."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("""
+            UPDATE endpoints_gputype gpu SET hourly_price_usd = version.hourly_price_usd
+            FROM (SELECT DISTINCT ON (gpu_type_id) gpu_type_id, hourly_price_usd
+                  FROM billing_gpuprice WHERE effective_from <= %s
+                  ORDER BY gpu_type_id, effective_from DESC) version
+            WHERE gpu.id = version.gpu_type_id
+              AND gpu.hourly_price_usd <> version.hourly_price_usd""", [now])
+        cursor.execute("""
+            UPDATE endpoints_endpoint endpoint
+            SET hourly_price_usd = gpu.hourly_price_usd * endpoint.gpu_count
+            FROM endpoints_gputype gpu
+            WHERE gpu.id = endpoint.gpu_type_id AND endpoint.deleted_at IS NULL
+              AND endpoint.hourly_price_usd <> gpu.hourly_price_usd * endpoint.gpu_count""")
+        return cursor.rowcount

@@ -1,12 +1,13 @@
 import logging
 
 from celery import shared_task
+from django.utils import timezone
 
 from billing import payments
 from billing.budgets import do_enforce_budgets
 from billing.invoicing import do_finalize_due_invoices
 from billing.models import Invoice, PaymentStatus
-from billing.rollup import do_roll_up_usage
+from billing.rollup import do_quote_prices_in_effect, do_roll_up_usage
 from billing.services import do_ingest_usage
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,11 @@ def ingest_usage() -> None:
 
 @shared_task(name="billing.roll_up_usage", ignore_result=True)
 def roll_up_usage() -> None:
-    """Bring the hourly token and GPU-time lines up to date; safe to run any number of times."""
+    """Bring the hourly token and GPU-time lines up to date, and the prices quoted to the
+    versions in effect; safe to run any number of times."""
+    repriced = do_quote_prices_in_effect(now=timezone.now())
+    if repriced:
+        logger.info("%d endpoint(s) quote a new price in effect", repriced)
     rollup = do_roll_up_usage()
     if rollup is not None:
         logger.info("rolled up %d usage hour(s) in %.3f s, wrote %d GPU-hour line(s) in %.3f s",

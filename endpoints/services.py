@@ -46,18 +46,20 @@ def do_load_catalogs(*, directory: Path = CATALOG_DIR) -> tuple[int, int]:
     """Insert or update every model and GPU type from the catalog files, keyed by slug.
 
     Returns (models, gpu types) loaded. Rows not in the files are left alone, so an
-    operator's additions survive a reload.
+    operator's additions survive a reload. A GPU type's price is the catalog's only when it
+    is first loaded: from then on prices change by version (billing.models.GPUPrice), which
+    bill and, once in effect, quote (billing.rollup.do_quote_prices_in_effect).
     """
     models = json.loads((directory / "models.json").read_text())
     gpus = json.loads((directory / "gpus.json").read_text())
     with transaction.atomic():
         _upsert(ModelSpec, models)
-        _upsert(GPUType, gpus)
+        _upsert(GPUType, gpus, kept=("hourly_price_usd",))
     return len(models), len(gpus)
 
 
-def _upsert(model: type, rows: list[dict]) -> None:
-    fields = [name for name in rows[0] if name != "slug"]
+def _upsert(model: type, rows: list[dict], kept: tuple[str, ...] = ()) -> None:
+    fields = [name for name in rows[0] if name not in ("slug", *kept)]
     model.objects.bulk_create(
         [model(**row) for row in rows], update_conflicts=True, unique_fields=["slug"],
         update_fields=fields,
