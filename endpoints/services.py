@@ -228,7 +228,9 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
         raise ValidationError({"replicas": [
             f"Choose between {fewest} and max_replicas ({endpoint.max_replicas}); to run "
             "fewer, lower min_replicas, or stop the endpoint."]})
-    Endpoint.objects.filter(id=endpoint.id).update(desired_replicas=replicas)
+    # A change by hand is the last change: the autoscaler leaves it a window before judging.
+    Endpoint.objects.filter(id=endpoint.id).update(desired_replicas=replicas,
+                                                   last_scaled_at=timezone.now())
     EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
                                  message=f"scaled to {replicas} replica(s)")
     _reconcile_after_commit(endpoint)

@@ -7,9 +7,9 @@ import pytest
 from django.conf import settings
 from django.utils import timezone
 
-from accounts.models import Organization
+from accounts.models import Organization, Role
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
-from endpoints.services import LONGEST_WINDOW_SECONDS, do_autoscale_endpoint
+from endpoints.services import LONGEST_WINDOW_SECONDS, do_autoscale_endpoint, do_scale_endpoint
 from kvrun.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.selectors import replica_to_remove
@@ -146,6 +146,17 @@ def test_a_load_above_target_for_the_up_window_adds_the_replicas_it_needs(
         "is 4"]
     # The next change waits a window from this one.
     assert do_scale_endpoints_on_signals(now=now + timedelta(seconds=30)) == 0
+
+
+def test_a_change_by_hand_is_left_a_window_before_the_autoscaler_judges(
+        org: Organization) -> None:
+    endpoint = busy(org, 2)
+    do_scale_endpoint(endpoint=endpoint, actor_role=Role.OWNER, replicas=2)
+    now = timezone.now()
+    load(endpoint, seconds=120, in_flight=0.5, now=now)  # would fit on one replica fewer
+
+    assert do_scale_endpoints_on_signals(now=now) == 0
+    assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 2
 
 
 def test_a_reading_between_requests_does_not_reset_a_sustained_load(
