@@ -49,18 +49,31 @@ class EngineSnapshot:
     prompt_buckets: dict[str, float] = field(default_factory=dict)  # prompt tokens a request
 
 
+# Past this no count of an engine's is real (2**53: where floats stop counting by one), and
+# the database's bigint columns would refuse the sample.
+LARGEST_COUNT = 2**53
+
+
 def snapshot(text: str) -> EngineSnapshot:
-    """The snapshot in an engine's Prometheus text (vLLM's V1 metric names)."""
+    """The snapshot in an engine's Prometheus text (vLLM's V1 metric names). Raises
+    ValueError on a value that cannot be a reading (negative, not finite, a usage above
+    one), so that one engine's bad answer is left out rather than stored."""
     found = totals(text)
 
-    def count(name: str) -> int:
-        return int(found.get(f"vllm:{name}_total", 0))
+    def whole(name: str) -> int:
+        return _count(name, found.get(name, 0.0))
 
+    def count(name: str) -> int:
+        return whole(f"vllm:{name}_total")
+
+    usage = found.get("vllm:kv_cache_usage_perc", 0.0)
+    if not 0 <= usage <= 1:
+        raise ValueError(f"vllm:kv_cache_usage_perc is {usage}, not a share from 0 to 1")
     external = "vllm:external_prefix_cache_queries_total" in found
     return EngineSnapshot(
-        kv_cache_usage=found.get("vllm:kv_cache_usage_perc", 0.0),
-        running=int(found.get("vllm:num_requests_running", 0)),
-        waiting=int(found.get("vllm:num_requests_waiting", 0)),
+        kv_cache_usage=usage,
+        running=whole("vllm:num_requests_running"),
+        waiting=whole("vllm:num_requests_waiting"),
         prefix_queries=count("prefix_cache_queries"), prefix_hits=count("prefix_cache_hits"),
         external_queries=count("external_prefix_cache_queries") if external else None,
         external_hits=count("external_prefix_cache_hits") if external else None,
@@ -84,8 +97,14 @@ def buckets(text: str, histogram: str) -> dict[str, float]:
             series, _, value = line.rpartition(" ")
             bound = LE.search(series)
             if bound:
-                found[bound.group(1)] += float(value)
+                found[bound.group(1)] += _count(histogram, float(value))
     return dict(found)
+
+
+def _count(name: str, value: float) -> int:
+    if not 0 <= value <= LARGEST_COUNT:  # NaN fails both
+        raise ValueError(f"{name} is {value}, not a count")
+    return int(value)
 
 
 def quantile(q: float, counts: dict[str, float]) -> float | None:

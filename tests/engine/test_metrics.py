@@ -70,3 +70,18 @@ def test_quantiles_interpolate_within_their_bucket_as_prometheus_does() -> None:
     assert quantile(0.95, counts) == 0.5  # in the +Inf bucket: the highest finite bound
     assert quantile(0.5, {"0.1": 0.0, "+Inf": 0.0}) is None
     assert quantile(0.5, {}) is None
+
+
+@pytest.mark.parametrize("line", [
+    'vllm:num_requests_running{engine="0"} +Inf',
+    'vllm:num_requests_waiting{engine="1"} -5',
+    'vllm:prompt_tokens_total{engine="0"} 1e400',
+    'vllm:prefix_cache_hits_total{engine="0"} NaN',
+    'vllm:kv_cache_usage_perc{engine="0"} 1.5',
+    'vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1"} NaN',
+])
+def test_a_value_that_cannot_be_a_reading_is_refused_not_stored(line: str) -> None:
+    # The node agent leaves that engine out of the scrape (and does not wait on it while
+    # draining); a value the database would refuse would lose the node's whole batch.
+    with pytest.raises(ValueError, match="not a"):
+        snapshot(ENGINE + line + "\n")
