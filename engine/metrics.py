@@ -47,6 +47,8 @@ class EngineSnapshot:
     ttft_buckets: dict[str, float] = field(default_factory=dict)  # le → cumulative count
     itl_buckets: dict[str, float] = field(default_factory=dict)
     prompt_buckets: dict[str, float] = field(default_factory=dict)  # prompt tokens a request
+    # The max_tokens a request could generate (asked, or what its context left it).
+    max_tokens_buckets: dict[str, float] = field(default_factory=dict)
 
 
 # Past this no count of an engine's is real (2**53: where floats stop counting by one), and
@@ -81,7 +83,8 @@ def snapshot(text: str) -> EngineSnapshot:
         generation_tokens=count("generation_tokens"), requests=count("request_success"),
         ttft_buckets=buckets(text, "vllm:time_to_first_token_seconds"),
         itl_buckets=buckets(text, "vllm:inter_token_latency_seconds"),
-        prompt_buckets=buckets(text, "vllm:request_prompt_tokens"))
+        prompt_buckets=buckets(text, "vllm:request_prompt_tokens"),
+        max_tokens_buckets=buckets(text, "vllm:request_params_max_tokens"))
 
 
 LE = re.compile(r'le="([^"]+)"')

@@ -7,8 +7,11 @@ sizing model (endpoints.planning).
   working set larger than the device cache (offloading costs a few per cent of throughput
   where the working set fits: −1.5 to −2.6 % in llm-d's published runs).
 - context oversized: over a day of at least MIN_REQUESTS requests, a context budget at least
-  OVERSIZE × the 99th-percentile prompt. The change: a budget of twice that percentile,
-  rounded up to a power of two, with what it frees, and the cheaper hardware it would fit.
+  OVERSIZE × what a request takes: the 99th-percentile prompt plus the 99th-percentile
+  max_tokens (the engine refuses a request whose prompt and max_tokens pass the context; one
+  that asks none is given what its context leaves, so those keep the budget as it is). The
+  change: a budget of that, and at least twice the prompt percentile, rounded up to a power
+  of two, with what it frees, and the cheaper hardware it would fit.
 
 An advice opens once (an event on the endpoint says so), is refreshed while its condition
 holds, and resolves when it no longer does.
@@ -113,19 +116,23 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
 
 
 def _context_oversized(endpoint: Endpoint, *, now: datetime) -> Finding | None:
-    requests, p99 = selectors.served_over(endpoint_id=endpoint.id, since=now - CONTEXT_WINDOW,
-                                          until=now)
+    requests, p99, answer_p99 = selectors.served_over(
+        endpoint_id=endpoint.id, since=now - CONTEXT_WINDOW, until=now)
     context = endpoint.context_length
-    if requests < MIN_REQUESTS or not p99 or p99 * OVERSIZE > context:
+    if requests < MIN_REQUESTS or not p99 or answer_p99 is None:
         return None
-    suggested = 1 << max(9, int(2 * p99 - 1).bit_length())
+    needed = p99 + answer_p99
+    if needed * OVERSIZE > context:
+        return None
+    suggested = 1 << max(9, int(max(2 * p99, needed) - 1).bit_length())
     if suggested >= context:
         return None
     fits = planning.largest_concurrency_on(
         model=endpoint.model, context_length=suggested, kv_cache_dtype=endpoint.kv_cache_dtype,
         gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count)
-    message = (f"The context budget of {context:,} tokens is {context / p99:.0f} × the 99th "
-               f"percentile prompt ({p99:,.0f} tokens over {requests:,} requests in 24 h). "
+    message = (f"The context budget of {context:,} tokens is {context / needed:.0f} × what a "
+               f"request takes: the 99th percentile prompt ({p99:,.0f} tokens) plus the 99th "
+               f"percentile max_tokens ({answer_p99:,.0f}), over {requests:,} requests in 24 h. "
                f"At {suggested:,} tokens the same hardware holds {fits} requests at once "
                "(one click).")
     try:
@@ -138,7 +145,8 @@ def _context_oversized(endpoint: Endpoint, *, now: datetime) -> Finding | None:
     if price is not None and price < endpoint.hourly_price_usd:
         message += (f" Or, as a new endpoint, {cheaper.gpu_count} × {cheaper.gpu_type.name} at "
                     f"${price:.2f}/h instead of ${endpoint.hourly_price_usd:.2f}/h.")
-    figures = {"prompt_tokens_p99": round(p99), "requests": requests, "context_length": context,
+    figures = {"prompt_tokens_p99": round(p99), "max_tokens_p99": round(answer_p99),
+               "requests": requests, "context_length": context,
                "suggested_context_length": suggested, "max_concurrency_at_suggested": fits}
     return Finding(kind=AdviceKind.CONTEXT_OVERSIZED, message=message, figures=figures,
                    change={"context_length": suggested})

@@ -35,6 +35,9 @@ class EngineSample(models.Model):
     itl_buckets = models.JSONField(default=dict, help_text="Inter-token latency, likewise.")
     prompt_buckets = models.JSONField(default=dict, help_text="Prompt tokens per request, "
                                                               "likewise.")
+    max_tokens_buckets = models.JSONField(
+        default=dict, help_text="The max_tokens of each request (asked, or what its context "
+                                "left it), likewise.")
 
     class Meta:
         constraints = [models.UniqueConstraint(fields=["replica", "at"],

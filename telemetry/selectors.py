@@ -27,6 +27,7 @@ class _Step:
     ttft: dict = field(default_factory=lambda: defaultdict(float))
     itl: dict = field(default_factory=lambda: defaultdict(float))
     prompts: dict = field(default_factory=lambda: defaultdict(float))
+    max_tokens: dict = field(default_factory=lambda: defaultdict(float))
     usage: list = field(default_factory=list)  # (replica, kv usage)
     running: dict = field(default_factory=dict)  # replica → its latest gauge in the step
     waiting: dict = field(default_factory=dict)
@@ -81,7 +82,8 @@ def _add_increase(bucket: _Step, before: EngineSample, after: EngineSample) -> N
         bucket.deltas[name] += _increase(getattr(before, name), getattr(after, name))
     bucket.deltas["has_external"] += after.external_queries is not None
     for histogram, into in (("ttft_buckets", bucket.ttft), ("itl_buckets", bucket.itl),
-                            ("prompt_buckets", bucket.prompts)):
+                            ("prompt_buckets", bucket.prompts),
+                            ("max_tokens_buckets", bucket.max_tokens)):
         old, new = getattr(before, histogram), getattr(after, histogram)
         for bound, count in new.items():
             into[bound] += _increase(old.get(bound), count)
@@ -114,8 +116,9 @@ def _ratio(part: float, whole: float) -> float | None:
 
 
 def served_over(*, endpoint_id: UUID, since: datetime, until: datetime
-                ) -> tuple[int, float | None]:
-    """(requests finished, 99th percentile of prompt lengths) over [since, until), from two
+                ) -> tuple[int, float | None, float | None]:
+    """(requests finished, 99th percentiles of their prompt lengths and of their max_tokens)
+    over [since, until), from two
     samples a replica: its first and its last in the window. A replica is one engine's life,
     so its counters only grow in between; however long the window, the read stays small."""
     window = EngineSample.objects.filter(endpoint_id=endpoint_id, at__gte=since, at__lt=until)
@@ -125,5 +128,6 @@ def served_over(*, endpoint_id: UUID, since: datetime, until: datetime
     bucket = _Step()
     for first in firsts:
         _add_increase(bucket, first, lasts[first.replica_id])
-    return int(bucket.deltas["requests"]), quantile(0.99, bucket.prompts)
+    return (int(bucket.deltas["requests"]), quantile(0.99, bucket.prompts),
+            quantile(0.99, bucket.max_tokens))
 

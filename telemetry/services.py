@@ -40,7 +40,8 @@ def do_record_engine_samples(*, samples: Iterable[tuple[UUID, UUID, datetime, En
                          prompt_tokens=shot.prompt_tokens,
                          generation_tokens=shot.generation_tokens, requests=shot.requests,
                          ttft_buckets=shot.ttft_buckets, itl_buckets=shot.itl_buckets,
-                         prompt_buckets=shot.prompt_buckets)
+                         prompt_buckets=shot.prompt_buckets,
+                         max_tokens_buckets=shot.max_tokens_buckets)
             for replica_id, endpoint_id, at, shot in samples]
     created = EngineSample.objects.bulk_create(rows, ignore_conflicts=True)
     return len(created)

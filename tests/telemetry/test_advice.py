@@ -18,11 +18,13 @@ pytestmark = pytest.mark.django_db
 
 
 def snapshot(*, usage: float = 0.2, preemptions: int = 0, requests: int = 0,
-             prompts: dict | None = None, queries: int = 0, hits: int = 0) -> EngineSnapshot:
+             prompts: dict | None = None, max_tokens: dict | None = None, queries: int = 0,
+             hits: int = 0) -> EngineSnapshot:
     return EngineSnapshot(kv_cache_usage=usage, running=1, waiting=0, prefix_queries=queries,
                           prefix_hits=hits, external_queries=None, external_hits=None,
                           preemptions=preemptions, prompt_tokens=0, generation_tokens=0,
-                          requests=requests, prompt_buckets=prompts or {})
+                          requests=requests, prompt_buckets=prompts or {},
+                          max_tokens_buckets=max_tokens or {})
 
 
 @pytest.fixture
@@ -84,22 +86,45 @@ def test_advice_opens_once_and_resolves_when_the_figures_recover(endpoint: Endpo
     assert EndpointEvent.objects.filter(message__startswith="advice:").count() == 1
 
 
-def test_a_context_budget_far_above_the_prompts_advises_a_smaller_one(
+# 400 requests in the last day, 99 % of them with prompts of at most 1,000 tokens.
+PROMPTS_BEFORE = {"500": 0.0, "1000": 0.0, "2000": 0.0, "+Inf": 0.0}
+PROMPTS_AFTER = {"500": 300.0, "1000": 398.0, "2000": 400.0, "+Inf": 400.0}
+
+
+def test_a_context_budget_far_above_the_requests_advises_a_smaller_one(
         endpoint: Endpoint) -> None:
-    # 400 requests in the last day, 99 % of them with prompts of at most 1,000 tokens.
-    before = {"500": 0.0, "1000": 0.0, "2000": 0.0, "+Inf": 0.0}
-    after = {"500": 300.0, "1000": 398.0, "2000": 400.0, "+Inf": 400.0}
-    record(endpoint, [(80_000, snapshot(prompts=before)),
-                      (60, snapshot(requests=400, prompts=after))])
+    # ... each asking at most 500 tokens of answer.
+    answers_after = {"100": 200.0, "500": 400.0, "+Inf": 400.0}
+    record(endpoint, [(80_000, snapshot(prompts=PROMPTS_BEFORE, max_tokens={})),
+                      (60, snapshot(requests=400, prompts=PROMPTS_AFTER,
+                                    max_tokens=answers_after))])
 
     [advice] = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
 
     assert advice.kind == AdviceKind.CONTEXT_OVERSIZED
-    # The 99th percentile within its bucket (500–1,000): 500 + 500 × 96 / 98.
-    assert advice.figures["prompt_tokens_p99"] == 990
+    # The 99th percentiles within their buckets: 500 + 500 × 96 / 98, 100 + 400 × 196 / 200.
+    assert (advice.figures["prompt_tokens_p99"], advice.figures["max_tokens_p99"]) == (990, 492)
     assert advice.change == {"context_length": 2048}
-    assert "is 33 × the 99th percentile prompt (990 tokens over 400 requests in 24 h)" in (
-        advice.message)
+    assert ("is 22 × what a request takes: the 99th percentile prompt (990 tokens) plus the "
+            "99th percentile max_tokens (492), over 400 requests in 24 h") in advice.message
+
+
+@pytest.mark.parametrize(("answers_after", "changes"), [
+    # Short prompts, long answers: up to 2,000 tokens asked, p99 1,980; with the prompt's
+    # 990, 4,096 holds them (a budget of twice the prompt, 2,048, would refuse most).
+    ({"2000": 400.0, "+Inf": 400.0}, [{"context_length": 4096}]),
+    ({"32768": 400.0, "+Inf": 400.0}, []),  # max_tokens not asked: what the context left
+    (None, []),  # an engine that does not report max_tokens
+])
+def test_no_smaller_context_is_advised_that_would_refuse_the_answers_asked_for(
+        endpoint: Endpoint, answers_after: dict | None, changes: list) -> None:
+    record(endpoint, [(80_000, snapshot(prompts=PROMPTS_BEFORE, max_tokens={})),
+                      (60, snapshot(requests=400, prompts=PROMPTS_AFTER,
+                                    max_tokens=answers_after))])
+
+    advice = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+
+    assert [item.change for item in advice] == changes
 
 
 def test_applying_advice_changes_the_policy_and_needs_a_one_click_change(
