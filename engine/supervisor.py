@@ -187,9 +187,10 @@ def warm_up(client: httpx.Client, base: str, served_model_name: str, api_key: st
 
 
 def read_kv_capacity(log_text: str) -> int | None:
-    """The `KV cache size: N tokens` figure vLLM logs once the cache is allocated."""
-    match = KV_CAPACITY.search(log_text)
-    return int(match.group(1).replace(",", "")) if match else None
+    """The `KV cache size: N tokens` figure vLLM logs once the cache is allocated: the last
+    one, since a replica's log keeps its earlier engines' lives (a restart appends)."""
+    found = KV_CAPACITY.findall(log_text)
+    return int(found[-1].replace(",", "")) if found else None
 
 
 def tail(log_path: Path, lines: int = 30, max_bytes: int = 64 * 1024) -> str:

@@ -61,6 +61,8 @@ def test_it_reads_the_kv_capacity_vllm_logs() -> None:
 
     assert read_kv_capacity("noise\n" + line + "\n") == 2_097_152
     assert read_kv_capacity("no capacity here") is None
+    # A restart appends to the replica's log: its engine now is the last one.
+    assert read_kv_capacity(line + "\nrestarted\n" + line.replace("2,097,152", "1,024")) == 1024
 
 
 def test_tail_returns_the_last_lines(tmp_path: Path) -> None:
