@@ -19,6 +19,8 @@ POINTS_PER_CHART = 120
 USAGE_HIGH = 0.9  # a KV cache this full has little room for new requests or kept prefixes
 COUNTERS = ("prefix_queries", "prefix_hits", "external_queries", "external_hits",
             "preemptions", "prompt_tokens", "generation_tokens", "requests")
+# Counters that every engine's life moves: one that went down is a restart.
+RESETS = ("requests", "prompt_tokens", "generation_tokens")
 
 
 @dataclass
@@ -118,16 +120,29 @@ def _ratio(part: float, whole: float) -> float | None:
 def served_over(*, endpoint_id: UUID, since: datetime, until: datetime
                 ) -> tuple[int, float | None, float | None]:
     """(requests finished, 99th percentiles of their prompt lengths and of their max_tokens)
-    over [since, until), from two
-    samples a replica: its first and its last in the window. A replica is one engine's life,
-    so its counters only grow in between; however long the window, the read stays small."""
+    over [since, until). Each replica's counters only grow while its engine lives, so only
+    its first and last samples and the two around each restart (a counter that went down:
+    a failed replica restarts under its id) are read whole; the rest only for their
+    counters, so the read stays small however long the window."""
     window = EngineSample.objects.filter(endpoint_id=endpoint_id, at__gte=since, at__lt=until)
-    firsts = window.order_by("replica_id", "at").distinct("replica_id")
-    lasts = {sample.replica_id: sample
-             for sample in window.order_by("replica_id", "-at").distinct("replica_id")}
+    kept: set[int] = set()
+    before: tuple | None = None
+    for row in window.order_by("replica_id", "at").values_list("id", "replica_id", *RESETS):
+        if before is None or before[1] != row[1]:  # a replica's first sample
+            if before is not None:
+                kept.add(before[0])
+            kept.add(row[0])
+        elif any(now < then for now, then in zip(row[2:], before[2:], strict=True)):
+            kept.update((before[0], row[0]))
+        before = row
+    if before is not None:
+        kept.add(before[0])
     bucket = _Step()
-    for first in firsts:
-        _add_increase(bucket, first, lasts[first.replica_id])
+    previous: EngineSample | None = None
+    for sample in EngineSample.objects.filter(id__in=kept).order_by("replica_id", "at"):
+        if previous is not None and previous.replica_id == sample.replica_id:
+            _add_increase(bucket, previous, sample)
+        previous = sample
     return (int(bucket.deltas["requests"]), quantile(0.99, bucket.prompts),
             quantile(0.99, bucket.max_tokens))
 

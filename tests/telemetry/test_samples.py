@@ -8,7 +8,7 @@ from accounts.models import Organization
 from endpoints.models import Endpoint, Replica
 from engine.metrics import EngineSnapshot
 from telemetry.models import EngineSample
-from telemetry.selectors import series
+from telemetry.selectors import series, served_over
 from telemetry.services import do_downsample_samples, do_record_engine_samples
 from tests.factories import ready_endpoint
 
@@ -17,11 +17,11 @@ T0 = datetime(2026, 12, 4, 12, 0, tzinfo=UTC)
 
 
 def shot(*, queries: int = 0, hits: int = 0, prompt: int = 0, usage: float = 0.1,
-         ttft: dict | None = None, running: int = 0) -> EngineSnapshot:
+         ttft: dict | None = None, running: int = 0, requests: int = 0) -> EngineSnapshot:
     return EngineSnapshot(kv_cache_usage=usage, running=running, waiting=0,
                           prefix_queries=queries, prefix_hits=hits, external_queries=None,
                           external_hits=None, preemptions=0, prompt_tokens=prompt,
-                          generation_tokens=0, requests=0, ttft_buckets=ttft or {})
+                          generation_tokens=0, requests=requests, ttft_buckets=ttft or {})
 
 
 @pytest.fixture
@@ -85,6 +85,22 @@ def test_steps_sum_replicas_and_a_restarted_engine_s_counters_count_from_zero(
     _, only_second = series(endpoint_id=endpoint.id, since=T0,
                             until=T0 + timedelta(minutes=10), replica_id=second.id)
     assert [point["prefix_hit_rate"] for point in only_second] == [None, 1.0]
+
+
+def test_the_requests_a_day_count_an_engine_restarted_under_its_replica(
+        endpoint: Endpoint) -> None:
+    first, second = endpoint.replicas.all()
+    # 2,000 served, a crash, and the restarted engine's 60,000; the other replica's 300.
+    for at, served in ((T0, 50_000), (T0 + timedelta(hours=1), 52_000),
+                       (T0 + timedelta(hours=2), 5), (T0 + timedelta(hours=3), 60_000)):
+        record(first, at, shot(requests=served))
+    for at, served in ((T0, 100), (T0 + timedelta(hours=3), 400)):
+        record(second, at, shot(requests=served))
+
+    requests, _, _ = served_over(endpoint_id=endpoint.id, since=T0,
+                                 until=T0 + timedelta(days=1))
+
+    assert requests == 2_000 + 60_000 + 300
 
 
 def test_latency_percentiles_come_from_the_buckets_increase_in_the_step(
