@@ -241,7 +241,7 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
 SCALING_FIELDS = ("min_replicas", "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
                   "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds")
 # The autoscaler judges a window by the engines' samples: one needs a few scrapes to say
-# anything, and the samples are kept as read for two hours (telemetry.services.RAW_KEPT).
+# anything, and the samples are kept as read for two hours (telemetry.models.RAW_KEPT).
 SHORTEST_WINDOW_SECONDS, LONGEST_WINDOW_SECONDS = 15, 7200
 MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
 

@@ -1,4 +1,12 @@
+from datetime import timedelta
+
 from django.db import models
+
+# Samples as scraped (every KVRUN_ENGINE_SCRAPE_SECONDS) are kept for RAW_KEPT, then one per
+# minute until MINUTE_KEPT, one per hour until HOUR_KEPT, then none.
+RAW_KEPT = timedelta(hours=2)
+MINUTE_KEPT = timedelta(days=3)
+HOUR_KEPT = timedelta(days=90)
 
 
 class EngineSample(models.Model):

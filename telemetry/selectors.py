@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from uuid import UUID
 
 from django.conf import settings
+from django.db.models import Max
 from django.utils import timezone
 
 from engine.metrics import quantile
@@ -43,17 +44,21 @@ def series(*, endpoint_id: UUID, since: datetime, until: datetime,
     step; tokens and requests per second; preemptions counted; latency percentiles from the
     histograms' bucket increases; KV usage the busiest replica's peak; running and waiting
     summed over replicas; the share of samples with the KV cache at least USAGE_HIGH full, and
-    the 99th percentile of prompt lengths. A step is a whole number of scrape periods, so
-    that every step holds as many samples; steps without samples are left out, and so is a
+    the 99th percentile of prompt lengths. A step is a whole number of sampling periods (a
+    scrape's, or the minute or hour that thinned samples stand for, as old as the window
+    reaches), so that every step holds as many samples; steps without samples are left out, and so is a
     step that samples are still arriving in, which would read low. With `steps=1`, one point
     sums up the whole window."""
     scrape = math.ceil(settings.KVRUN_ENGINE_SCRAPE_SECONDS)
-    step = scrape * max(1, math.ceil((until - since).total_seconds() / steps / scrape))
-    complete_until = timezone.now() - timedelta(seconds=scrape)
-    samples = EngineSample.objects.filter(endpoint_id=endpoint_id, at__gte=since - timedelta(
-        seconds=step), at__lt=until).order_by("replica_id", "at")
+    window = EngineSample.objects.filter(endpoint_id=endpoint_id, at__lt=until)
     if replica_id is not None:
-        samples = samples.filter(replica_id=replica_id)
+        window = window.filter(replica_id=replica_id)
+    # Thinned samples stand for a minute or an hour each: every step holds whole ones.
+    thinned = window.filter(at__gte=since).aggregate(most=Max("resolution_seconds"))["most"]
+    unit = math.lcm(scrape, thinned or scrape)
+    step = unit * max(1, math.ceil((until - since).total_seconds() / steps / unit))
+    complete_until = timezone.now() - timedelta(seconds=scrape)
+    samples = window.filter(at__gte=since - timedelta(seconds=step)).order_by("replica_id", "at")
     buckets: dict[int, _Step] = defaultdict(_Step)
     previous: EngineSample | None = None
     for sample in samples.iterator(chunk_size=2000):

@@ -1,7 +1,6 @@
 """Writes of engine samples: recording scrapes, and thinning old ones.
 
-Retention: samples as scraped (every KVRUN_ENGINE_SCRAPE_SECONDS) for RAW_KEPT, one per
-minute until MINUTE_KEPT, one per hour until HOUR_KEPT, then none.
+Retention: telemetry.models.RAW_KEPT, MINUTE_KEPT and HOUR_KEPT.
 """
 
 import logging
@@ -18,11 +17,8 @@ from django.utils import timezone
 from endpoints.models import Endpoint
 from endpoints.services import do_change_endpoint_policy
 from engine.metrics import EngineSnapshot
-from telemetry.models import Advice, EngineSample
+from telemetry.models import HOUR_KEPT, MINUTE_KEPT, RAW_KEPT, Advice, EngineSample
 
-RAW_KEPT = timedelta(hours=2)
-MINUTE_KEPT = timedelta(days=3)
-HOUR_KEPT = timedelta(days=90)
 logger = logging.getLogger(__name__)
 DOWNSAMPLE_LOCK = zlib.crc32(b"kvrun.telemetry.downsample")
 

@@ -14,8 +14,7 @@ from kvrun.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.selectors import replica_to_remove
 from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero
-from telemetry.models import EngineSample
-from telemetry.services import RAW_KEPT
+from telemetry.models import RAW_KEPT, EngineSample
 from tests.factories import ready_endpoint
 from tests.helpers import at_once
 

@@ -132,7 +132,8 @@ def test_old_samples_thin_to_one_a_minute_with_their_peak_and_exact_counters(
     for n in range(24):  # two minutes at one sample every 5 s
         record(replica, start + timedelta(seconds=5 * n),
                shot(queries=100 * n, hits=50 * n, prompt=100 * n, usage=0.9 if n == 3 else 0.1))
-    _, before = series(endpoint_id=endpoint.id, since=start, until=start + timedelta(minutes=2))
+    raw_step, before = series(endpoint_id=endpoint.id, since=start,
+                              until=start + timedelta(minutes=2))
     second_minute = [point["prompt_tokens_per_s"] for point in before
                      if point["at"] > start + timedelta(seconds=60)]
 
@@ -143,10 +144,28 @@ def test_old_samples_thin_to_one_a_minute_with_their_peak_and_exact_counters(
         "at", "resolution_seconds", "kv_cache_usage", "prefix_queries"))
     assert kept == [(start + timedelta(seconds=55), 60, 0.9, 1100),
                     (start + timedelta(seconds=115), 60, 0.1, 2300)]
-    _, after = series(endpoint_id=endpoint.id, since=start, until=start + timedelta(minutes=2))
-    # The second minute's prompt tokens, whether read from twelve samples or from one.
-    assert sum(point["prompt_tokens_per_s"] for point in after) * 5 == sum(second_minute) * 5 \
-        == 1200
+    minute_step, after = series(endpoint_id=endpoint.id, since=start,
+                                until=start + timedelta(minutes=2))
+    # The second minute's prompt tokens, whether read from twelve samples or from one; steps
+    # of whole minutes once the samples stand for one each.
+    assert (raw_step, minute_step) == (5, 60)
+    assert after[-1]["prompt_tokens_per_s"] * minute_step == 1200
+    assert sum(second_minute) * raw_step == 1200
+
+
+def test_a_week_of_hourly_samples_charts_an_even_rate(endpoint: Endpoint) -> None:
+    replica = endpoint.replicas.first()
+    start = T0 - timedelta(days=7)
+    for hour in range(7 * 24):  # thinned to one an hour, one token a second throughout
+        record(replica, start + timedelta(hours=hour, minutes=59, seconds=55),
+               shot(prompt=3600 * hour))
+    EngineSample.objects.update(resolution_seconds=3600)
+
+    step, points = series(endpoint_id=endpoint.id, since=start, until=T0)
+
+    # Steps of whole hours: 84-minute ones held one sample or two, and the rate saw-toothed.
+    assert step % 3600 == 0
+    assert {point["prompt_tokens_per_s"] for point in points[1:]} == {1.0}
 
 
 def test_samples_past_their_retention_are_deleted(endpoint: Endpoint) -> None:
