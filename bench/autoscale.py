@@ -29,7 +29,7 @@ from django.conf import settings  # noqa: E402
 
 from accounts.models import Role, Scope, User  # noqa: E402
 from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
-from bench.provision import bare_start, start_processes, start_web  # noqa: E402
+from bench.provision import CONCURRENCY, CONTEXT_LENGTH, bare_start, start_processes, start_web  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_create_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model  # noqa: E402
@@ -101,11 +101,12 @@ def main() -> int:
                                    created_by=None)[1]
         endpoint = do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name="sleepy",
-            model=model, context_length=2048, concurrency=4, min_replicas=0,
+            model=model, context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY, min_replicas=0,
             scale_to_zero_after_seconds=IDLE_SECONDS)
         for number in range(ROUNDS):
             at_zero(endpoint)
-            bare.append(bare_start(model_dir, logs / f"autoscale-bare-{number}.log"))
+            bare.append(bare_start(model_dir, logs / f"autoscale-bare-{number}.log",
+                                   kv_cache_bytes=endpoint.sizing["cpu_kv_cache_bytes"]))
             rounds.append(cold_burst(base, secret))
             print(f"round {number + 1}: bare start {bare[-1]:.2f} s, cold first token "
                   f"{rounds[-1]['first_token_s']:.2f} s, ETA {rounds[-1]['eta_s']} s for a "

@@ -27,11 +27,11 @@ from django.conf import settings  # noqa: E402
 
 from accounts.models import Role, User  # noqa: E402
 from accounts.services import do_create_organization  # noqa: E402
-from endpoints.models import Endpoint, ModelSpec, Node, Replica, State  # noqa: E402
-from endpoints.planning import shape_of  # noqa: E402
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State  # noqa: E402
+from endpoints.planning import plan  # noqa: E402
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
-from engine.sizing import CPU, GIB, kv_cache_tokens  # noqa: E402
+from engine.sizing import CPU  # noqa: E402
 from kvrun.celery import app  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 
@@ -40,10 +40,24 @@ RESULTS = ROOT / "bench" / "results"
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
-def bare_start(model_dir: str, log: Path) -> float:
+CONTEXT_LENGTH, CONCURRENCY = 2048, 4
+
+
+def demo_plan() -> dict:
+    """kvrun's sizing of the benchmarks' endpoint (the demo model on the CPU): the KV pool
+    its engine is given and the tokens that pool holds."""
+    return plan(model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+                context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY, kv_cache_dtype="auto",
+                gpu_type=GPUType.objects.get(slug=CPU)).summary
+
+
+def bare_start(model_dir: str, log: Path, *, kv_cache_bytes: int) -> float:
+    """The same vLLM command kvrun builds for the endpoint, KV pool included, from spawn to
+    serving."""
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="bare",
-                                 port=processes.free_port(), max_model_len=2048,
-                                 max_num_seqs=4, device=CPU, api_key="bench")
+                                 port=processes.free_port(), max_model_len=CONTEXT_LENGTH,
+                                 max_num_seqs=CONCURRENCY, device=CPU, api_key="bench",
+                                 cpu_kv_cache_bytes=kv_cache_bytes)
     started = time.monotonic()
     process = supervisor.start(spec, log)
     try:
@@ -59,8 +73,8 @@ def kvrun_start(organization: object, model: ModelSpec, name: str) -> tuple[floa
     """(create → ready seconds, of which the engine's own start, KV tokens logged)."""
     started = time.monotonic()
     endpoint = do_create_endpoint(organization=organization, actor_role=Role.OWNER,
-                                  created_by=None, name=name, model=model, context_length=2048,
-                                  concurrency=4)
+                                  created_by=None, name=name, model=model,
+                                  context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY)
     while Endpoint.objects.filter(id=endpoint.id).values_list("state", flat=True).get() not in (
             State.READY, State.FAILED):
         time.sleep(0.05)
@@ -109,11 +123,13 @@ def main() -> None:
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
     owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
     organization = do_create_organization(user=owner, name="bench")
+    sized = demo_plan()
     processes = start_processes(logs)
     bare, through, engine_own, capacities = [], [], [], []
     try:
         for round_number in range(ROUNDS):
-            bare.append(bare_start(model_dir, logs / f"bare-{round_number}.log"))
+            bare.append(bare_start(model_dir, logs / f"bare-{round_number}.log",
+                                   kv_cache_bytes=sized["cpu_kv_cache_bytes"]))
             elapsed, own, capacity = kvrun_start(organization, model, f"bench-{round_number}")
             through.append(elapsed)
             engine_own.append(own)
@@ -124,7 +140,7 @@ def main() -> None:
         for process in processes:
             process.terminate()
             process.wait(30)
-    predicted = kv_cache_tokens(shape_of(model), kv_bytes=GIB)
+    predicted = sized["kv_cache_tokens"]
     logged = int(statistics.median(capacities))
     result = {
         "rounds": ROUNDS,

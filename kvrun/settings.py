@@ -259,6 +259,8 @@ KVRUN_STATE_DIR = Path(env.str("KVRUN_STATE_DIR", default=str(BASE_DIR / ".kvrun
 KVRUN_MODEL_DIR = Path(env.str("KVRUN_MODEL_DIR", default=str(KVRUN_STATE_DIR / "models")))
 KVRUN_ENGINE_LOG_DIR = Path(env.str("KVRUN_ENGINE_LOG_DIR",
                                     default=str(KVRUN_STATE_DIR / "engines")))
+# How long a stopped replica's engine log stays on its node (its last lines stay on the row).
+KVRUN_ENGINE_LOG_KEPT_DAYS = env.float("KVRUN_ENGINE_LOG_KEPT_DAYS", default=7.0)
 KVRUN_RECONCILE_SECONDS = env.float("KVRUN_RECONCILE_SECONDS", default=3.0)
 # How often beat runs the autoscaler (scaling.tasks), and the shortest idle time a user may
 # give before an endpoint scales to zero (each wake is a cold start).

@@ -10,6 +10,7 @@ the heartbeat's thread, and a replica is settled only once its engine is confirm
 """
 
 import logging
+import os
 import shutil
 import subprocess
 import threading
@@ -46,6 +47,7 @@ SHUTDOWN_GRACE_SECONDS = 5.0
 SCRAPE_TIMEOUT_SECONDS = 2.0
 # After a gateway's route cache would have expired, before an engine is taken as dropped.
 ROUTE_MARGIN_SECONDS = 0.5
+LOG_SWEEP_SECONDS = 3600.0
 
 _engines: dict[str, Popen] = {}
 # Held while an engine is spawned, and while a heartbeat finds the engines and reports them,
@@ -53,6 +55,7 @@ _engines: dict[str, Popen] = {}
 _engines_lock = threading.Lock()
 _stopping: set[int] = set()  # process groups a stop is already on
 _shutting_down = threading.Event()
+_next_log_sweep = 0.0  # monotonic
 
 
 def log_path(replica_id: UUID | str) -> Path:
@@ -249,7 +252,34 @@ def beat(*, name: str) -> bool:
             log_tail=supervisor.tail(log_path(rid)))
     for rid, process in exited.items():
         _in_background(_fail_once_stopped, rid, process)
+    global _next_log_sweep
+    if time.monotonic() >= _next_log_sweep:
+        _next_log_sweep = time.monotonic() + LOG_SWEEP_SECONDS
+        delete_old_logs()
     return True
+
+
+def delete_old_logs() -> int:
+    """Delete the engine logs of replicas stopped for good (or gone) that were last written
+    KVRUN_ENGINE_LOG_KEPT_DAYS ago or more: every wake from zero and every scale-up leaves
+    one. A failed replica's is kept (it restarts under its id, appending). Returns how many
+    it deleted."""
+    cutoff = time.time() - settings.KVRUN_ENGINE_LOG_KEPT_DAYS * 86400
+    old: dict[str, Path] = {}
+    try:
+        with os.scandir(settings.KVRUN_ENGINE_LOG_DIR) as entries:
+            for entry in entries:
+                stem = entry.name.removesuffix(".log")
+                if entry.name.endswith(".log") and _is_uuid(stem) and (
+                        entry.stat().st_mtime < cutoff):
+                    old[stem] = Path(entry.path)
+    except FileNotFoundError:  # no engine has started here yet, or a log just went
+        return 0
+    kept = {str(replica_id) for replica_id in Replica.objects.filter(id__in=old).exclude(
+        state=State.STOPPED).values_list("id", flat=True)}
+    for stem in old.keys() - kept:
+        old[stem].unlink(missing_ok=True)
+    return len(old.keys() - kept)
 
 
 def scrape(*, name: str) -> int:

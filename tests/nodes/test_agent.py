@@ -1,5 +1,6 @@
 """The node agent's functions in this process, against engines' stand-ins."""
 
+import os
 import subprocess
 import sys
 import threading
@@ -138,3 +139,23 @@ def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
     assert wait_until(lambda: engine.poll() is not None, 15)
     assert wait_until(lambda: not agent.cache_dir(replica.id).exists(), 5)
 
+
+
+@pytest.mark.django_db
+def test_old_engine_logs_of_stopped_replicas_are_deleted(
+        cpu_node: Node, settings: object, tmp_path: Path) -> None:
+    settings.KVRUN_ENGINE_LOG_DIR = tmp_path
+    stopped, ready, failed, recent = (demo_replica(cpu_node, state) for state in (
+        State.STOPPED, State.READY, State.FAILED, State.STOPPED))
+    gone = "0b6f4e4e-8f3c-4a55-9d5e-1f2a3b4c5d6e"  # a replica whose row was deleted
+    eight_days_ago = time.time() - 8 * 86400
+    for name in (stopped.id, ready.id, failed.id, gone, "notes"):
+        log = tmp_path / f"{name}.log"
+        log.write_text("INFO engine\n")
+        os.utime(log, (eight_days_ago, eight_days_ago))
+    (tmp_path / f"{recent.id}.log").write_text("INFO engine\n")
+
+    assert agent.delete_old_logs() == 2
+
+    assert sorted(path.stem for path in tmp_path.iterdir()) == sorted(
+        [str(ready.id), str(failed.id), str(recent.id), "notes"])
