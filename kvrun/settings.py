@@ -20,6 +20,7 @@ SECRET_KEY = env.str("SECRET_KEY")
 KVRUN_KEY_PEPPER = env.str("KVRUN_KEY_PEPPER")
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
+DEFAULT_EXCEPTION_REPORTER_FILTER = "kvrun.debug.SettingsFilter"
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 KVRUN_BASE_URL = env.str("KVRUN_BASE_URL", default="http://127.0.0.1:8000")
 # Where clients reach the OpenAI-compatible gateway: shown in the dashboard's snippets and

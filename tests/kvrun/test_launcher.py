@@ -94,10 +94,10 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
     secret = re.search(r"Bearer (kvr_\w+)", output).group(1)
     models = httpx.get(f"{base}/api/v1/models/", headers={"Authorization": f"Bearer {secret}"})
     assert models.status_code == 200 and models.json()["count"] >= 15
-    # Every URL it prints names the port it was given and is served; the first leads a
-    # newcomer to the wizard (through sign-in).
+    # Every URL it prints (the web server's own line among them) names the port it was
+    # given and is served; the wizard's leads a newcomer there through sign-in.
     printed = re.findall(r"https?://[^\s'\"]+", output)
-    assert printed and all(url.startswith(f"{base}/") for url in printed), printed
+    assert printed and all(f"{url}/".startswith(f"{base}/") for url in printed), printed
     for url in printed:
         assert httpx.get(url, headers={"Authorization": f"Bearer {secret}"}).status_code in (
             200, 302), url
@@ -178,6 +178,33 @@ def test_an_embedded_postgresql_restarted_under_the_launcher_stops_with_it(
             pgserver.pg_ctl(["stop", "-m", "immediate", "-w"], pgdata=data, user=user)
 
 
+def test_the_embedded_postgresql_a_killed_launcher_left_stops_with_the_next_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "postgres"
+    # A launcher SIGKILLed while PostgreSQL ran: the server stays, and so does the launcher's
+    # pid in pgserver's list of the server's users.
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, pathlib; from kvrun import launcher; "
+        f"launcher.STATE_DIR = pathlib.Path({str(tmp_path)!r}); "
+        "launcher.Services()._start_postgres(); os.kill(os.getpid(), signal.SIGKILL)")],
+        cwd=ROOT, env={**os.environ, "XDG_RUNTIME_DIR": str(tmp_path / "run")})
+    assert killed.returncode == -signal.SIGKILL
+    assert (data / "postmaster.pid").exists()
+    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
+    services = launcher.Services()
+    try:
+        services._start_postgres()
+        services.stop()
+
+        assert not (data / "postmaster.pid").exists()
+    finally:
+        if (data / "postmaster.pid").exists():
+            import pgserver
+            # As pgserver runs it: as its own user under root.
+            pgserver.pg_ctl(["stop", "-m", "immediate", "-w"], pgdata=data,
+                            user="pgserver" if os.geteuid() == 0 else None)
+
+
 def test_secrets_missing_from_an_older_state_directory_are_added_and_kept_private(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -200,7 +227,7 @@ def test_the_embedded_redis_demands_its_password_and_no_command_line_shows_it(
     password = secrets.token_urlsafe(16)
     services = launcher.Services()
     try:
-        url = services.start(redis_password=password)["REDIS_URL"]
+        url = services.start(redis_password=password, redis_dir=tmp_path / "redis")["REDIS_URL"]
         address = urlsplit(url)
 
         assert redis.Redis.from_url(url).ping()
@@ -211,6 +238,29 @@ def test_the_embedded_redis_demands_its_password_and_no_command_line_shows_it(
         assert not shown
     finally:
         services.stop()
+
+
+def test_tests_and_benchmarks_keep_their_redis_data_apart_from_make_run_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The tests empty kvrun's keys: in make run's Redis, its usage not yet in PostgreSQL.
+    monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
+    given: list[Path] = []
+    monkeypatch.setattr(launcher.Services, "start", lambda self, *, redis_password, redis_dir: (
+        given.append(redis_dir), {})[1])
+    environment = dict(os.environ)
+    try:
+        for own_redis in (False, True):
+            services, _ = launcher.prepare_environment(own_redis=own_redis)
+            assert given[-1].is_dir() == own_redis
+            services.stop()
+    finally:
+        os.environ.clear()
+        os.environ.update(environment)
+
+    kept, own = given
+    assert kept == tmp_path / "redis"
+    assert own.parent == tmp_path and own != kept and not own.exists()  # deleted after
 
 
 def _read(path: Path) -> bytes:
@@ -242,3 +292,26 @@ def test_ctrl_c_while_an_engine_loads_leaves_no_engine(state_dir: Path) -> None:
 
     assert not api_servers("interrupted"), "the engine outlived `make run`"
     assert not running_engines(owner_of("launch-test", state_dir))
+
+
+def test_a_command_under_the_launcher_finishes_its_teardown_after_ctrl_c(tmp_path: Path) -> None:
+    done = tmp_path / "torn-down"
+    # A child whose teardown takes a second, as pytest's stopping its engines does.
+    child = ("import pathlib, signal, sys, time\n"
+             "def stop(*_):\n"
+             f"    time.sleep(1); pathlib.Path({str(done)!r}).write_text('yes'); sys.exit(0)\n"
+             "signal.signal(signal.SIGINT, stop)\n"
+             "print('ready', flush=True); time.sleep(60)\n")
+    parent = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; from kvrun.launcher import run_to_end; "
+         f"sys.exit(run_to_end([sys.executable, '-c', {child!r}], env=dict(os.environ)))"],
+        cwd=ROOT, stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert parent.stdout.readline() == b"ready\n"
+        os.killpg(parent.pid, signal.SIGINT)  # Ctrl-C: the whole process group
+
+        assert parent.wait(15) == 0
+        assert done.read_text() == "yes"
+    finally:
+        if parent.poll() is None:
+            os.killpg(parent.pid, signal.SIGKILL)

@@ -31,3 +31,14 @@ def test_settings_refuse_to_start_without_a_secret_key() -> None:
 
     assert result.returncode != 0
     assert "SECRET_KEY" in result.stderr
+
+
+def test_the_debug_page_shows_no_setting_that_holds_the_redis_password() -> None:
+    from django.conf import settings
+    from django.views.debug import get_default_exception_reporter_filter
+
+    shown = get_default_exception_reporter_filter().get_safe_settings()
+
+    password = settings.REDIS_URL.split("@")[0]
+    assert password and password not in str(shown)
+    assert shown["REDIS_URL"] == shown["CELERY_BROKER_URL"] == "********************"
