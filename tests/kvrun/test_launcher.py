@@ -37,7 +37,10 @@ def descendants(pid: int) -> set[int]:
 
 
 class Launch:
+    started: list["Launch"] = []
+
     def __init__(self, state_dir: Path, port: int) -> None:
+        Launch.started.append(self)
         env = {k: v for k, v in os.environ.items()
                if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER", "DEBUG",
                             "KVRUN_BASE_URL"}}
@@ -69,6 +72,17 @@ class Launch:
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Iterator[Path]:
     yield tmp_path / "state"
+
+
+@pytest.fixture(autouse=True)
+def no_launch_left() -> Iterator[None]:
+    """A launch a failed test left running is stopped as Ctrl-C would: its web process,
+    workers and beat would otherwise run on, and weigh on every later test and benchmark."""
+    yield
+    for launch in Launch.started:
+        if launch.process.poll() is None:
+            launch.interrupt()
+    Launch.started.clear()
 
 
 def wait_ready(base: str) -> None:
