@@ -84,6 +84,16 @@ def cold_burst(web: str, secret: str) -> dict:
             "failed": sum(outcome["status"] != 200 for outcome in outcomes)}
 
 
+def woken_engine_seconds(endpoint: Endpoint) -> float:
+    """How long the engine of the replica the burst woke took itself, from spawn to serving
+    (its replica's `loading` and `ready` events): the part of the wait that is vLLM's."""
+    replica = (Replica.objects.filter(endpoint=endpoint, state=State.READY)
+               .order_by("-created_at").first())
+    assert replica is not None, "the burst woke no replica"
+    return (replica.events.get(state=State.READY).at
+            - replica.events.get(state=State.LOADING).at).total_seconds()
+
+
 def main() -> int:
     do_load_catalogs()
     settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS = IDLE_SECONDS  # this process creates it
@@ -108,6 +118,7 @@ def main() -> int:
             bare.append(bare_start(model_dir, logs / f"autoscale-bare-{number}.log",
                                    kv_cache_bytes=endpoint.sizing["cpu_kv_cache_bytes"]))
             rounds.append(cold_burst(base, secret))
+            rounds[-1]["engine_own_s"] = woken_engine_seconds(endpoint)
             print(f"round {number + 1}: bare start {bare[-1]:.2f} s, cold first token "
                   f"{rounds[-1]['first_token_s']:.2f} s, ETA {rounds[-1]['eta_s']} s for a "
                   f"wait of {rounds[-1]['waited_s']:.2f} s", flush=True)
@@ -121,6 +132,10 @@ def main() -> int:
         "rounds": ROUNDS,
         "bare_start_s": round(statistics.median(bare), 3),
         "cold_first_token_s": round(statistics.median(r["first_token_s"] for r in rounds), 3),
+        # Within each round, the first token less that round's own engine start: what kvrun
+        # adds (wake, placement, the hold's polling, routing), free of one start's variance.
+        "kvrun_added_in_round_s": round(statistics.median(
+            r["first_token_s"] - r["engine_own_s"] for r in rounds), 3),
         "eta_error_pct": round(statistics.median(errors), 1),
         "eta_error_worst_pct": round(max(errors), 1),
         "requests_failed": sum(r["failed"] for r in rounds),
@@ -136,6 +151,9 @@ def main() -> int:
     print(f"  {'bare vLLM start → serving':<38}{result['bare_start_s']:>8.2f} s")
     print(f"  {'request at zero → first token':<38}{result['cold_first_token_s']:>8.2f} s   "
           f"(goal ≤ bare + {GOALS['cold_over_bare_s']:.0f} s: {result['cold_over_bare_s']:+.2f})")
+    print(f"  {'of which kvrun, within each round':<38}"
+          f"{result['kvrun_added_in_round_s']:>8.2f} s   (first token less that engine's own "
+          "start)")
     print(f"  {'ETA error, median (worst)':<38}{result['eta_error_pct']:>7.1f} %   "
           f"({result['eta_error_worst_pct']:.1f} %; goal ±{GOALS['eta_error_pct']:.0f} %)")
     print(f"  {'requests failed':<38}{result['requests_failed']:>8} of "
