@@ -46,9 +46,9 @@ def series(*, endpoint_id: UUID, since: datetime, until: datetime,
     summed over replicas; the share of samples with the KV cache at least USAGE_HIGH full, and
     the 99th percentile of prompt lengths. A step is a whole number of sampling periods (a
     scrape's, or the minute or hour that thinned samples stand for, as old as the window
-    reaches), so that every step holds as many samples; steps without samples are left out, and so is a
-    step that samples are still arriving in, which would read low. With `steps=1`, one point
-    sums up the whole window."""
+    reaches), so that every step holds as many samples; steps without samples are left out,
+    and so is a step that samples are still arriving in, which would read low. With
+    `steps=1`, one point sums up the whole window."""
     scrape = math.ceil(settings.KVRUN_ENGINE_SCRAPE_SECONDS)
     window = EngineSample.objects.filter(endpoint_id=endpoint_id, at__lt=until)
     if replica_id is not None:
