@@ -105,4 +105,5 @@
     history.length = 0;
     transcript.replaceChildren();
   });
+  send.disabled = false;
 })();

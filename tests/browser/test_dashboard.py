@@ -5,9 +5,9 @@ and the pages at phone width."""
 from collections.abc import Callable
 
 import pytest
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, Route, expect
 
-from accounts.models import APIKey
+from accounts.models import APIKey, Organization
 from endpoints.models import Endpoint, Node
 from tests.browser.conftest import sign_up
 from tests.factories import organization_with_owner, ready_endpoint
@@ -102,3 +102,25 @@ def test_pages_fit_a_phone_and_show_keyboard_focus(live_server: object, page: Pa
     page.keyboard.press("Tab")
     outline = page.evaluate("getComputedStyle(document.activeElement).outlineStyle")
     assert outline != "none"
+
+
+def test_the_playground_cannot_send_before_its_script_runs(live_server: object, page: Page,
+                                                          shot: Callable[[str], None]) -> None:
+    sign_up(page, live_server.url)
+    ready_endpoint(Organization.objects.get(slug="engines"), "chat", ports=[])
+    held: list[Route] = []
+    page.route("**/js/playground.js", lambda route: held.append(route))
+
+    # The page is usable while its script is still on its way; a click then must not submit
+    # the form itself (which put the message and the CSRF token in the address).
+    page.goto(f"{live_server.url}/orgs/engines/endpoints/chat/playground/",
+              wait_until="commit")
+    page.get_by_label("Message").fill("Hello")
+    send = page.get_by_role("button", name="Send")
+    expect(send).to_be_disabled()
+    send.click(force=True)
+    assert "message=" not in page.url
+
+    held[0].continue_()
+    expect(send).to_be_enabled()
+    shot("playground-ready")
