@@ -1,5 +1,6 @@
 // Small behaviours shared by the dashboard's pages; everything works without them except
-// copying to the clipboard.
+// copying to the clipboard, whose buttons stay disabled until this script handles them.
+document.querySelectorAll("[data-copy]").forEach((button) => { button.disabled = false; });
 document.addEventListener("click", async (event) => {
   const copy = event.target.closest("[data-copy]");
   if (copy) {

@@ -5,7 +5,7 @@ and the pages at phone width."""
 from collections.abc import Callable
 
 import pytest
-from playwright.sync_api import Page, Route, expect
+from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey, Organization
 from endpoints.models import Endpoint, Node
@@ -64,7 +64,9 @@ def test_a_key_is_shown_once_copied_and_revoked(live_server: object, page: Page,
     page.get_by_role("navigation", name="Main").get_by_role("link", name="API keys").click()
     page.get_by_label("Name", exact=True).fill("laptop")
     page.get_by_role("button", name="Create key").click()
-    page.get_by_test_id("new-key").get_by_role("button", name="Copy").click()
+    copy = page.get_by_test_id("new-key").locator("button.copy")
+    copy.click()
+    expect(copy).to_have_text("Copied")
     copied = page.evaluate("navigator.clipboard.readText()")
     shot("keys-created")
 
@@ -104,15 +106,15 @@ def test_pages_fit_a_phone_and_show_keyboard_focus(live_server: object, page: Pa
     assert outline != "none"
 
 
-def test_the_playground_cannot_send_before_its_script_runs(live_server: object, page: Page,
-                                                          shot: Callable[[str], None]) -> None:
+def test_buttons_that_need_a_script_wait_for_it(live_server: object, page: Page,
+                                                shot: Callable[[str], None]) -> None:
     sign_up(page, live_server.url)
     ready_endpoint(Organization.objects.get(slug="engines"), "chat", ports=[])
-    held: list[Route] = []
-    page.route("**/js/playground.js", lambda route: held.append(route))
+    page.route("**/js/*.js", lambda route: None)  # held, until unrouted
 
-    # The page is usable while its script is still on its way; a click then must not submit
-    # the form itself (which put the message and the CSRF token in the address).
+    # Pages are usable while their scripts are on their way. A Send clicked then submitted the
+    # playground's form itself, putting the message and the CSRF token in the address; a
+    # Copy clicked then did nothing.
     page.goto(f"{live_server.url}/orgs/engines/endpoints/chat/playground/",
               wait_until="commit")
     page.get_by_label("Message").fill("Hello")
@@ -120,7 +122,12 @@ def test_the_playground_cannot_send_before_its_script_runs(live_server: object, 
     expect(send).to_be_disabled()
     send.click(force=True)
     assert "message=" not in page.url
+    page.goto(f"{live_server.url}/orgs/engines/endpoints/chat/", wait_until="commit")
+    copy = page.locator("#snippet-python + button")
+    expect(copy).to_be_disabled()
 
-    held[0].continue_()
+    page.unroute("**/js/*.js")  # lets the held scripts through
+    expect(copy).to_be_enabled()
+    page.goto(f"{live_server.url}/orgs/engines/endpoints/chat/playground/")
     expect(send).to_be_enabled()
     shot("playground-ready")
