@@ -83,5 +83,12 @@ def laptop(live_server: object, page: Page) -> Node:
 def choose_the_demo_model(page: Page) -> None:
     """From an organisation without endpoints: the wizard, with the demo model picked."""
     page.get_by_role("link", name="Create your first endpoint").click()
+    wizard_ready(page)
     page.get_by_label("Search").fill("demo")
     page.get_by_text("kvrun demo").click()
+
+
+def wizard_ready(page: Page) -> None:
+    """Wait for the wizard's scripts: its filters and live sizing do nothing before them (a
+    person takes longer than they take to load; a test may not)."""
+    page.wait_for_load_state()

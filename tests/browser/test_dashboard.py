@@ -9,7 +9,7 @@ from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey, Organization
 from endpoints.models import Endpoint, Node
-from tests.browser.conftest import sign_up
+from tests.browser.conftest import sign_up, wizard_ready
 from tests.factories import organization_with_owner, ready_endpoint
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -32,6 +32,7 @@ def test_sign_up_errors_show_next_to_their_fields(live_server: object, page: Pag
 def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
         live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
     page.get_by_role("link", name="Create your first endpoint").click()
+    wizard_ready(page)
 
     page.get_by_label("Search").fill("llama 3.1 8b")
     expect(page.locator(".model-card:visible")).to_have_count(1)
@@ -49,6 +50,7 @@ def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
     expect(page.locator("#id_name_error")).to_contain_text("letters, digits and hyphens")
     assert not Endpoint.objects.exists()
     shot("wizard-errors")
+    wizard_ready(page)
 
     advice.get_by_role("button", name="kvrun demo").click()  # the fitting model, one click
     expect(page.get_by_label("Context length (tokens)")).to_have_value("2048")  # its longest
