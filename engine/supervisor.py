@@ -66,6 +66,9 @@ def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[
         "--max-num-seqs", str(spec.max_num_seqs),
         # Usage then reports cached prompt tokens, which the gateway meters.
         "--enable-prompt-tokens-details",
+        # The node agent's probes and scrapes, every few seconds, would fill the log (and the
+        # tail of it the dashboard shows) with access lines.
+        "--disable-access-log-for-endpoints", "/health,/metrics",
     ]
     kv = _engine_kv(spec)
     argv += kv.argv + list(spec.extra_args)

@@ -372,4 +372,6 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": env.str("LOG_LEVEL", default="INFO")},
+    # httpx logs every request at INFO: the node agent's scrapes, every few seconds each.
+    "loggers": {"httpx": {"level": "WARNING"}},
 }

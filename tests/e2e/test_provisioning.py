@@ -61,7 +61,7 @@ def complete(replica: Replica, name: str) -> httpx.Response:
 
 
 def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
-                                    org: Organization) -> None:
+                                    org: Organization, engine_logs: Path) -> None:
     create(owner_api, org, "chat")
 
     # While it loads, the engine's own log lines reach the API through the agent's heartbeat.
@@ -104,6 +104,10 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     assert detail["progress"] == {"stage": "ready", "percent": 100}
     assert detail["replicas"][0]["kv_cache_tokens"] == replica.kv_cache_tokens
     assert "/v1/models" in detail["replicas"][0]["log_tail"]
+    # The agent's probes and scrapes are not in the engine's log; requests are.
+    log = (engine_logs / f"{replica.id}.log").read_text()
+    assert '"POST /tokenize HTTP/1.1" 200' in log
+    assert "GET /metrics" not in log and "GET /health" not in log
     pid, port = replica.pid, replica.port
 
     assert owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/chat/stop/"

@@ -79,6 +79,7 @@ def test_an_engine_listens_on_its_node_s_address_and_reports_cached_tokens() -> 
     joined = " ".join(argv)
     assert "--host 10.0.0.7" in joined
     assert "--enable-prompt-tokens-details" in argv  # usage then carries cached_tokens
+    assert "--disable-access-log-for-endpoints /health,/metrics" in joined
 
 
 def test_an_engine_inherits_nothing_of_the_control_plane() -> None:
