@@ -226,8 +226,9 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
         # Below min_replicas nothing would bring it back up but load: the range is the
         # autoscaler's, and it is changed with the scaling settings.
         raise ValidationError({"replicas": [
-            f"Choose between {fewest} and max_replicas ({endpoint.max_replicas}); to run "
-            "fewer, lower min_replicas, or stop the endpoint."]})
+            f"Choose between {fewest} and {endpoint.max_replicas}, the most replicas "
+            "(max_replicas); to run fewer, lower the fewest replicas (min_replicas), or stop "
+            "the endpoint."]})
     # A change by hand is the last change: the autoscaler leaves it a window before judging.
     Endpoint.objects.filter(id=endpoint.id).update(desired_replicas=replicas,
                                                    last_scaled_at=timezone.now())
@@ -289,8 +290,9 @@ def _scaling_errors(new: dict[str, Any]) -> dict[str, list[str]]:
         errors["min_replicas"] = ["Run at least 0 replicas (0 scales to zero while idle)."]
     if not max(1, new["min_replicas"]) <= new["max_replicas"] <= MAX_REPLICAS_PER_ENDPOINT:
         errors["max_replicas"] = [
-            f"Choose between {max(1, new['min_replicas'])} (1 and min_replicas) and "
-            f"{MAX_REPLICAS_PER_ENDPOINT}; for more, create another endpoint."]
+            f"Choose between {max(1, new['min_replicas'])} (at least 1, and no fewer than the "
+            f"fewest replicas, min_replicas) and {MAX_REPLICAS_PER_ENDPOINT}; for more, create "
+            "another endpoint."]
     shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
     if new["scale_to_zero_after_seconds"] < shortest:
         errors["scale_to_zero_after_seconds"] = [

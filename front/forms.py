@@ -19,6 +19,7 @@ from endpoints.models import (
     ModelSpec,
     ScalingMetric,
 )
+from endpoints.services import LONGEST_WINDOW_SECONDS, SHORTEST_WINDOW_SECONDS
 
 
 class APIKeyForm(forms.Form):
@@ -157,14 +158,11 @@ class PolicyForm(KVRoutingFields):
         return cls(initial={name: getattr(endpoint, name) for name in cls.base_fields})
 
 
-def refusal(form: forms.Form) -> ValidationError:
-    """An invalid form's errors as one refusal, each message after its field's label."""
-    return ValidationError([f"{form.fields[field].label}: {message}"
-                            for field, errors in form.errors.items() for message in errors])
-
-
 class ScaleForm(forms.Form):
     replicas = forms.IntegerField(min_value=1, label="Replicas")
+
+
+WINDOW_RANGE = {"min": SHORTEST_WINDOW_SECONDS, "max": LONGEST_WINDOW_SECONDS}
 
 
 class ScalingForm(forms.Form):
@@ -182,8 +180,11 @@ class ScalingForm(forms.Form):
     scaling_target = forms.FloatField(
         required=False, min_value=0.01, label="Target per replica",
         help_text="Empty: the concurrency, 1 waiting, or 90 % of the KV cache.")
-    scale_up_window_seconds = forms.IntegerField(label="Up after (s) above target")
-    scale_down_window_seconds = forms.IntegerField(label="Down after (s) under target")
+    # The service checks the windows' range; the browser is told it too.
+    scale_up_window_seconds = forms.IntegerField(label="Up after (s) above target",
+                                                 widget=forms.NumberInput(attrs=WINDOW_RANGE))
+    scale_down_window_seconds = forms.IntegerField(label="Down after (s) under target",
+                                                   widget=forms.NumberInput(attrs=WINDOW_RANGE))
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)

@@ -4,6 +4,7 @@ actions on it (scale, stop, start, delete)."""
 import json
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 from django.conf import settings
 from django.contrib import messages
@@ -24,9 +25,10 @@ from billing.selectors import (
 from endpoints import selectors, services
 from endpoints.models import ACTIVE_STATES, BilledPhase, Endpoint, State
 from endpoints.planning import accelerator_of
-from front.forms import PolicyForm, ScaleForm, ScalingForm, refusal
+from front.forms import PolicyForm, ScaleForm, ScalingForm
 from front.scoping import Member, current_organization, endpoint_of, membership
 from front.views.wizard import memory_bar
+from kvrun.forms import add_service_errors
 from telemetry.models import Advice
 
 # Fewer rows than this per page keeps the list one screen on a laptop.
@@ -78,7 +80,9 @@ def endpoint_list(request: HttpRequest, org_slug: str) -> HttpResponse:
 
 
 @login_required
-def endpoint_detail(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+def endpoint_detail(request: HttpRequest, org_slug: str, name: str,
+                    scaling_form: ScalingForm | None = None,
+                    policy_form: PolicyForm | None = None, status: int = 200) -> HttpResponse:
     member = membership(request, org_slug)
     endpoint = endpoint_of(member, name)
     gateway = settings.KVRUN_GATEWAY_URL
@@ -90,12 +94,13 @@ def endpoint_detail(request: HttpRequest, org_slug: str, name: str) -> HttpRespo
     return render(request, "front/endpoint.html", {
         "costs": costs, "month_cents": month,
         "advice": Advice.objects.filter(endpoint=endpoint, resolved_at=None),
-        "policy_form": PolicyForm.of(endpoint), "scaling_form": ScalingForm.of(endpoint),
+        "policy_form": policy_form or PolicyForm.of(endpoint),
+        "scaling_form": scaling_form or ScalingForm.of(endpoint),
         "memory": memory_bar(endpoint.sizing, device) if sized else None, "device_bytes": device,
         "member": member, "organization": member.organization, "endpoint": endpoint,
         "section": "endpoints", "status": _status(endpoint),
         "gateway": gateway, "snippets": _snippets(endpoint.name, gateway),
-    })
+    }, status=status)
 
 
 @login_required
@@ -242,18 +247,38 @@ def scale_endpoint(request: HttpRequest, org_slug: str, name: str) -> HttpRespon
     return change_endpoint(request, org_slug, name, scale)
 
 
+SettingsForm = ScalingForm | PolicyForm
+
+
+def change_settings(request: HttpRequest, org_slug: str, name: str, form: SettingsForm,
+                    change: Callable[[Member, Endpoint, dict[str, Any]], str]) -> HttpResponse:
+    """Run `change` with a settings form's values and say how it went on the endpoint's page.
+    A refused value shows the page again with the form as sent, each error under its field
+    (a service's too); a role that may not is said at the top."""
+    member = membership(request, org_slug)
+    endpoint = endpoint_of(member, name)
+    if form.is_valid():
+        try:
+            messages.success(request, change(member, endpoint, form.cleaned_data))
+            return redirect("endpoint", org_slug=org_slug, name=name)
+        except PermissionDenied as exc:
+            messages.error(request, str(exc))
+            return redirect("endpoint", org_slug=org_slug, name=name)
+        except ValidationError as exc:
+            add_service_errors(form, exc)
+    forms = {"scaling_form": form} if isinstance(form, ScalingForm) else {"policy_form": form}
+    return endpoint_detail(request, org_slug, name, status=400, **forms)
+
+
 @login_required
 @require_POST
 def change_scaling(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
-    def change(member: Member, endpoint: Endpoint) -> str:
-        form = ScalingForm(request.POST)
-        if not form.is_valid():
-            raise refusal(form)
+    def change(member: Member, endpoint: Endpoint, values: dict[str, Any]) -> str:
         changed = services.do_change_endpoint_scaling(endpoint=endpoint, actor_role=member.role,
-                                                      changes=form.cleaned_data)
+                                                      changes=values)
         return (f"Scaling changed: {changed.min_replicas} to {changed.max_replicas} replicas, "
                 f"{changed.desired_replicas} now.")
-    return change_endpoint(request, org_slug, name, change)
+    return change_settings(request, org_slug, name, ScalingForm(request.POST), change)
 
 
 @login_required

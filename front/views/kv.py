@@ -2,6 +2,7 @@
 policy form, and the advice with its one-click change."""
 
 from datetime import timedelta
+from typing import Any
 
 from django.contrib.auth.decorators import login_required
 from django.http import HttpRequest, HttpResponse, JsonResponse
@@ -11,9 +12,9 @@ from django.views.decorators.http import require_POST
 
 from endpoints import services
 from endpoints.models import Endpoint
-from front.forms import PolicyForm, refusal
+from front.forms import PolicyForm
 from front.scoping import Member, endpoint_of, membership
-from front.views.endpoints import change_endpoint
+from front.views.endpoints import change_endpoint, change_settings
 from telemetry import selectors
 from telemetry.models import Advice
 from telemetry.services import do_apply_advice
@@ -53,13 +54,10 @@ def endpoint_kv_series(request: HttpRequest, org_slug: str, name: str) -> JsonRe
 @login_required
 @require_POST
 def change_policy(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
-    def change(member: Member, endpoint: Endpoint) -> str:
-        form = PolicyForm(request.POST)
-        if not form.is_valid():
-            raise refusal(form)
+    def change(member: Member, endpoint: Endpoint, values: dict[str, Any]) -> str:
         return "KV policy changed. " + services.do_change_endpoint_policy(
-            endpoint=endpoint, actor_role=member.role, changes=form.cleaned_data)
-    return change_endpoint(request, org_slug, name, change)
+            endpoint=endpoint, actor_role=member.role, changes=values)
+    return change_settings(request, org_slug, name, PolicyForm(request.POST), change)
 
 
 @login_required

@@ -311,7 +311,8 @@ def test_the_service_caps_replicas_per_endpoint_whatever_the_caller(org: Organiz
                            context_length=2048, concurrency=4, min_replicas=1,
                            max_replicas=32767)
 
-    assert "Choose between 1 (1 and min_replicas) and 16" in " ".join(
+    assert "Choose between 1 (at least 1, and no fewer than the fewest replicas, min_replicas) " \
+           "and 16" in " ".join(
         refused.value.message_dict["max_replicas"])
     assert not Endpoint.objects.exists()
 

@@ -42,8 +42,8 @@ def test_it_validates_the_scaling_settings(org: Organization) -> None:
         create(org, min_replicas=0, max_replicas=0, scale_to_zero_after_seconds=10)
 
     assert refused.value.message_dict == {
-        "max_replicas": ["Choose between 1 (1 and min_replicas) and 16; for more, create another "
-                         "endpoint."],
+        "max_replicas": ["Choose between 1 (at least 1, and no fewer than the fewest replicas, "
+                         "min_replicas) and 16; for more, create another endpoint."],
         "scale_to_zero_after_seconds": [
             "Wait at least 60 s without a request before scaling to zero: each wake is a cold "
             "start."]}

@@ -106,7 +106,8 @@ def test_scaling_by_hand_below_min_replicas_is_refused_and_changes_nothing(
                               {"replicas": 1}, format="json")
 
     assert response.status_code == 400
-    assert "Choose between 2 and max_replicas (3); to run fewer, lower min_replicas" in " ".join(
+    assert "Choose between 2 and 3, the most replicas (max_replicas); to run fewer, lower the " \
+           "fewest replicas (min_replicas)" in " ".join(
         response.json()["error"]["fields"]["replicas"])
     assert Endpoint.objects.get(name="demo").desired_replicas == 2
 

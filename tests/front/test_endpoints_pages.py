@@ -157,7 +157,7 @@ def test_scaling_out_of_range_says_why_and_changes_nothing(owner_client: Client,
     response = owner_client.post(f"/orgs/{org.slug}/endpoints/chat/scale/", {"replicas": "5"},
                                  follow=True)
 
-    assert b"Choose between 1 and max_replicas (1)" in response.content
+    assert b"Choose between 1 and 1, the most replicas" in response.content
     assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 1
 
 

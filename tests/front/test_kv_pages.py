@@ -89,9 +89,13 @@ def test_a_tier_the_cpu_engine_cannot_use_is_refused_on_the_page_and_changes_not
             "prefix_caching": "on", "host_tier_gib": "16", "disk_tier_gib": "0",
             "cache_isolation": "organization", "prefix_affinity": "on"}
 
-    response = owner_client.post(f"/orgs/{org.slug}/endpoints/chat/policy/", form, follow=True)
+    response = owner_client.post(f"/orgs/{org.slug}/endpoints/chat/policy/", form)
 
-    assert b"cannot offload KV to host memory" in response.content
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert '<ul class="errors" id="id_host_tier_gib_error" role="alert">' in page
+    assert "cannot offload KV to host memory" in page
+    assert '<details class="kv-policy" id="policy" open>' in page
     endpoint = Endpoint.objects.get(name="chat")
     assert (endpoint.host_tier_gib, endpoint.policy_version) == (0, 1)
 

@@ -34,19 +34,24 @@ def test_the_scaling_settings_change_from_the_endpoint_page(
     assert b"scales to zero after 600 s without a request" in response.content
 
 
-@pytest.mark.parametrize(("change", "phrase"), [
-    ({"scale_down_window_seconds": "2"}, b"Choose between 15 s and 7200 s."),
-    ({"scale_to_zero_after_seconds": str(2**31)}, b"Wait at most 2592000 s (30 days)"),
+@pytest.mark.parametrize(("field", "value", "phrase"), [
+    ("scale_down_window_seconds", "2", "Choose between 15 s and 7200 s."),  # the service's
+    ("scale_to_zero_after_seconds", str(2**31), "Wait at most 2592000 s (30 days)"),
+    ("max_replicas", "17", "Ensure this value is less than or equal to 16."),  # the form's
 ])
-def test_bad_scaling_settings_are_refused_on_the_page_and_change_nothing(
-        owner_client: Client, org: Organization, cpu_node: Node, change: dict,
-        phrase: bytes) -> None:
+def test_bad_scaling_settings_are_refused_under_their_field_and_change_nothing(
+        owner_client: Client, org: Organization, cpu_node: Node, field: str, value: str,
+        phrase: str) -> None:
     ready_endpoint(org, "chat", ports=[])
 
     response = owner_client.post(f"/orgs/{org.slug}/endpoints/chat/scaling/",
-                                 {**SCALING, **change}, follow=True)
+                                 {**SCALING, field: value})
 
-    assert phrase in response.content
+    assert response.status_code == 400
+    page = response.content.decode()
+    assert f'<ul class="errors" id="id_{field}_error" role="alert"><li>{phrase}' in page
+    assert f'name="{field}" value="{value}"' in page  # what was sent, to correct
+    assert '<details class="kv-policy" id="scaling" open>' in page
     assert Endpoint.objects.get(name="chat").min_replicas == 1
     assert not EndpointEvent.objects.filter(message__startswith="scaling changed").exists()
 
