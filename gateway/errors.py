@@ -7,9 +7,16 @@ integer `code` and its own type names, so engine errors are rewritten here.
 
 from __future__ import annotations
 
+import ast
+import re
+
 import orjson
 
 CONTEXT_LENGTH_MARKERS = ("maximum context length", "maximum model length", "max_model_len")
+# vLLM's request validation: a count, then pydantic's error dicts as Python literals, a line
+# each. And what its own checks append to their messages, also in `param`.
+VALIDATION_ERRORS = re.compile(r"\d+ validation errors?:\n")
+PARAMETER_SUFFIX = re.compile(r"\s*\(parameter=[^()]*\)$")
 
 
 class GatewayError(Exception):
@@ -57,6 +64,7 @@ def from_engine(status: int, body: bytes) -> GatewayError:
 
 def engine_message(status: int, message: str, *, param: str | None = None) -> GatewayError:
     if status in (400, 422):
+        message = readable(message)
         if any(marker in message for marker in CONTEXT_LENGTH_MARKERS):
             return GatewayError(400, message, code="context_length_exceeded", param=param)
         return GatewayError(400, message, code="invalid_request", param=param)
@@ -70,3 +78,19 @@ def engine_message(status: int, message: str, *, param: str | None = None) -> Ga
         return GatewayError(503, f"The engine is overloaded or restarting ({message}); retry "
                             "shortly.", code="engine_unavailable")
     return GatewayError(502, f"The engine failed: {message}", code="engine_error")
+
+
+def readable(message: str) -> str:
+    """An engine's refusal as a person reads it: a validation error's fields and what is wrong
+    with each ("messages: Field required"), not pydantic's dicts."""
+    if not VALIDATION_ERRORS.match(message):
+        return PARAMETER_SUFFIX.sub("", message)
+    problems = []
+    for line in message.splitlines()[1:]:
+        try:
+            error = ast.literal_eval(line.strip())
+            field = str(error["loc"]).removeprefix("body.")
+            problems.append(f"{field}: {error['msg']}")
+        except (ValueError, SyntaxError, KeyError, TypeError):  # "...and 3 more errors"
+            problems.append(line.strip())
+    return f"Invalid request: {'; '.join(problems)}."

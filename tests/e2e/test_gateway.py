@@ -108,6 +108,10 @@ def test_openai_errors_come_as_the_client_expects(served: Served) -> None:
         client.completions.create(model="no-such-endpoint", prompt="Hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError) as too_long:
         client.completions.create(model="chat", prompt="lorem ipsum " * 3000, max_tokens=2)
+    with pytest.raises(openai.BadRequestError) as invalid:
+        client.chat.completions.create(model="chat", max_tokens=2,
+                                       messages=[{"role": "user", "content": "Hi"}],
+                                       extra_body={"temperature": "hot", "top_p": "high"})
     limited.completions.create(model="chat", prompt="Hi there", max_tokens=2)
     with pytest.raises(openai.RateLimitError) as exhausted:
         limited.completions.create(model="chat", prompt="Hi there", max_tokens=2)
@@ -116,6 +120,10 @@ def test_openai_errors_come_as_the_client_expects(served: Served) -> None:
     assert unknown.value.code == "model_not_found"
     assert too_long.value.code == "context_length_exceeded"
     assert "maximum context length is 2048" in too_long.value.message
+    assert "(parameter=" not in too_long.value.message
+    # vLLM's validation errors, read as fields and what is wrong with each.
+    assert "Invalid request: temperature: Input should be a valid number" in invalid.value.message
+    assert "; top_p: Input should be a valid number" in invalid.value.message
     assert exhausted.value.code == "rate_limit_exceeded"
     assert int(exhausted.value.response.headers["retry-after"]) >= 1
     assert exhausted.value.response.headers["x-ratelimit-limit-requests"] == "1"

@@ -244,6 +244,27 @@ def test_engine_errors_become_openai_errors(status: int, message: str,
     assert set(orjson.loads(error.body())["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(("message", "readable"), [
+    ("1 validation error:\n  {'type': 'missing', 'loc': 'body.messages', 'msg': 'Field "
+     "required', 'input': '<dict of 2 items>'}", "Invalid request: messages: Field required."),
+    ("2 validation errors:\n  {'type': 'float_parsing', 'loc': 'body.temperature', 'msg': "
+     "'Input should be a valid number, unable to parse string as a number', 'input': 'hot'}\n"
+     "  {'type': 'missing', 'loc': 'body.messages', 'msg': 'Field required', 'input': "
+     "'<dict of 3 items>'}",
+     "Invalid request: temperature: Input should be a valid number, unable to parse string as "
+     "a number; messages: Field required."),
+    ("You passed 2049 input tokens and requested 1 output tokens. However, the model's context "
+     "length is only 2048 tokens. (parameter=input_tokens, value=2049)",
+     "You passed 2049 input tokens and requested 1 output tokens. However, the model's context "
+     "length is only 2048 tokens."),
+])
+def test_engine_refusals_read_as_a_person_would_write_them(message: str, readable: str) -> None:
+    body = orjson.dumps({"error": {"message": message, "type": "Bad Request",
+                                   "param": "messages", "code": 400}})
+
+    assert from_engine(400, body).message == readable
+
+
 def test_an_engine_error_that_is_not_json_still_has_a_message() -> None:
     error = from_engine(502, b"<html>Bad gateway</html>")
 
