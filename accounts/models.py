@@ -165,6 +165,8 @@ class APIKey(models.Model):
     expires_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
+    # The dashboard form's own token: the same form sent twice (a reload) creates one key.
+    creation_token = models.CharField(max_length=32, null=True, unique=True, editable=False)
 
     class Meta:
         verbose_name = "API key"

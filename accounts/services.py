@@ -210,26 +210,39 @@ def do_create_api_key(
     *, organization: Organization, name: str, scope: str, actor_role: str | None,
     created_by: User | None, expires_at: datetime | None = None,
     endpoint_names: Iterable[str] = (), requests_per_minute: int | None = None,
-    tokens_per_minute: int | None = None,
+    tokens_per_minute: int | None = None, creation_token: str | None = None,
 ) -> tuple[APIKey, str]:
-    """Create an API key. Returns the row and the secret, which is shown once and never stored."""
+    """Create an API key. Returns the row and the secret, which is shown once and never stored.
+    A `creation_token` already used (the form that created a key, sent again) creates
+    nothing: ValidationError."""
     require_manager(actor_role, "create API keys")
     if expires_at is not None and expires_at <= timezone.now():
         raise ValidationError({"expires_at": ["Choose an expiry in the future, or none."]})
     secret = tokens.new_api_key_secret()
-    key = APIKey.objects.create(
-        organization=organization,
-        name=name.strip(),
-        scope=scope,
-        digest=secret_digest(secret),
-        prefix=tokens.visible_prefix(secret),
-        last_four=secret[-4:],
-        endpoint_names=sorted(set(endpoint_names)),
-        requests_per_minute=requests_per_minute,
-        tokens_per_minute=tokens_per_minute,
-        created_by=created_by,
-        expires_at=expires_at,
-    )
+    try:
+        with transaction.atomic():
+            key = APIKey.objects.create(
+                organization=organization,
+                name=name.strip(),
+                scope=scope,
+                digest=secret_digest(secret),
+                prefix=tokens.visible_prefix(secret),
+                last_four=secret[-4:],
+                endpoint_names=sorted(set(endpoint_names)),
+                requests_per_minute=requests_per_minute,
+                tokens_per_minute=tokens_per_minute,
+                created_by=created_by,
+                expires_at=expires_at,
+                creation_token=creation_token,
+            )
+    except IntegrityError:
+        if creation_token is None or not APIKey.objects.filter(
+                creation_token=creation_token).exists():
+            raise
+        raise ValidationError(
+            "This form was sent before and its key created (reloading the page sends it "
+            "again): a key's secret is shown only once. If you did not copy it, revoke that key "
+            "and create another.") from None
     return key, secret
 
 

@@ -1,4 +1,5 @@
 import re
+import secrets
 from decimal import Decimal
 
 from django import forms
@@ -35,10 +36,15 @@ class APIKeyForm(forms.Form):
                                            help_text="Empty: the deployment's default.")
     expires_at = forms.DateTimeField(required=False, label="Expires at (UTC, optional)",
                                      widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
+    creation_token = forms.CharField(max_length=32, required=False, widget=forms.HiddenInput)
 
     def __init__(self, *args: object, endpoints: QuerySet[Endpoint], **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.endpoints = endpoints
+        self.fields["creation_token"].initial = secrets.token_urlsafe(16)
+
+    def clean_creation_token(self) -> str | None:
+        return self.cleaned_data["creation_token"] or None  # a form without one: no check
 
     def clean_endpoint_names(self) -> list[str]:
         names = sorted({name for name in re.split(r"[\s,]+", self.cleaned_data["endpoint_names"])

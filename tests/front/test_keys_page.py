@@ -31,6 +31,24 @@ def test_a_new_key_is_shown_once_with_its_restrictions(owner_client: Client,
         ["chat"], 30, 5000)
 
 
+def test_the_key_form_sent_twice_creates_one_key(owner_client: Client,
+                                                 org: Organization) -> None:
+    form = owner_client.get(f"/orgs/{org.slug}/keys/").context["key_form"]
+    sent = {"name": "laptop", "scope": "inference",
+            "creation_token": form["creation_token"].initial}
+
+    first = owner_client.post(f"/orgs/{org.slug}/keys/new/", sent)
+    again = owner_client.post(f"/orgs/{org.slug}/keys/new/", sent)  # a reload of the answer
+
+    assert first.status_code == 200
+    assert again.status_code == 400
+    assert b"This form was sent before and its key created" in again.content
+    assert again.context["created"] == {}  # no secret shown
+    assert APIKey.objects.count() == 1
+    # Each page's form is a new one.
+    assert first.context["key_form"]["creation_token"].initial != sent["creation_token"]
+
+
 @pytest.mark.parametrize("requests_per_minute", ["0", str(2**31)])
 def test_bad_key_input_shows_the_error_next_to_its_field(owner_client: Client,
                                                          org: Organization,
