@@ -358,7 +358,8 @@ def _not_ready(route: Route) -> GatewayError:
         message = (f"Endpoint {name!r} has failed; its events in the dashboard say why. "
                    "Start it again once the cause is fixed.")
     else:
-        message = (f"Endpoint {name!r} is {route.state}; start it (POST /api/v1/organizations/"
-                   f"{route.organization_slug}/endpoints/{name}/start/) and retry.")
+        message = (f"Endpoint {name!r} is {route.state}; start it (Start on its page in the "
+                   f"dashboard, or POST /api/v1/organizations/{route.organization_slug}/"
+                   f"endpoints/{name}/start/) and retry.")
     return GatewayError(503, message, code="endpoint_not_ready",
                         headers=[(b"retry-after", b"5")])

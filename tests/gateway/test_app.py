@@ -276,8 +276,9 @@ def test_an_endpoint_that_is_not_ready_says_what_it_is_doing(
     assert starting.json()["error"]["message"] == (
         "Endpoint 'warming' is loading (loading weights, 50%); retry in a few seconds.")
     assert stopped.status_code == 503
-    assert f"/api/v1/organizations/{org.slug}/endpoints/resting/start/" in (
-        stopped.json()["error"]["message"])
+    assert stopped.json()["error"]["message"] == (
+        "Endpoint 'resting' is stopped; start it (Start on its page in the dashboard, or POST "
+        f"/api/v1/organizations/{org.slug}/endpoints/resting/start/) and retry.")
     assert gateway.get(secret, "/v1/models").json() == {"object": "list", "data": []}
 
 
