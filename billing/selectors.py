@@ -60,15 +60,16 @@ def last_hour_totals(*, endpoint_ids: Iterable[UUID], now: datetime | None = Non
 def usage_by_minute(*, endpoint_id: UUID, minutes: int = 60, now: datetime | None = None
                     ) -> list[dict[str, object]]:
     """One row per minute that saw requests, over the current minute and the `minutes` - 1
-    before it: requests, errors (status 400 and up, clients that left included), tokens,
-    and TTFT p50/p95 in ms."""
+    before it: requests, those that failed (status 500 and up) and those refused (400 to 499:
+    the client's errors, and clients that left), tokens, and TTFT p50/p95 in ms."""
     now = now or timezone.now()
     since = now.replace(second=0, microsecond=0) - timedelta(minutes=minutes - 1)
     return list(
         UsageRecord.objects.filter(endpoint_id=endpoint_id, started_at__gte=since)
         .annotate(minute=TruncMinute("started_at"))
         .values("minute")
-        .annotate(requests=Count("id"), errors=Count("id", filter=Q(status_code__gte=400)),
+        .annotate(requests=Count("id"), failed=Count("id", filter=Q(status_code__gte=500)),
+                  refused=Count("id", filter=Q(status_code__gte=400, status_code__lt=500)),
                   prompt_tokens=Coalesce(Sum("prompt_tokens"), 0),
                   completion_tokens=Coalesce(Sum("completion_tokens"), 0),
                   ttft_p50_ms=Percentile("time_to_first_token_ms", 0.5),

@@ -122,14 +122,15 @@ def endpoint_usage(request: HttpRequest, org_slug: str, name: str) -> JsonRespon
     rows = {row["minute"]: row for row in usage_by_minute(endpoint_id=endpoint.id, now=now)}
     current = now.replace(second=0, microsecond=0)
     minutes = [current - timedelta(minutes=back) for back in range(CHART_MINUTES - 1, -1, -1)]
-    idle = {"requests": 0, "errors": 0, "prompt_tokens": 0, "completion_tokens": 0,
+    idle = {"requests": 0, "failed": 0, "refused": 0, "prompt_tokens": 0, "completion_tokens": 0,
             "ttft_p50_ms": None, "ttft_p95_ms": None}
     series = [rows.get(minute, idle) for minute in minutes]
     return JsonResponse({
         "minutes": [int(minute.timestamp()) for minute in minutes],
         "requests_per_second": [round(row["requests"] / 60, 4) for row in series],
         "tokens_per_second": [round(row["completion_tokens"] / 60, 3) for row in series],
-        "errors": [row["errors"] for row in series],
+        "failed": [row["failed"] for row in series],
+        "refused": [row["refused"] for row in series],
         "ttft_p50_ms": [row["ttft_p50_ms"] for row in series],
         "ttft_p95_ms": [row["ttft_p95_ms"] for row in series],
         "requests": sum(row["requests"] for row in rows.values()),

@@ -102,20 +102,22 @@ def test_usage_data_is_per_minute_with_ttft_percentiles(owner_client: Client,
     for ttft in (100, 200, 300, 400):
         usage(endpoint, minutes_ago=2, ttft=ttft, tokens=30)
     usage(endpoint, minutes_ago=2, status=500, ttft=None, tokens=0)
+    usage(endpoint, minutes_ago=2, status=400, ttft=None, tokens=0)
 
     data = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/usage/").json()
 
-    assert data["requests"] == 5
+    assert data["requests"] == 6
     assert len(data["minutes"]) == 60  # the idle minutes are there, as zeros
     busy = [i for i, rate in enumerate(data["requests_per_second"]) if rate]
     assert len(busy) == 1
     (minute,) = busy
     assert data["minutes"][minute] == data["minutes"][-1] - 120  # two minutes ago
-    assert data["errors"][minute] == 1 and sum(data["errors"]) == 1
+    assert data["failed"][minute] == 1 and sum(data["failed"]) == 1
+    assert data["refused"][minute] == 1 and sum(data["refused"]) == 1
     assert data["ttft_p50_ms"][minute] == 250.0
     assert data["ttft_p95_ms"][minute] == pytest.approx(385.0)
     assert data["tokens_per_second"][minute] == round(120 / 60, 3)
-    assert data["requests_per_second"][minute] == round(5 / 60, 4)
+    assert data["requests_per_second"][minute] == round(6 / 60, 4)
     assert data["ttft_p50_ms"][0] is None and data["requests_per_second"][0] == 0
 
 
