@@ -273,11 +273,11 @@ def run() -> int:
         manage("bootstrap_demo", env=env)
         commands = {
             "web": uvicorn_args("kvrun.asgi:application", host=host, port=int(port)),
-            "worker": ["-m", "celery", "-A", "kvrun", "worker", "-Q", "control", "-n",
-                       "control@%h", "--concurrency", "2", "--loglevel", "WARNING"],
-            # WARNING: at INFO the worker and beat print a line per task, several a second,
-            # and the first run's password and URLs scroll away.
-            "beat": ["-m", "celery", "-A", "kvrun", "beat", "--loglevel", "WARNING",
+            # Quiet, at WARNING: their start-up banners, and at INFO a line per task, several
+            # a second, would scroll the first run's password and URLs away.
+            "worker": ["-m", "celery", "-A", "kvrun", "--quiet", "worker", "-Q", "control",
+                       "-n", "control@%h", "--concurrency", "2", "--loglevel", "WARNING"],
+            "beat": ["-m", "celery", "-A", "kvrun", "--quiet", "beat", "--loglevel", "WARNING",
                      "-s", str(STATE_DIR / "celerybeat-schedule")],
             "node": ["manage.py", "node_agent", "--name", node_name],
         }

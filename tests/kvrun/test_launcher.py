@@ -121,6 +121,9 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
     postmaster = int((state_dir / "postgres" / "postmaster.pid").read_text().split()[0])
     assert len(processes) >= 5  # web, worker (+ its pool), beat, node agent, redis
     assert first.interrupt() == 0
+    # No worker's start-up banner (Celery's, of the control worker or the node agent's) came
+    # to scroll the URLs away.
+    assert "[queues]" not in "".join(first.output)
     # The launcher exits only once everything it started has stopped.
     assert not [pid for pid in processes | {postmaster} if process_alive(pid)], "orphaned processes"
 

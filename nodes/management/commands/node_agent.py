@@ -60,10 +60,11 @@ class Command(BaseCommand):
 
         worker_shutting_down.connect(on_shutdown, weak=False)
         try:
-            # Threads, not processes: node tasks wait on engines, they do not compute.
+            # Threads, not processes: node tasks wait on engines, they do not compute. Quiet:
+            # its own log says what it does, and Celery's banner would bury `make run`'s URLs.
             app.Worker(
                 queues=[node.queue], hostname=f"node@{name}", pool="threads",
-                concurrency=concurrency, loglevel="INFO",
+                concurrency=concurrency, loglevel="INFO", quiet=True,
             ).start()
         finally:
             stop.set()
