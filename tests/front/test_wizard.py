@@ -40,7 +40,8 @@ def test_live_sizing_shows_hardware_memory_capacity_and_price(owner_client: Clie
     assert "$0.10/hour · $2.40/day" in panel
     # K and V × 2 layers × 1 KV head × 64 dims × 2 bytes
     assert "KV cache per token</dt><dd>512 B" in panel
-    assert "Most concurrent requests at 2k" in panel
+    # What the engine's 8 GiB could hold, beside the budget the KV cache is sized to.
+    assert "The hardware could hold, at 2k</dt><dd>6,143 concurrent requests</dd>" in panel
     assert "With fp8 KV cache" in panel
     assert 'class="part weights"' in panel and 'class="part kv-cache"' in panel
 
