@@ -30,10 +30,8 @@ class APIKeyForm(forms.Form):
     endpoint_names = forms.CharField(
         required=False, label="Only these endpoints",
         help_text="Names separated by commas; empty: every endpoint of the organisation.")
-    requests_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT,
-                                             help_text="Empty: the deployment's default.")
-    tokens_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT,
-                                           help_text="Empty: the deployment's default.")
+    requests_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT)
+    tokens_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT)
     expires_at = forms.DateTimeField(required=False, label="Expires at (UTC, optional)",
                                      widget=forms.DateTimeInput(attrs={"type": "datetime-local"}))
     creation_token = forms.CharField(max_length=32, required=False, widget=forms.HiddenInput)
@@ -42,6 +40,9 @@ class APIKeyForm(forms.Form):
         super().__init__(*args, **kwargs)
         self.endpoints = endpoints
         self.fields["creation_token"].initial = secrets.token_urlsafe(16)
+        for name, default in (("requests_per_minute", settings.KVRUN_KEY_REQUESTS_PER_MINUTE),
+                              ("tokens_per_minute", settings.KVRUN_KEY_TOKENS_PER_MINUTE)):
+            self.fields[name].help_text = f"Empty: the deployment's default, {default:,}."
 
     def clean_creation_token(self) -> str | None:
         return self.cleaned_data["creation_token"] or None  # a form without one: no check

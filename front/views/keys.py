@@ -1,6 +1,7 @@
 """The API keys page. A new key's secret is rendered into the response that creates it and
 kept nowhere else: no redirect, no flash message stored in the session."""
 
+from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
@@ -30,6 +31,8 @@ def api_keys(request: HttpRequest, org_slug: str, form: APIKeyForm | None = None
         "api_keys": selectors.api_keys_of(organization=member.organization)
         .order_by("-created_at"),
         "key_form": form or _key_form(member),
+        "default_limits": {"requests": settings.KVRUN_KEY_REQUESTS_PER_MINUTE,
+                           "tokens": settings.KVRUN_KEY_TOKENS_PER_MINUTE},
     }, status=status)
 
 

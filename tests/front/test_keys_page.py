@@ -27,6 +27,7 @@ def test_a_new_key_is_shown_once_with_its_restrictions(owner_client: Client,
     assert secret.encode() in created.content
     assert secret.encode() not in later.content
     assert key.masked.encode() in later.content
+    assert b"30 req/min \xc2\xb7 5,000 tok/min" in later.content
     assert (key.endpoint_names, key.requests_per_minute, key.tokens_per_minute) == (
         ["chat"], 30, 5000)
 
@@ -75,6 +76,16 @@ def test_a_member_cannot_create_or_revoke_keys(member_client: Client, org: Organ
     key.refresh_from_db()
     assert key.revoked_at is None
     assert APIKey.objects.count() == 1
+
+
+def test_a_key_without_limits_shows_the_deployment_s(owner_client: Client,
+                                                   org: Organization) -> None:
+    api_key(org)
+
+    page = owner_client.get(f"/orgs/{org.slug}/keys/").content.decode()
+
+    assert "600 req/min · 1,000,000 tok/min" in page
+    assert "default, 600." in page and "default, 1,000,000." in page  # the form's help
 
 
 def test_revoking_a_key_refuses_it_at_once(owner_client: Client, org: Organization) -> None:
