@@ -194,3 +194,17 @@ def test_the_endpoint_page_shows_its_memory_and_the_kv_cache_the_engine_reports(
         "weights", "KV cache", "runtime", "headroom"]
     assert sum(part["bytes"] for part in page.context["memory"]) == page.context["device_bytes"]
     assert b"2,097,152 tokens" in page.content
+
+
+def test_the_status_counts_replicas_only_while_some_are_asked_for(owner_client: Client,
+                                                                  org: Organization) -> None:
+    ready_endpoint(org, "chat", ports=[9001])
+    stopped = ready_endpoint(org, "resting", ports=[], state=State.STOPPED)
+    Endpoint.objects.filter(id=stopped.id).update(desired_state=DesiredState.STOPPED,
+                                                  desired_replicas=0)
+
+    running = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/status/").content.decode()
+    resting = owner_client.get(f"/orgs/{org.slug}/endpoints/resting/status/").content.decode()
+
+    assert "1 of 1 replica(s) ready" in running
+    assert "replica(s)" not in resting  # was "0 of 0 replica(s) ready"
