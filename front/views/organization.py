@@ -19,11 +19,13 @@ from front.scoping import Member, membership
 def organization(request: HttpRequest, org_slug: str, invite_form: InviteForm | None = None,
                  created: dict | None = None, status: int = 200) -> HttpResponse:
     member = membership(request, org_slug)
+    memberships = list(selectors.memberships_of(organization=member.organization)
+                       .order_by("created_at"))
     return render(request, "front/organization.html", {
         "member": member, "organization": member.organization, "created": created or {},
-        "section": "organization",
-        "memberships": selectors.memberships_of(organization=member.organization)
-        .order_by("created_at"),
+        "section": "organization", "memberships": memberships,
+        # The only owner cannot leave (do_remove_member says so): no button that can only fail.
+        "sole_owner": sum(m.role == Role.OWNER for m in memberships) == 1,
         "invites": selectors.invites_of(organization=member.organization)
         .order_by("-created_at")[:20],
         "invite_form": invite_form or InviteForm(), "roles": Role.choices,

@@ -105,3 +105,15 @@ def test_a_member_cannot_change_roles(member_client: Client, owner: User, org: o
 
     assert b"Only owners and admins can change roles" in response.content
     assert Membership.objects.get(user=owner).role == Role.OWNER
+
+
+def test_the_only_owner_is_told_how_to_leave_not_offered_a_button_that_fails(
+        owner_client: Client, owner: User, org: object) -> None:
+    alone = owner_client.get(f"/orgs/{org.slug}/members/").content.decode()
+    second = UserFactory(email="cto@acme.test")
+    Membership.objects.create(organization=org, user=second, role=Role.OWNER)
+    shared = owner_client.get(f"/orgs/{org.slug}/members/").content.decode()
+
+    assert "make another member an owner to leave" in alone
+    assert f'aria-label="Leave {org.name}"' not in alone
+    assert f'aria-label="Leave {org.name}"' in shared
