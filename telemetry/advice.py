@@ -82,17 +82,17 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
         fp8 = planning.largest_concurrency_on(
             model=endpoint.model, context_length=context, kv_cache_dtype="fp8",
             gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count)
-        ways.append(f"fp8 KV cache: room for {fp8} requests of {context:,} tokens at once per "
-                    f"replica instead of {held}, on the same hardware (one click)")
+        ways.append(f"fp8 KV cache: room for {fp8:,} requests of {context:,} tokens at once "
+                    f"per replica instead of {held:,}, on the same hardware (one click)")
         change = {"kv_cache_dtype": "fp8"}
     if endpoint.desired_replicas < min(endpoint.max_replicas, MAX_REPLICAS_PER_ENDPOINT):
-        ways.append(f"another replica: {held * (endpoint.desired_replicas + 1)} at once in all, "
+        ways.append(f"another replica: {held * (endpoint.desired_replicas + 1):,} at once in all, "
                     f"for ${endpoint.hourly_price_usd:.2f}/h more")
     larger = next((option for option in planning.options(
         model=endpoint.model, context_length=context, kv_cache_dtype=endpoint.kv_cache_dtype)
         if option.max_concurrency > held and option.gpu_type.slug != CPU), None)
     if larger is not None and larger.gpu_type != endpoint.gpu_type:
-        ways.append(f"{larger.gpu_count} × {larger.gpu_type.name}: {larger.max_concurrency} at "
+        ways.append(f"{larger.gpu_count} × {larger.gpu_type.name}: {larger.max_concurrency:,} at "
                     f"once per replica, ${larger.hourly_price:.2f}/h (a new endpoint)")
     hit_rate = window["prefix_hit_rate"]
     if (not on_cpu and not endpoint.host_tier_gib and hit_rate is not None

@@ -39,6 +39,8 @@ def endpoint_kv_series(request: HttpRequest, org_slug: str, name: str) -> JsonRe
     _, points = selectors.series(endpoint_id=endpoint.id, since=now - CHART_WINDOW, until=now,
                                  steps=CHART_STEPS)
     return JsonResponse({
+        # The window, for the charts' axis: the points are only the minutes with samples.
+        "since": int((now - CHART_WINDOW).timestamp()), "until": int(now.timestamp()),
         "times": [int(point["at"].timestamp()) for point in points],
         "kv_cache_usage_pct": [_percent(point["kv_cache_usage"]) for point in points],
         "prefix_hit_rate_pct": [_percent(point["prefix_hit_rate"]) for point in points],

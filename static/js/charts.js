@@ -39,8 +39,11 @@
         if (!charts[index]) {
           const options = {
             ...size(el),
-            scales: { x: { time: true, range: (u, min, max) => latest[x].length
-              ? [latest[x][0], latest[x][latest[x].length - 1]] : [min, max] } },
+            // The window the group says it covers (data.since/until), or its points'.
+            scales: { x: { time: true, range: (u, min, max) => {
+              if (latest.since !== undefined) return [latest.since, latest.until];
+              return latest[x].length ? [latest[x][0], latest[x][latest[x].length - 1]] : [min, max];
+            } } },
             // Counts of replicas: whole numbers on the axis.
             ...("stepped" in el.dataset ? { axes: [{}, { incrs: [1, 2, 5, 10, 20, 50] }] } : {}),
             series: [{}, ...names.map((name, i) => ({

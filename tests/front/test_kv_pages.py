@@ -65,6 +65,9 @@ def test_the_kv_series_gives_each_minute_s_usage_and_hit_rate_in_percent(
     assert data["prefix_hit_rate_pct"] == [None, 75.0]
     assert data["running"] == [2, 2] and data["waiting"] == [1, 1]
     assert len(data["times"]) == 2 and data["times"][0] < data["times"][1]
+    # The charts span the hour they are captioned with, not only the minutes with samples.
+    assert data["until"] - data["since"] == 3600
+    assert data["since"] <= data["times"][0] and data["times"][-1] <= data["until"] + 60
 
 
 def test_a_policy_change_from_the_page_says_how_replicas_restart(

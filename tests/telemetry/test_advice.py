@@ -63,9 +63,9 @@ def test_a_sustained_full_cache_is_cache_bound_advice_with_what_each_change_give
     fp8 = largest_concurrency_on(model=endpoint.model, context_length=32768,
                                  kv_cache_dtype="fp8", gpu_type=endpoint.gpu_type, gpu_count=1)
     assert fp8 >= 2 * held
-    assert f"fp8 KV cache: room for {fp8} requests of 32,768 tokens at once per replica " \
-           f"instead of {held}" in advice.message
-    assert f"another replica: {2 * held} at once in all, for $4.50/h more" in advice.message
+    assert f"fp8 KV cache: room for {fp8:,} requests of 32,768 tokens at once per replica " \
+           f"instead of {held:,}" in advice.message
+    assert f"another replica: {2 * held:,} at once in all, for $4.50/h more" in advice.message
     assert "a 64 GiB host tier: 524,288 more tokens" in advice.message  # hit rate 10 %
     assert advice.change == {"kv_cache_dtype": "fp8"}
     assert EndpointEvent.objects.filter(endpoint=endpoint,
