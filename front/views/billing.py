@@ -158,5 +158,5 @@ def invoice_csv(request: HttpRequest, org_slug: str, month: date) -> HttpRespons
             shown.number, shown.status, month_label(month), number, line.description, line.kind,
             line.endpoint_name, line.phase, month_label(line.usage_month), line.adjustment,
             line.period_start.isoformat(), line.period_end.isoformat(), line.quantity,
-            line.unit, line.unit_price_usd, Decimal(line.amount_cents) / 100])
+            line.unit, line.unit_price_usd, Decimal(line.amount_cents).scaleb(-2)])  # 1.50
     return response

@@ -3,6 +3,7 @@ line, CSV; and each endpoint's cost on the endpoint pages."""
 
 import csv
 import io
+import re
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -89,6 +90,7 @@ def test_an_invoice_downloads_as_csv(owner_client: Client, org: Organization,
     assert response["Content-Type"].startswith("text/csv")
     rows = list(csv.DictReader(io.StringIO(response.content.decode())))
     assert sum(Decimal(row["amount_usd"]) for row in rows) == Decimal("4.10")
+    assert all(re.fullmatch(r"-?\d+\.\d\d", row["amount_usd"]) for row in rows)  # cents shown
     assert {row["invoice"] for row in rows} == {f"KVR-202601-{org.slug}"}
 
 
