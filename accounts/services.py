@@ -216,8 +216,10 @@ def do_create_api_key(
     A `creation_token` already used (the form that created a key, sent again) creates
     nothing: ValidationError."""
     require_manager(actor_role, "create API keys")
-    if expires_at is not None and expires_at <= timezone.now():
-        raise ValidationError({"expires_at": ["Choose an expiry in the future, or none."]})
+    try:
+        validate_key_expiry(expires_at)
+    except ValidationError as exc:
+        raise ValidationError({"expires_at": exc.messages}) from None
     secret = tokens.new_api_key_secret()
     try:
         with transaction.atomic():
@@ -244,6 +246,12 @@ def do_create_api_key(
             "again): a key's secret is shown only once. If you did not copy it, revoke that key "
             "and create another.") from None
     return key, secret
+
+
+def validate_key_expiry(expires_at: datetime | None) -> None:
+    """A key's expiry, when it has one, is in the future (forms check it with their fields)."""
+    if expires_at is not None and expires_at <= timezone.now():
+        raise ValidationError("Choose an expiry in the future, or none.")
 
 
 def do_issue_playground_key(*, organization: Organization, user: User, endpoint_name: str,

@@ -1,5 +1,6 @@
 import re
 import secrets
+from datetime import datetime
 from decimal import Decimal
 
 from django import forms
@@ -8,6 +9,7 @@ from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
 from accounts.models import LARGEST_LIMIT, Role, Scope
+from accounts.services import validate_key_expiry
 from billing.models import BudgetAction
 from endpoints.models import (
     MAX_DISK_TIER_GIB,
@@ -43,6 +45,10 @@ class APIKeyForm(forms.Form):
         for name, default in (("requests_per_minute", settings.KVRUN_KEY_REQUESTS_PER_MINUTE),
                               ("tokens_per_minute", settings.KVRUN_KEY_TOKENS_PER_MINUTE)):
             self.fields[name].help_text = f"Empty: the deployment's default, {default:,}."
+
+    def clean_expires_at(self) -> datetime | None:
+        validate_key_expiry(self.cleaned_data["expires_at"])
+        return self.cleaned_data["expires_at"]
 
     def clean_creation_token(self) -> str | None:
         return self.cleaned_data["creation_token"] or None  # a form without one: no check

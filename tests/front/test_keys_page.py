@@ -56,11 +56,13 @@ def test_bad_key_input_shows_the_error_next_to_its_field(owner_client: Client,
                                                          requests_per_minute: str) -> None:
     response = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
         "name": "x", "scope": "inference", "requests_per_minute": requests_per_minute,
-        "endpoint_names": "not-an-endpoint"})
+        "endpoint_names": "not-an-endpoint", "expires_at": "2020-01-01T00:00"})
 
     assert response.status_code == 400
+    # Every field's error at once, the expiry's (a service rule) with the others.
     assert b'id="id_requests_per_minute_error"' in response.content
     assert b'id="id_endpoint_names_error"' in response.content
+    assert b"Choose an expiry in the future, or none." in response.content
     assert not APIKey.objects.exists()
 
 
