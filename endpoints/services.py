@@ -284,6 +284,18 @@ def _shown(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def idle_time_refusal(seconds: int) -> str | None:
+    """Why an idle time before scaling to zero is refused, or None (forms check it too)."""
+    shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
+    if seconds < shortest:
+        return (f"Wait at least {shortest} s without a request before scaling to zero: each "
+                "wake is a cold start.")
+    if seconds > MAX_IDLE_SECONDS:
+        return (f"Wait at most {MAX_IDLE_SECONDS} s (30 days); to never scale to zero, set the "
+                "fewest replicas to 1 or more.")
+    return None
+
+
 def _scaling_errors(new: dict[str, Any]) -> dict[str, list[str]]:
     errors: dict[str, list[str]] = {}
     if new["min_replicas"] < 0:
@@ -293,15 +305,9 @@ def _scaling_errors(new: dict[str, Any]) -> dict[str, list[str]]:
             f"Choose between {max(1, new['min_replicas'])} (at least 1, and no fewer than the "
             f"fewest replicas, min_replicas) and {MAX_REPLICAS_PER_ENDPOINT}; for more, create "
             "another endpoint."]
-    shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
-    if new["scale_to_zero_after_seconds"] < shortest:
-        errors["scale_to_zero_after_seconds"] = [
-            f"Wait at least {shortest} s without a request before scaling to zero: each wake "
-            "is a cold start."]
-    elif new["scale_to_zero_after_seconds"] > MAX_IDLE_SECONDS:
-        errors["scale_to_zero_after_seconds"] = [
-            f"Wait at most {MAX_IDLE_SECONDS} s (30 days); to never scale to zero, set the "
-            "fewest replicas to 1 or more."]
+    idle = idle_time_refusal(new["scale_to_zero_after_seconds"])
+    if idle:
+        errors["scale_to_zero_after_seconds"] = [idle]
     if new["scaling_target"] is not None and new["scaling_target"] <= 0:
         errors["scaling_target"] = ["Set a target above 0, or none for the metric's default."]
     for name in ("scale_up_window_seconds", "scale_down_window_seconds"):

@@ -22,7 +22,7 @@ from endpoints.models import (
     ModelSpec,
     ScalingMetric,
 )
-from endpoints.services import LONGEST_WINDOW_SECONDS, SHORTEST_WINDOW_SECONDS
+from endpoints.services import LONGEST_WINDOW_SECONDS, SHORTEST_WINDOW_SECONDS, idle_time_refusal
 
 
 class APIKeyForm(forms.Form):
@@ -145,12 +145,20 @@ class EndpointForm(SizingForm, KVRoutingFields):
         _show_idle_floor(self)
 
 
+def _refuse_idle_time(seconds: int) -> None:
+    refusal = idle_time_refusal(seconds)
+    if refusal:
+        raise ValidationError(refusal)
+
+
 def _show_idle_floor(form: forms.Form) -> None:
-    """The shortest idle time before zero, in the field's help and as its least value, so the
-    browser says so before a submit (the service checks it; settings may change it)."""
+    """The shortest idle time before zero, in the field's help and as its least value: the
+    browser says so before a submit, and the form with its other fields' errors (the service
+    checks it too, for the API; settings may change it)."""
     shortest = settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS
     field = form.fields["scale_to_zero_after_seconds"]
     field.widget.attrs["min"] = shortest
+    field.validators.append(_refuse_idle_time)
     field.help_text = f"{field.help_text} At least {shortest} s."
 
 

@@ -103,12 +103,13 @@ def test_an_endpoint_launched_with_no_fewest_replicas_scales_to_zero_when_idle(
         owner_client: Client, org: Organization, cpu_node: Node) -> None:
     sizing = owner_client.post(f"/orgs/{org.slug}/endpoints/new/sizing/", DEMO)
     short = owner_client.post(f"/orgs/{org.slug}/endpoints/new/", {
-        **DEMO, "name": "chat", "min_replicas": "0", "scale_to_zero_after_seconds": "5"})
+        **DEMO, "name": "Not A Name", "min_replicas": "0", "scale_to_zero_after_seconds": "5"})
     launched = owner_client.post(f"/orgs/{org.slug}/endpoints/new/", {
         **DEMO, "name": "chat", "min_replicas": "0", "scale_to_zero_after_seconds": "600"})
 
     assert b"idle 50 % of the time, about <strong>$" in sizing.content
     assert short.status_code == 400 and b"Wait at least 60 s without a request" in short.content
+    assert b'id="id_name_error"' in short.content  # with the other fields' errors, at once
     assert launched.status_code == 302
     endpoint = Endpoint.objects.get()
     assert (endpoint.min_replicas, endpoint.max_replicas, endpoint.desired_replicas,
