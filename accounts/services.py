@@ -206,6 +206,9 @@ def _refuse_last_owner(membership: Membership, advice: str) -> None:
         raise ValidationError({"role": [f"An organisation needs an owner: {advice}."]})
 
 
+KEY_FORM_SENT_AGAIN = "key_form_sent_again"
+
+
 def do_create_api_key(
     *, organization: Organization, name: str, scope: str, actor_role: str | None,
     created_by: User | None, expires_at: datetime | None = None,
@@ -244,7 +247,7 @@ def do_create_api_key(
         raise ValidationError(
             "This form was sent before and its key created (reloading the page sends it "
             "again): a key's secret is shown only once. If you did not copy it, revoke that key "
-            "and create another.") from None
+            "and create another.", code=KEY_FORM_SENT_AGAIN) from None
     return key, secret
 
 

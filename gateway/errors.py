@@ -16,7 +16,10 @@ CONTEXT_LENGTH_MARKERS = ("maximum context length", "maximum model length", "max
 # vLLM's request validation: a count, then pydantic's error dicts as Python literals, a line
 # each. And what its own checks append to their messages, also in `param`.
 VALIDATION_ERRORS = re.compile(r"\d+ validation errors?:\n")
-PARAMETER_SUFFIX = re.compile(r"\s*\(parameter=[^()]*\)$")
+PARAMETER_SUFFIX = re.compile(r" \(parameter=[^()]*\)$")
+# vLLM's messages are a few hundred characters; one that echoes a request may be as long as
+# the request. Reading it costs time in the gateway's event loop: a person reads this much.
+LONGEST_MESSAGE = 2000
 
 
 class GatewayError(Exception):
@@ -82,15 +85,41 @@ def engine_message(status: int, message: str, *, param: str | None = None) -> Ga
 
 def readable(message: str) -> str:
     """An engine's refusal as a person reads it: a validation error's fields and what is wrong
-    with each ("messages: Field required"), not pydantic's dicts."""
-    if not VALIDATION_ERRORS.match(message):
-        return PARAMETER_SUFFIX.sub("", message)
-    problems = []
-    for line in message.splitlines()[1:]:
-        try:
-            error = ast.literal_eval(line.strip())
-            field = str(error["loc"]).removeprefix("body.")
-            problems.append(f"{field}: {error['msg']}")
-        except (ValueError, SyntaxError, KeyError, TypeError):  # "...and 3 more errors"
-            problems.append(line.strip())
+    with each ("messages: Field required"), not pydantic's dicts; at most LONGEST_MESSAGE
+    characters of it."""
+    if len(message) > LONGEST_MESSAGE:
+        message = message[:LONGEST_MESSAGE] + "…"
+    lines = message.splitlines()
+    if not VALIDATION_ERRORS.match(message) or len(lines) < 2:
+        return PARAMETER_SUFFIX.sub("", message.rstrip())
+    problems = [_problem(line.strip()) for line in lines[1:]]
     return f"Invalid request: {'; '.join(problems)}."
+
+
+def _problem(line: str) -> str:
+    """One of vLLM's validation error lines as "field: what is wrong"; the line as it is
+    when it is not one ("...and 3 more errors")."""
+    try:
+        error = ast.literal_eval(line)
+        field, problem = str(error["loc"]), str(error["msg"])
+    except Exception:  # not a literal (a ValueError(...) in ctx), or too deep to read
+        field, problem = _quoted_after(line, "'loc': "), _quoted_after(line, "'msg': ")
+        if field is None or problem is None:
+            return line
+    return f"{field.removeprefix('body.')}: {PARAMETER_SUFFIX.sub('', problem).rstrip('.')}"
+
+
+def _quoted_after(line: str, key: str) -> str | None:
+    """The quoted string after `key` in a dict's repr, up to its closing quote before the next
+    key or the end of the dict."""
+    start = line.find(key)
+    if start < 0 or len(line) <= start + len(key):
+        return None
+    start += len(key)
+    quote = line[start]
+    if quote not in "'\"":
+        return None
+    end = line.find(f"{quote}, '", start + 1)
+    if end < 0:
+        end = line.find(f"{quote}}}", start + 1)
+    return line[start + 1:end] if end > 0 else None

@@ -16,6 +16,7 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.http import require_POST
 
+from accounts.services import require_manager
 from billing.selectors import (
     last_hour_totals,
     month_to_date_by_endpoint,
@@ -254,19 +255,20 @@ SettingsForm = ScalingForm | PolicyForm
 def change_settings(request: HttpRequest, org_slug: str, name: str, form: SettingsForm,
                     change: Callable[[Member, Endpoint, dict[str, Any]], str]) -> HttpResponse:
     """Run `change` with a settings form's values and say how it went on the endpoint's page.
-    A refused value shows the page again with the form as sent, each error under its field
-    (a service's too); a role that may not is said at the top."""
+    A role that may not is said at the top, whatever it sent; a refused value shows the page
+    again with the form as sent, each error under its field (a service's too)."""
     member = membership(request, org_slug)
     endpoint = endpoint_of(member, name)
-    if form.is_valid():
-        try:
+    try:
+        require_manager(member.role, "change endpoints")
+        if form.is_valid():
             messages.success(request, change(member, endpoint, form.cleaned_data))
             return redirect("endpoint", org_slug=org_slug, name=name)
-        except PermissionDenied as exc:
-            messages.error(request, str(exc))
-            return redirect("endpoint", org_slug=org_slug, name=name)
-        except ValidationError as exc:
-            add_service_errors(form, exc)
+    except PermissionDenied as exc:
+        messages.error(request, str(exc))
+        return redirect("endpoint", org_slug=org_slug, name=name)
+    except ValidationError as exc:
+        add_service_errors(form, exc)
     forms = {"scaling_form": form} if isinstance(form, ScalingForm) else {"policy_form": form}
     return endpoint_detail(request, org_slug, name, status=400, **forms)
 

@@ -50,6 +50,10 @@ def create_api_key(request: HttpRequest, org_slug: str) -> HttpResponse:
             **form.cleaned_data)
     except ValidationError as exc:
         add_service_errors(form, exc)
+        if getattr(exc, "code", None) == services.KEY_FORM_SENT_AGAIN:
+            # Shown again, it is a new form: its own token, or every send would be refused.
+            form.data = form.data.copy()
+            form.data["creation_token"] = form.fields["creation_token"].initial
         return api_keys(request, org_slug, form=form, status=400)
     except PermissionDenied as exc:
         messages.error(request, str(exc))

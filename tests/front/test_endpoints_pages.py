@@ -206,5 +206,6 @@ def test_the_status_counts_replicas_only_while_some_are_asked_for(owner_client: 
     running = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/status/").content.decode()
     resting = owner_client.get(f"/orgs/{org.slug}/endpoints/resting/status/").content.decode()
 
+    assert 'data-testid="state">stopped' in resting
     assert "1 of 1 replica(s) ready" in running
     assert "replica(s)" not in resting  # was "0 of 0 replica(s) ready"

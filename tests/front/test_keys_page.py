@@ -46,6 +46,11 @@ def test_the_key_form_sent_twice_creates_one_key(owner_client: Client,
     assert b"This form was sent before and its key created" in again.content
     assert again.context["created"] == {}  # no secret shown
     assert APIKey.objects.count() == 1
+    # The form shown with the refusal is a new one: sent, it creates the next key.
+    token = again.context["key_form"]["creation_token"].value()
+    assert token != sent["creation_token"]
+    third = owner_client.post(f"/orgs/{org.slug}/keys/new/", {**sent, "creation_token": token})
+    assert third.status_code == 200 and APIKey.objects.count() == 2
     # Each page's form is a new one.
     assert first.context["key_form"]["creation_token"].initial != sent["creation_token"]
 
@@ -110,3 +115,12 @@ def test_playground_keys_stay_off_the_list(owner_client: Client, owner: User,
     assert list(page.context["api_keys"]) == []
     assert APIKey.objects.get().purpose == KeyPurpose.PLAYGROUND
     assert b"Create key" in page.content
+
+
+def test_a_hidden_field_s_error_is_shown_too(owner_client: Client, org: Organization) -> None:
+    response = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
+        "name": "laptop", "scope": "inference", "creation_token": "x" * 33})
+
+    assert response.status_code == 400
+    assert b"Creation token: Ensure this value has at most 32 characters" in response.content
+    assert not APIKey.objects.exists()

@@ -10,7 +10,7 @@ from redis.asyncio import Redis
 
 from accounts.principals import KeyIdentity
 from billing.usage_stream import ADMITTED, ADMITTED_SEEN, lease_ms
-from gateway.errors import GatewayError, from_engine
+from gateway.errors import LONGEST_MESSAGE, GatewayError, from_engine
 from gateway.limits import (
     COUNTER_TTL_MS,
     WINDOW_MS,
@@ -257,12 +257,33 @@ def test_engine_errors_become_openai_errors(status: int, message: str,
      "length is only 2048 tokens. (parameter=input_tokens, value=2049)",
      "You passed 2049 input tokens and requested 1 output tokens. However, the model's context "
      "length is only 2048 tokens."),
+    # vLLM's own checks put the exception in ctx, which is no literal.
+    ("1 validation error:\n  {'type': 'value_error', 'loc': 'body.n', 'msg': 'Value error, n "
+     "must be at least 1, got 0. (parameter=n, value=0)', 'input': 0, 'ctx': {'error': "
+     "ValueError('n must be at least 1, got 0.')}}",
+     "Invalid request: n: Value error, n must be at least 1, got 0."),
+    ("1 validation error:\n  ...and 3 more errors", "Invalid request: ...and 3 more errors."),
+    ("1 validation error:\n  " + "[" * 3000 + "]" * 3000, None),  # too deep to read: as it is
+    ("1 validation error:", "1 validation error:"),
 ])
-def test_engine_refusals_read_as_a_person_would_write_them(message: str, readable: str) -> None:
+def test_engine_refusals_read_as_a_person_would_write_them(message: str,
+                                                           readable: str | None) -> None:
     body = orjson.dumps({"error": {"message": message, "type": "Bad Request",
                                    "param": "messages", "code": 400}})
 
-    assert from_engine(400, body).message == readable
+    shown = from_engine(400, body).message
+
+    assert shown == readable if readable else len(shown) <= LONGEST_MESSAGE + 100
+
+
+def test_a_long_engine_message_is_cut_before_it_is_read() -> None:
+    # A request's own text echoed back, spaces and all: what is read is bounded.
+    message = "bad key 'x" + " " * 400_000 + "' (parameter=logit_bias"
+    body = orjson.dumps({"error": {"message": message, "code": 400}})
+
+    shown = from_engine(400, body).message
+
+    assert len(shown) == LONGEST_MESSAGE + 1 and shown.endswith("…")
 
 
 def test_an_engine_error_that_is_not_json_still_has_a_message() -> None:
