@@ -19,12 +19,14 @@ from billing.models import (
     GPUPrice,
     Invoice,
     InvoiceLine,
+    RollupState,
     StripeEvent,
     TokenHour,
     TokenPrice,
     UsageRecord,
 )
 from billing.rollup import do_write_down_list_prices
+from billing.selectors import RollupLag, rollup_lag
 from endpoints.models import Endpoint
 from kvrun.paginators import BoundedCountPaginator
 
@@ -140,6 +142,49 @@ class GPUHourAdmin(RollupAdmin):
     list_display = ["hour", "organization", "endpoint", "gpu_type", "phase", "gpu_seconds"]
     list_filter = ["hour", "phase", "gpu_type"]
     list_select_related = ["organization", "endpoint", "gpu_type"]
+
+
+@admin.register(RollupState)
+class RollupStateAdmin(LedgerAdmin):
+    """How far the token rollup lags behind the ledger, and the size of its batches: one row,
+    written by the rollup alone."""
+
+    list_display = ["batches", "stale_hours", "oldest_stale_hour", "lag", "timed_out_at",
+                    "timeout_reason"]
+    list_display_links = None
+    fields = ["batch_hours", "timed_out_at", "timeout_reason"]
+    readonly_fields = fields
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None
+                        ) -> object:
+        # The row the rollup writes, there before its first run: the lag is shown from the
+        # first visit.
+        RollupState.objects.get_or_create(id=1)
+        return super().changelist_view(request, extra_context)
+
+    @staticmethod
+    def lag_of(state: RollupState) -> RollupLag:
+        """Read once per row shown (there is one), kept on the row."""
+        if not hasattr(state, "lag"):
+            state.lag = rollup_lag()
+        return state.lag
+
+    @admin.display(description="batch size")
+    def batches(self, state: RollupState) -> str:
+        return f"{state.batch_hours:,} stale hours"
+
+    @admin.display(description="stale hours")
+    def stale_hours(self, state: RollupState) -> str:
+        return f"{self.lag_of(state).stale_hours:,}"
+
+    @admin.display(description="oldest stale hour")
+    def oldest_stale_hour(self, state: RollupState) -> str:
+        oldest = self.lag_of(state).oldest_hour
+        return f"{oldest:%Y-%m-%d %H:00} UTC" if oldest else "none"
+
+    @admin.display(description="longest wait")
+    def lag(self, state: RollupState) -> str:
+        return f"{self.lag_of(state).lag_seconds():,.0f} s"
 
 
 class PriceAdmin(admin.ModelAdmin):

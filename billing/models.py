@@ -47,6 +47,8 @@ class UsageRecord(models.Model):
         indexes = [
             models.Index(fields=["organization", "started_at"]),
             models.Index(fields=["endpoint", "started_at"]),
+            # The rollup reads an hour of every endpoint at once by it (billing.rollup).
+            models.Index(fields=["started_at"], name="billing_usage_started_at"),
         ]
 
     def __str__(self) -> str:
@@ -55,16 +57,43 @@ class UsageRecord(models.Model):
 
 class StaleUsageHour(models.Model):
     """An hour of an endpoint whose token rollup is behind its usage records: written with
-    the records (same transaction), taken and deleted by the rollup that brings it up to date."""
+    the records (same transaction), taken and deleted by the rollup that brings it up to date,
+    in the order of its key (hour, endpoint)."""
 
     endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.CASCADE,
                                  related_name="+")
     hour = models.DateTimeField()
-    marked_at = models.DateTimeField()
+    marked_at = models.DateTimeField(help_text="When the hour went stale: how long its "
+                                               "records have waited for the rollup.")
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["endpoint", "hour"],
-                                               name="billing_stale_usage_hour_unique")]
+        constraints = [models.UniqueConstraint(fields=["hour", "endpoint"],
+                                               name="billing_stale_usage_hour_key")]
+
+
+# The most stale hours one batch of the token rollup takes, and the fewest it falls back to.
+MAX_ROLLUP_BATCH_HOURS = 10_000
+MIN_ROLLUP_BATCH_HOURS = 100
+
+
+class RollupState(models.Model):
+    """How the token rollup takes its stale hours (billing.rollup), and why it last gave up:
+    one row. A batch that runs past the statement timeout halves the batch size for the runs
+    after it; a run whose every batch took under a quarter of the timeout doubles it back, up
+    to MAX_ROLLUP_BATCH_HOURS."""
+
+    batch_hours = models.PositiveIntegerField(default=MAX_ROLLUP_BATCH_HOURS,
+                                              help_text="Stale hours a batch takes at most.")
+    timed_out_at = models.DateTimeField(null=True, blank=True,
+                                        help_text="When a batch last ran past the timeout.")
+    timeout_reason = models.TextField(blank=True, help_text="What ran past it, and what "
+                                                            "the rollup did then.")
+
+    class Meta:
+        verbose_name = "rollup state"
+
+    def __str__(self) -> str:
+        return f"batches of {self.batch_hours:,} stale hours"
 
 
 class TokenHour(models.Model):

@@ -8,27 +8,56 @@ transaction that stores their records (StaleUsageHour). GPU hours are rewritten 
 before the latest line on: that covers every interval still open, and intervals closed late
 (a lost node's replicas close at its last heartbeat, up to a few minutes back); an hour is
 settled an hour after the latest line has moved past it.
+
+Stale hours are taken in batches, each in a transaction of its own that deletes their marks
+and rewrites their lines: a rollup stopped between two batches (a timeout, a worker killed)
+leaves every hour either wholly rolled up or still marked, and an ingest that marks an hour
+waits at most for the one batch that holds it. Every statement runs under a statement timeout
+(KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS); a batch that runs past it is rolled back, the reason
+is kept in RollupState, and later runs take half as many hours a batch.
+
+Every statement's cost is bounded whatever the planner's statistics say, because the tables
+they read are written in bulk exactly when a rollup has most to do (the first run after an
+upgrade, a backlog ingested, an outage), before autovacuum has analyzed them: statistics
+then may claim that a table holds a row or two when it holds hundreds of thousands (it was
+vacuumed nearly empty, after the last rollup took every mark), and a join planned on that
+claim is quadratic. So no statement joins a ledger table on the planner's choice:
+- the take walks the (hour, endpoint) key's index from where the last batch stopped, LIMIT a
+  batch: an index scan of one batch whatever the estimates, since the alternative is to read
+  and sort the whole table, whose size the planner takes from the file, not from statistics;
+- rows are deleted by `id = ANY(ARRAY(subquery))`: the array is built once, and each id is
+  found through the primary key;
+- records and old lines are read by LATERAL subqueries kept apart by OFFSET 0, each an index
+  range (an hour, or an endpoint's hour): as many index scans as hours, never a join the
+  planner could turn around;
+- the only joins are between this batch's temporary tables, created in its transaction and
+  never vacuumed, whose sizes the planner therefore takes from their files.
 """
 
+import logging
 import time
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from django.db import connection, transaction
+from django.conf import settings
+from django.db import OperationalError, connection, transaction
 from django.utils import timezone
+from psycopg.errors import QueryCanceled
 
-from billing.models import StaleUsageHour
+from billing.models import MAX_ROLLUP_BATCH_HOURS, MIN_ROLLUP_BATCH_HOURS, RollupState
 
-# One run at a time across workers; another that finds it held leaves the work to it.
+logger = logging.getLogger(__name__)
+
+# Held by each batch's transaction and by the GPU rollup's: a finalisation that holds it
+# (lock_rollups) sees every hour either as a batch left it or as it was before the batch.
 ROLLUP_LOCK = zlib.crc32(b"kvrun.billing.rollup")
 GPU_SETTLE = timedelta(hours=1)
 # Where a GPU type's first price version starts: before anything kvrun can have billed.
 FIRST_PRICE_FROM = datetime(2000, 1, 1, tzinfo=UTC)
-# An index range scan per stale hour costs about as much as reading this many records in one
-# pass (measured on the embedded PostgreSQL: 40 µs against 0.35 µs a row).
-RECORDS_PER_INDEXED_HOUR = 100
+# Before every (hour, endpoint) key: where the first batch starts.
+FIRST_KEY = (datetime.min.replace(tzinfo=UTC), "00000000-0000-0000-0000-000000000000")
 
 
 @dataclass(frozen=True)
@@ -37,38 +66,46 @@ class Rollup:
     gpu_hours: int  # lines written
     token_seconds: float  # how long each part took
     gpu_seconds: float
+    batches: int  # transactions that rewrote token hours
+    complete: bool  # False when a batch ran past the timeout or another run took over
 
 
 def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
-    """Bring TokenHour and GPUHour up to date with the ledger as of `now`, in one transaction.
+    """Bring TokenHour and GPUHour up to date with the ledger as of `now`.
 
-    Open intervals count until `now` (by default, now), so the current hour's lines grow from
-    run to run. Lines written are stamped with the database's time once the lock is held, so
-    a finalised invoice sees every line stamped before it (lock_rollups).
-    Returns None, doing nothing, when another run or a finalisation holds the lock: the totals
-    are the same.
+    Stale token hours are taken in batches of RollupState.batch_hours, each committed on its
+    own; then the GPU hours are rewritten in one transaction. Open intervals count until
+    `now` (by default, now), so the current hour's lines grow from run to run. Lines are
+    stamped with the database's time once their transaction holds the rollup lock, so a
+    finalised invoice sees every line stamped before it (lock_rollups).
+    Returns None, doing nothing, when another run or a finalisation holds the lock at the
+    start: the totals are the same. A later batch that finds it held, or that runs past the
+    statement timeout, ends the token part there (`complete` is False); the hours it did not
+    take stay marked for the next run.
     """
-    with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ROLLUP_LOCK])
-        if not cursor.fetchone()[0]:
-            return None
-        # A first run, or one after a long stop, aggregates millions of rows: in memory.
-        cursor.execute("SET LOCAL work_mem = '256MB'")
-        started = _database_time(cursor)
-        do_write_down_list_prices()
-        clock = time.perf_counter()
-        token_hours = _roll_up_tokens(cursor, started)
-        tokens_done = time.perf_counter()
-        gpu_hours = _roll_up_gpu_time(cursor, now or timezone.now(), started)
-        return Rollup(token_hours=token_hours, gpu_hours=gpu_hours,
-                      token_seconds=tokens_done - clock,
-                      gpu_seconds=time.perf_counter() - tokens_done)
+    state, _ = RollupState.objects.get_or_create(id=1)
+    clock = time.perf_counter()
+    tokens = _roll_up_tokens(batch=state.batch_hours)
+    if tokens.batches == 0 and not tokens.complete:
+        return None
+    tokens_done = time.perf_counter()
+    gpu_hours = _roll_up_gpu_time(now or timezone.now())
+    timeout = settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS
+    if (tokens.complete and state.batch_hours < MAX_ROLLUP_BATCH_HOURS
+            and tokens.slowest_batch_seconds < timeout / 4):
+        # Room for twice as many: each batch took under a quarter of the timeout.
+        RollupState.objects.filter(id=1).update(
+            batch_hours=min(MAX_ROLLUP_BATCH_HOURS, state.batch_hours * 2))
+    return Rollup(token_hours=tokens.hours, gpu_hours=gpu_hours or 0,
+                  token_seconds=tokens_done - clock,
+                  gpu_seconds=time.perf_counter() - tokens_done,
+                  batches=tokens.batches, complete=tokens.complete and gpu_hours is not None)
 
 
 def lock_rollups() -> datetime:
-    """Wait for a running rollup, then keep rollups out until the current transaction ends.
-    Returns the time then, as rollups stamp their lines: by the database's clock, the one
-    clock every worker shares."""
+    """Wait for a running rollup transaction, then keep rollups out until the current
+    transaction ends. Returns the time then, as rollups stamp their lines: by the database's
+    clock, the one clock every worker shares."""
     with connection.cursor() as cursor:
         cursor.execute("SELECT pg_advisory_xact_lock(%s)", [ROLLUP_LOCK])
         return _database_time(cursor)
@@ -81,14 +118,23 @@ def _database_time(cursor: object) -> datetime:
 
 def mark_stale_hours(*, records: Iterable[tuple[object, datetime]]) -> None:
     """Mark the hours of (endpoint id, started_at) records for the next token rollup. Call it
-    in the transaction that stores them: the upsert waits for a rollup that is rewriting the
-    hour, so records it could not see are rolled up by the next one."""
-    hours = sorted({(endpoint_id, hour_of(started_at))
-                    for endpoint_id, started_at in records})
-    StaleUsageHour.objects.bulk_create(
-        [StaleUsageHour(endpoint_id=endpoint_id, hour=hour, marked_at=timezone.now())
-         for endpoint_id, hour in hours],
-        update_conflicts=True, unique_fields=["endpoint", "hour"], update_fields=["marked_at"])
+    in the transaction that stores them. An hour already marked keeps its mark's time (how
+    long it has waited, the rollup's lag) but is locked all the same: the rollup skips it
+    until this transaction ends, and the upsert waits for a batch that is rewriting the hour,
+    so records it could not see are rolled up by the next one. In key order, so that two
+    ingests lock their hours in one order."""
+    hours = sorted({(hour_of(started_at), endpoint_id) for endpoint_id, started_at in records})
+    if not hours:
+        return
+    starts, endpoint_ids = zip(*hours, strict=True)
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO billing_staleusagehour (endpoint_id, hour, marked_at)
+            SELECT endpoint_id, hour, statement_timestamp()
+            FROM unnest(%s::uuid[], %s::timestamptz[]) AS marked(endpoint_id, hour)
+            ON CONFLICT (endpoint_id, hour)
+            DO UPDATE SET marked_at = billing_staleusagehour.marked_at""",
+                       [list(endpoint_ids), list(starts)])
 
 
 def hour_of(moment: datetime) -> datetime:
@@ -96,65 +142,181 @@ def hour_of(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
-# The lines of the stale hours, in the columns of billing_tokenhour. `date_bin` from a UTC
-# midnight gives the UTC hour as `date_trunc('hour', started_at, 'UTC')` does, by arithmetic
-# alone: a third faster over a million records.
-LINE_COLUMNS = """record.organization_id, record.endpoint_id, record.api_key_id, count(*),
-    sum(record.prompt_tokens), sum(record.completion_tokens), sum(record.cached_tokens)"""
-# Every record is grouped into its line, and the lines of stale hours are kept: one pass over
-# the records, and a join of lines with hours rather than of each record.
-HASHED_LINES = f"""
-    SELECT line.* FROM (
-        SELECT date_bin('1 hour', started_at, '2000-01-01 00:00+00') AS hour, {LINE_COLUMNS}
-        FROM billing_usagerecord AS record GROUP BY 1, 2, 3, 4
-    ) AS line
-    WHERE (line.endpoint_id, line.hour) IN (SELECT endpoint_id, hour FROM stale)"""
-# Each stale hour's records by a range of the (endpoint, started_at) index. OFFSET 0 keeps
-# PostgreSQL from flattening the subquery into a join it would plan itself.
-INDEXED_LINES = f"""
-    SELECT stale.hour, {LINE_COLUMNS}
-    FROM stale CROSS JOIN LATERAL (
-        SELECT * FROM billing_usagerecord
-        WHERE endpoint_id = stale.endpoint_id
-          AND started_at >= stale.hour AND started_at < stale.hour + interval '1 hour'
-        OFFSET 0
+@dataclass(frozen=True)
+class _TokenRollup:
+    hours: int
+    batches: int
+    complete: bool
+    slowest_batch_seconds: float
+
+
+def _roll_up_tokens(*, batch: int) -> _TokenRollup:
+    """Take and rewrite stale hours, a batch at a time, until none is left after the last
+    key taken, the lock is found held, or a batch runs past the statement timeout."""
+    after, hours, batches, slowest = FIRST_KEY, 0, 0, 0.0
+    while True:
+        started = time.perf_counter()
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                if not _take_lock(cursor):
+                    return _TokenRollup(hours, batches, False, slowest)
+                taken, after = _roll_up_token_batch(cursor, after=after, batch=batch)
+        except OperationalError as exc:
+            if not isinstance(exc.__cause__, QueryCanceled):
+                raise
+            smaller = max(MIN_ROLLUP_BATCH_HOURS, batch // 2)
+            _record_timeout(f"A batch of up to {batch:,} stale hours ran past the statement "
+                            f"timeout and was rolled back ({str(exc).strip()}); the next runs "
+                            f"take batches of {smaller:,}.", batch_hours=smaller)
+            return _TokenRollup(hours, batches, False, slowest)
+        slowest = max(slowest, time.perf_counter() - started)
+        if not taken:
+            return _TokenRollup(hours, batches, True, slowest)
+        hours, batches = hours + taken, batches + 1
+        if taken < batch:
+            return _TokenRollup(hours, batches, True, slowest)
+
+
+def _take_lock(cursor: object) -> bool:
+    """The rollup lock for this transaction, and its bounds: a statement timeout, and memory
+    enough to aggregate a batch's records in one hash."""
+    cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ROLLUP_LOCK])
+    if not cursor.fetchone()[0]:
+        return False
+    timeout_ms = round(settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS * 1000)
+    cursor.execute(f"SET LOCAL statement_timeout = {timeout_ms:d}")
+    cursor.execute("SET LOCAL work_mem = '256MB'")
+    return True
+
+
+def _record_timeout(reason: str, *, batch_hours: int | None = None) -> None:
+    """Log and keep why a rollup transaction was rolled back, and the batch size from now."""
+    timeout = settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS
+    reason = f"{reason} (statement timeout: {timeout:g} s)"
+    logger.error("billing rollup: %s", reason)
+    changes = {"timed_out_at": timezone.now(), "timeout_reason": reason}
+    if batch_hours is not None:
+        changes["batch_hours"] = batch_hours
+    RollupState.objects.filter(id=1).update(**changes)
+
+
+# The next batch of marks after key (%(hour)s, %(endpoint)s), taken (deleted) into `stale`.
+# Marks an ingest holds are skipped: they wait for the next run.
+TAKE = """
+    WITH taken AS (
+        DELETE FROM billing_staleusagehour WHERE id = ANY(ARRAY(
+            SELECT id FROM billing_staleusagehour
+            WHERE (hour, endpoint_id) > (%(hour)s::timestamptz, %(endpoint)s::uuid)
+            ORDER BY hour, endpoint_id
+            LIMIT %(batch)s
+            FOR UPDATE SKIP LOCKED))
+        RETURNING endpoint_id, hour)
+    INSERT INTO stale SELECT endpoint_id, hour FROM taken"""
+# Each hour of the batch is read whole, by time, where more than half of the endpoints it has
+# lines for are stale in it (a first run has no lines; the current hour is stale for nearly
+# every endpoint with records in it), and otherwise endpoint by endpoint: a few late records
+# must not cost a whole hour's. Lines count endpoints without statistics, by the hour's index.
+HOURS = """
+    INSERT INTO stale_hour (hour, stale, lined)
+    SELECT hour, count(*), (SELECT count(DISTINCT endpoint_id) FROM billing_tokenhour
+                            WHERE hour = stale.hour)
+    FROM stale GROUP BY hour"""
+# The batch's records, grouped into lines, in the columns of billing_tokenhour; lines of a
+# whole hour include endpoints that are not stale, dropped when they are written. `date_bin`
+# from a UTC midnight gives the UTC hour as `date_trunc('hour', started_at, 'UTC')` does, by
+# arithmetic alone: a third faster over a million records.
+LINES = """
+    INSERT INTO fresh_line
+    SELECT date_bin('1 hour', record.started_at, '2000-01-01 00:00+00'),
+           record.organization_id, record.endpoint_id, record.api_key_id, count(*),
+           sum(record.prompt_tokens), sum(record.completion_tokens), sum(record.cached_tokens)
+    FROM (
+        SELECT record.* FROM stale_hour CROSS JOIN LATERAL (
+            SELECT * FROM billing_usagerecord
+            WHERE started_at >= stale_hour.hour
+              AND started_at < stale_hour.hour + interval '1 hour'
+            OFFSET 0) AS record
+        WHERE stale_hour.stale * 2 > stale_hour.lined
+        UNION ALL
+        SELECT record.* FROM stale JOIN stale_hour USING (hour) CROSS JOIN LATERAL (
+            SELECT * FROM billing_usagerecord
+            WHERE endpoint_id = stale.endpoint_id
+              AND started_at >= stale.hour AND started_at < stale.hour + interval '1 hour'
+            OFFSET 0) AS record
+        WHERE stale_hour.stale * 2 <= stale_hour.lined
     ) AS record
     GROUP BY 1, 2, 3, 4"""
 
 
-def _roll_up_tokens(cursor: object, started: datetime) -> int:
-    # The stale hours move into a table of this transaction, never through Python: a first
-    # run takes tens of thousands. Hours whose marks an ingest still holds wait for the next.
-    cursor.execute("CREATE TEMPORARY TABLE stale (endpoint_id uuid, hour timestamptz) "
-                   "ON COMMIT DROP")
+def _roll_up_token_batch(cursor: object, *, after: tuple, batch: int
+                         ) -> tuple[int, tuple]:
+    """Take the next `batch` stale hours after key `after` and rewrite their lines. Returns
+    how many it took and the last key taken."""
+    # Dropped at the end, not only at commit: a rollup inside an outer transaction (a test's)
+    # runs its batches as savepoints of that one transaction. A batch that fails is rolled
+    # back, and its tables with it.
     cursor.execute("""
-        WITH taken AS (
-            DELETE FROM billing_staleusagehour WHERE id IN (
-                SELECT id FROM billing_staleusagehour FOR UPDATE SKIP LOCKED)
-            RETURNING endpoint_id, hour)
-        INSERT INTO stale SELECT endpoint_id, hour FROM taken""")
-    stale = cursor.rowcount
+        CREATE TEMPORARY TABLE stale (endpoint_id uuid, hour timestamptz) ON COMMIT DROP;
+        CREATE TEMPORARY TABLE stale_hour (hour timestamptz, stale bigint, lined bigint)
+            ON COMMIT DROP;
+        CREATE TEMPORARY TABLE fresh_line (hour timestamptz, organization_id uuid,
+            endpoint_id uuid, api_key_id uuid, requests bigint, prompt_tokens bigint,
+            completion_tokens bigint, cached_tokens bigint) ON COMMIT DROP""")
+    taken = _rewrite_token_hours(cursor, after=after, batch=batch)
+    cursor.execute("DROP TABLE stale, stale_hour, fresh_line")
+    return taken
+
+
+def _rewrite_token_hours(cursor: object, *, after: tuple, batch: int) -> tuple[int, tuple]:
+    """The batch in the temporary tables. Every join is between tables of this batch, or a
+    LATERAL lookup through an index."""
+    stamp = _database_time(cursor)
+    cursor.execute(TAKE, {"hour": after[0], "endpoint": after[1], "batch": batch})
+    taken = cursor.rowcount
+    if not taken:
+        return 0, after
     cursor.execute("ANALYZE stale")
+    cursor.execute("SELECT hour, endpoint_id FROM stale ORDER BY hour DESC, endpoint_id DESC "
+                   "LIMIT 1")
+    last = cursor.fetchone()
+    cursor.execute(HOURS)
+    cursor.execute("ANALYZE stale_hour")
     cursor.execute("""
-        DELETE FROM billing_tokenhour line USING stale
-        WHERE line.endpoint_id = stale.endpoint_id AND line.hour = stale.hour""")
-    # Many stale hours (a first run, a backlog) are best rolled up in one pass over the
-    # records; a few, each by its own range of the index, so that the work stays that of the
-    # new activity. Both shapes are written out: PostgreSQL's estimates for a join on a time
-    # range pick the wrong one either way.
-    cursor.execute("SELECT reltuples FROM pg_class WHERE oid = 'billing_usagerecord'::regclass")
-    hashed = stale * RECORDS_PER_INDEXED_HOUR > cursor.fetchone()[0]
-    cursor.execute(f"""
+        DELETE FROM billing_tokenhour WHERE id = ANY(ARRAY(
+            SELECT line.id FROM stale JOIN stale_hour USING (hour) CROSS JOIN LATERAL (
+                SELECT id FROM billing_tokenhour
+                WHERE endpoint_id = stale.endpoint_id AND hour = stale.hour
+                OFFSET 0) AS line
+            WHERE stale_hour.lined > 0))""")
+    cursor.execute(LINES)
+    # In key order: each index of the lines is then written at a few places at a time.
+    cursor.execute("""
         INSERT INTO billing_tokenhour (hour, organization_id, endpoint_id, api_key_id, requests,
                                        prompt_tokens, completion_tokens, cached_tokens,
                                        rolled_up_at)
-        SELECT line.*, %s FROM ({HASHED_LINES if hashed else INDEXED_LINES}) AS line""",
-                   [started])
-    cursor.execute("DROP TABLE stale")  # a second run in one transaction makes its own
-    return stale
+        SELECT line.*, %s FROM fresh_line line JOIN stale USING (endpoint_id, hour)
+        ORDER BY line.hour, line.endpoint_id""", [stamp])
+    return taken, last
 
 
-def _roll_up_gpu_time(cursor: object, now: datetime, started: datetime) -> int:
+def _roll_up_gpu_time(now: datetime) -> int | None:
+    """Rewrite the GPU hours from an hour before the latest line on, in one transaction;
+    None when the lock is held or the statement timeout passed (rolled back, logged)."""
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            if not _take_lock(cursor):
+                return None
+            do_write_down_list_prices()
+            return _rewrite_gpu_hours(cursor, now=now, stamp=_database_time(cursor))
+    except OperationalError as exc:
+        if not isinstance(exc.__cause__, QueryCanceled):
+            raise
+        _record_timeout(f"The GPU-hour rollup ran past the statement timeout and was rolled "
+                        f"back ({str(exc).strip()}); the next run tries again.")
+        return None
+
+
+def _rewrite_gpu_hours(cursor: object, *, now: datetime, stamp: datetime) -> int:
     cursor.execute("SELECT max(hour) FROM billing_gpuhour")
     latest = cursor.fetchone()[0]
     since = (min(latest, now) - GPU_SETTLE if latest is not None
@@ -184,7 +346,8 @@ def _roll_up_gpu_time(cursor: object, now: datetime, started: datetime) -> int:
                %(started)s
         FROM piece
         GROUP BY hour, organization_id, endpoint_id, gpu_type_id, phase
-        HAVING sum(gpu_seconds) > 0""", {"now": now, "since": since, "started": started})
+        HAVING sum(gpu_seconds) > 0
+        ORDER BY hour, endpoint_id""", {"now": now, "since": since, "started": stamp})
     return cursor.rowcount
 
 

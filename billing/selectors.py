@@ -1,5 +1,5 @@
-"""Reads over the billing ledger for the dashboard and the API: usage totals and series,
-invoices and what is behind their lines."""
+"""Reads over the billing ledger for the dashboard, the API and the console: usage totals and
+series, invoices and what is behind their lines, and how far the rollup lags."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -8,7 +8,7 @@ from decimal import Decimal
 from uuid import UUID
 
 from django.db import connection
-from django.db.models import Aggregate, Count, F, FloatField, Prefetch, Q, QuerySet, Sum
+from django.db.models import Aggregate, Count, F, FloatField, Min, Prefetch, Q, QuerySet, Sum
 from django.db.models.functions import Coalesce, TruncDate, TruncMinute
 from django.utils import timezone
 
@@ -22,7 +22,16 @@ from billing.invoicing import (
     month_bounds,
     month_of,
 )
-from billing.models import GPUHour, Invoice, InvoiceLine, LineKind, TokenHour, UsageRecord
+from billing.models import (
+    GPUHour,
+    Invoice,
+    InvoiceLine,
+    LineKind,
+    RollupState,
+    StaleUsageHour,
+    TokenHour,
+    UsageRecord,
+)
 from billing.rollup import hour_of
 from endpoints.models import ReplicaInterval
 
@@ -284,3 +293,32 @@ def daily_usage(*, organization: Organization, days: int = 30, now: datetime | N
                        "prompt_tokens": row.get("prompt", 0) or 0,
                        "completion_tokens": row.get("completion", 0) or 0})
     return series
+
+
+@dataclass(frozen=True)
+class RollupLag:
+    """How far the token rollup is behind the ledger, and how it takes its batches."""
+
+    stale_hours: int  # endpoint-hours with records not yet rolled up
+    oldest_hour: datetime | None  # the earliest of those hours
+    waiting_since: datetime | None  # when the longest-waiting of them went stale
+    batch_hours: int
+    timed_out_at: datetime | None
+    timeout_reason: str
+
+    def lag_seconds(self, *, now: datetime | None = None) -> float:
+        """How long the longest-waiting stale hour has waited; 0 when none waits."""
+        if self.waiting_since is None:
+            return 0.0
+        return max(0.0, ((now or timezone.now()) - self.waiting_since).total_seconds())
+
+
+def rollup_lag() -> RollupLag:
+    """One pass over the stale marks (a few hundred in steady state; a backlog's hundreds of
+    thousands take some tens of milliseconds)."""
+    marks = StaleUsageHour.objects.aggregate(count=Count("id"), oldest=Min("hour"),
+                                             since=Min("marked_at"))
+    state = RollupState.objects.filter(id=1).first() or RollupState()
+    return RollupLag(stale_hours=marks["count"], oldest_hour=marks["oldest"],
+                     waiting_since=marks["since"], batch_hours=state.batch_hours,
+                     timed_out_at=state.timed_out_at, timeout_reason=state.timeout_reason)

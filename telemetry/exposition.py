@@ -1,6 +1,7 @@
 """kvrun's own Prometheus exposition, at /metrics: what this process keeps (the gateway's
 latency histograms and request counts, Python's own), per-endpoint and per-replica figures
-from the engines' latest samples, and how far usage ingestion lags behind the gateways.
+from the engines' latest samples, how far usage ingestion lags behind the gateways, and how
+far the billing rollup lags behind the ledger.
 
 Engine counters are exposed per replica, as the engines keep them, so that `rate()` sees a
 restart as a reset of one series; gauges are summed (requests) or maxed (cache usage) per
@@ -17,6 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.exceptions import RedisError
 
+from billing.selectors import rollup_lag
 from billing.usage_stream import STREAM
 from kvrun.redis import redis_client
 
@@ -71,6 +73,7 @@ class EngineCollector:
             replicas.add_metric(list(labels), len(states))
         yield from (usage, running, waiting, replicas, *counters.values())
         yield from _ingestion()
+        yield from _rollup()
 
 
 def _ingestion() -> Iterator[Metric]:
@@ -89,6 +92,23 @@ def _ingestion() -> Iterator[Metric]:
                             "Usage records waiting in Redis for the worker.", value=length)
     yield GaugeMetricFamily("kvrun_usage_ingestion_lag_seconds",
                             "How long the oldest waiting usage record has waited.", value=lag)
+
+
+def _rollup() -> Iterator[Metric]:
+    """The token rollup's backlog: endpoint-hours whose records are not in the hourly lines."""
+    lag = rollup_lag()
+    yield GaugeMetricFamily("kvrun_billing_stale_hours",
+                            "Endpoint-hours with usage records not yet rolled up.",
+                            value=lag.stale_hours)
+    yield GaugeMetricFamily("kvrun_billing_rollup_lag_seconds",
+                            "How long the longest-waiting stale hour has waited for the "
+                            "rollup.", value=lag.lag_seconds())
+    yield GaugeMetricFamily("kvrun_billing_oldest_stale_hour_timestamp_seconds",
+                            "The start of the earliest stale hour (Unix time); 0 when none.",
+                            value=lag.oldest_hour.timestamp() if lag.oldest_hour else 0)
+    yield GaugeMetricFamily("kvrun_billing_rollup_batch_hours",
+                            "Stale hours the rollup takes a batch (halved after a timeout).",
+                            value=lag.batch_hours)
 
 
 def exposition() -> bytes:

@@ -14,12 +14,12 @@ from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from tests.factories import usage_report
 
 
-def demo_endpoint(org: Organization) -> Endpoint:
+def demo_endpoint(org: Organization, *, name: str = "chat") -> Endpoint:
     """An endpoint of the demo model on the CPU, as created, without the reconciler pass a
     create asks for: these tests move its replicas themselves, and a control worker running
     for other tests of the session must not move them too."""
     return Endpoint.objects.create(
-        organization=org, name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        organization=org, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
         context_length=2048, concurrency=4, gpu_type=GPUType.objects.get(slug="cpu"),
         gpu_count=1, hourly_price_usd=GPUType.objects.get(slug="cpu").hourly_price_usd)
 

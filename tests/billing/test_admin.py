@@ -11,7 +11,7 @@ from django.utils import timezone
 
 from accounts.models import APIKey, Organization
 from accounts.services import do_create_invite
-from billing.models import GPUHour, TokenHour, UsageRecord
+from billing.models import GPUHour, RollupState, TokenHour, UsageRecord
 from billing.rollup import do_roll_up_usage
 from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
@@ -195,3 +195,32 @@ def test_hourly_lines_are_listed_and_cannot_be_changed(operator: Client, endpoin
     assert operator.get(f"{url}add/").status_code == 403
     assert operator.post(f"{url}{line.id}/delete/", {"post": "yes"}).status_code == 403
     assert model.objects.filter(id=line.id).exists()
+
+
+def test_the_console_shows_how_far_the_rollup_lags_and_why_it_last_gave_up(
+        operator: Client, endpoint: Endpoint) -> None:
+    key, _ = inference_key(endpoint.organization)
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=5)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=hour + timedelta(hours=n)
+                                           ).encode() for n in range(3)])
+    RollupState.objects.create(id=1, batch_hours=2_500, timed_out_at=timezone.now(),
+                               timeout_reason="A batch of up to 5,000 stale hours ran past "
+                                              "the statement timeout")
+
+    page = operator.get("/admin/billing/rollupstate/")
+
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "2,500 stale hours" in text  # the batch size
+    assert f"{hour:%Y-%m-%d %H:00} UTC" in text  # the oldest stale hour
+    assert ">3<" in text  # stale hours
+    assert "ran past the statement timeout" in text
+    assert operator.get("/admin/billing/rollupstate/1/delete/").status_code == 403
+    assert RollupState.objects.get().batch_hours == 2_500
+
+
+def test_the_console_shows_the_rollup_before_its_first_run(operator: Client) -> None:
+    page = operator.get("/admin/billing/rollupstate/")
+
+    assert page.status_code == 200 and "10,000 stale hours" in page.content.decode()
+    assert RollupState.objects.get().batch_hours == 10_000

@@ -1,6 +1,7 @@
 """GPU time and tokens rolled up into hourly lines: exact to the microsecond, split at every
 hour, unchanged by a transition, record or run delivered twice."""
 
+import math
 import threading
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -9,14 +10,20 @@ import pytest
 import time_machine
 from django.db import connection, transaction
 from django.db.models import Sum
-from django.test.utils import CaptureQueriesContext
 
-from accounts.models import Organization
-from billing.models import GPUHour, StaleUsageHour, TokenHour, UsageRecord
-from billing.rollup import do_roll_up_usage
+from accounts.models import APIKey, Organization
+from billing.models import (
+    MAX_ROLLUP_BATCH_HOURS,
+    GPUHour,
+    RollupState,
+    StaleUsageHour,
+    TokenHour,
+    UsageRecord,
+)
+from billing.rollup import FIRST_KEY, TAKE, do_roll_up_usage, hour_of
 from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Node, NodeState, Replica, State
+from endpoints.models import Endpoint, Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint
 from tests.billing.helpers import demo_endpoint, run_replica
 from tests.factories import inference_key, usage_report
@@ -158,32 +165,200 @@ def test_records_of_an_hour_already_rolled_up_are_added_to_it(
     assert UsageRecord.objects.count() == 2
 
 
-@pytest.mark.parametrize(("shape", "records_per_indexed_hour", "marker"),
-                         [("one pass", 10**12, "date_bin"), ("by index", 0, "LATERAL")])
-def test_either_shape_of_the_token_rollup_writes_the_lines_of_the_records(
-        replica: Replica, org: Organization, monkeypatch: pytest.MonkeyPatch, shape: str,
-        records_per_indexed_hour: int, marker: str) -> None:
-    first, second = inference_key(org)[0], inference_key(org)[0]
-    endpoint = replica.endpoint
-    hour = datetime(2026, 1, 31, 23, tzinfo=UTC)
-    moments = {first: [hour - timedelta(microseconds=1), hour, hour + timedelta(minutes=59)],
-               second: [hour + timedelta(minutes=59, seconds=59, microseconds=999_999),
-                        hour + timedelta(hours=1)]}
+def line_of(endpoint: Endpoint, hour: datetime) -> tuple:
+    line = TokenHour.objects.get(endpoint=endpoint, hour=hour)
+    return line.requests, line.prompt_tokens, line.rolled_up_at
+
+
+@pytest.fixture
+def key(org: Organization) -> APIKey:
+    return inference_key(org)[0]
+
+
+@pytest.fixture
+def three_endpoints(cpu_node: Node, org: Organization, key: APIKey) -> list[Endpoint]:
+    """Three endpoints of one organisation, each with one record in the hour from T0 - 30
+    minutes, rolled up."""
+    endpoints = [demo_endpoint(org, name=name) for name in ("a", "b", "c")]
+    for endpoint in endpoints:
+        Replica.objects.create(endpoint=endpoint)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=T0).encode()
+                              for endpoint in endpoints])
+    do_roll_up_usage(now=T0 + timedelta(minutes=20))
+    return endpoints
+
+
+def test_a_late_record_in_an_hour_others_have_rolled_up_is_added_and_theirs_stay(
+        three_endpoints: list[Endpoint], key: APIKey) -> None:
+    # One of three endpoints stale in the hour: read endpoint by endpoint.
+    first, *others = three_endpoints
+    hour = hour_of(T0)
+    before = [line_of(endpoint, hour) for endpoint in others]
+    do_record_usage(payloads=[usage_report(first, key, started_at=moment,
+                                           prompt_tokens=100).encode()
+                              for moment in (hour, hour + timedelta(minutes=59, seconds=59,
+                                                                    microseconds=999_999),
+                                             hour + timedelta(hours=1))])
+    do_roll_up_usage(now=T0 + timedelta(hours=2))
+
+    assert line_of(first, hour)[:2] == (3, 207)
+    assert line_of(first, hour + timedelta(hours=1))[:2] == (1, 100)
+    assert [line_of(endpoint, hour) for endpoint in others] == before
+
+
+def test_an_hour_stale_for_most_endpoints_is_rewritten_and_the_others_stay(
+        three_endpoints: list[Endpoint], key: APIKey) -> None:
+    # Two of three endpoints stale in the hour: the hour is read whole, by time.
+    *stale, kept = three_endpoints
+    hour = hour_of(T0)
+    before = line_of(kept, hour)
     do_record_usage(payloads=[usage_report(endpoint, key, started_at=moment).encode()
-                              for key, keyed in moments.items() for moment in keyed])
-    with connection.cursor() as cursor:  # so that reltuples counts the records
-        cursor.execute("ANALYZE billing_usagerecord")
-    monkeypatch.setattr("billing.rollup.RECORDS_PER_INDEXED_HOUR", records_per_indexed_hour)
+                              for endpoint in stale
+                              for moment in (hour - timedelta(microseconds=1), hour)])
+    do_roll_up_usage(now=T0 + timedelta(hours=2))
 
-    with CaptureQueriesContext(connection) as queries:
-        do_roll_up_usage(now=hour + timedelta(hours=2))
+    assert [line_of(endpoint, hour)[:2] for endpoint in stale] == [(2, 14), (2, 14)]
+    assert [line_of(endpoint, hour - timedelta(hours=1))[:2] for endpoint in stale] == [
+        (1, 7), (1, 7)]
+    assert line_of(kept, hour) == before
+    assert not StaleUsageHour.objects.exists()
 
-    assert any(marker in query["sql"] and "billing_tokenhour" in query["sql"]
-               for query in queries), f"the {shape} shape did not run"
-    lines = set(TokenHour.objects.values_list("hour", "api_key_id", "requests",
-                                              "prompt_tokens"))
-    assert lines == {(hour - timedelta(hours=1), first.id, 1, 7), (hour, first.id, 2, 14),
-                     (hour, second.id, 1, 7), (hour + timedelta(hours=1), second.id, 1, 7)}
+
+def test_an_hour_marked_again_keeps_the_time_it_went_stale(
+        replica: Replica, org: Organization) -> None:
+    key, _ = inference_key(org)
+    do_record_usage(payloads=[usage_report(replica.endpoint, key, started_at=T0).encode()])
+    marked = StaleUsageHour.objects.get().marked_at
+    do_record_usage(payloads=[usage_report(replica.endpoint, key, started_at=T0).encode()])
+
+    assert StaleUsageHour.objects.get().marked_at == marked
+
+
+def mark_hours(endpoint: Endpoint, count: int, *, start: datetime) -> None:
+    """`count` stale hours of the endpoint from `start`, in SQL, as a backlog leaves them."""
+    with connection.cursor() as cursor:
+        cursor.execute("""
+            INSERT INTO billing_staleusagehour (endpoint_id, hour, marked_at)
+            SELECT %s, %s + g * interval '1 hour', now() FROM generate_series(0, %s - 1) g
+            ON CONFLICT DO NOTHING""", [endpoint.id, start, count])
+
+
+def take_plan() -> str:
+    """How PostgreSQL would take the first batch now."""
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute("CREATE TEMPORARY TABLE stale (endpoint_id uuid, hour timestamptz)")
+        cursor.execute("EXPLAIN " + TAKE, {"hour": FIRST_KEY[0], "endpoint": FIRST_KEY[1],
+                                           "batch": MAX_ROLLUP_BATCH_HOURS})
+        plan = "\n".join(row[0] for row in cursor.fetchall())
+        transaction.set_rollback(True)
+    return plan
+
+
+BACKLOG = 150_000
+BACKLOG_START = datetime(2009, 1, 1, tzinfo=UTC)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("statistics", ["none", "vacuumed nearly empty", "analyzed"])
+def test_a_backlog_of_150000_stale_hours_is_taken_in_bounded_time_whatever_the_statistics(
+        cpu_node: Node, org: Organization, settings: object, statistics: str) -> None:
+    """The first rollup after a burst of stale hours, before autovacuum has analyzed them.
+    "vacuumed nearly empty" is what a rollup that took every mark leaves once autovacuum has
+    vacuumed and not yet analyzed: the statistics say the table holds a row or two, and a
+    take planned on that claim as a join (the rollup before batches) ran for hours."""
+    endpoint = demo_endpoint(org)
+    Replica.objects.create(endpoint=endpoint)
+    key, _ = inference_key(org)
+    with connection.cursor() as cursor:
+        cursor.execute("ALTER TABLE billing_staleusagehour SET (autovacuum_enabled = false)")
+    try:
+        if statistics == "vacuumed nearly empty":
+            mark_hours(endpoint, BACKLOG, start=BACKLOG_START - timedelta(hours=BACKLOG))
+            last = StaleUsageHour.objects.latest("id").id
+            StaleUsageHour.objects.exclude(id=last).delete()
+            with connection.cursor() as cursor:
+                cursor.execute("VACUUM billing_staleusagehour")
+        mark_hours(endpoint, BACKLOG, start=BACKLOG_START)
+        if statistics == "analyzed":
+            with connection.cursor() as cursor:
+                cursor.execute("ANALYZE billing_staleusagehour")
+        stale = StaleUsageHour.objects.count()
+        late = BACKLOG_START + timedelta(hours=BACKLOG - 1, minutes=30)
+        do_record_usage(payloads=[usage_report(endpoint, key, started_at=moment).encode()
+                                  for moment in (BACKLOG_START, late, late)])
+        plan = take_plan()
+        settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS = 5
+        with connection.cursor() as cursor:
+            # A rollup that set no timeout of its own would meet this one.
+            cursor.execute("SET statement_timeout = '5s'")
+        try:
+            rollup = do_roll_up_usage(now=late + timedelta(hours=1))
+        finally:
+            with connection.cursor() as cursor:
+                cursor.execute("RESET statement_timeout")
+    finally:
+        with connection.cursor() as cursor:
+            cursor.execute("ALTER TABLE billing_staleusagehour RESET (autovacuum_enabled)")
+
+    assert "Seq Scan on billing_staleusagehour" not in plan
+    assert "Index Scan using billing_stale_usage_hour_key" in plan
+    assert rollup.complete and rollup.token_hours == stale
+    assert rollup.batches == math.ceil(stale / MAX_ROLLUP_BATCH_HOURS)
+    assert not StaleUsageHour.objects.exists()
+    assert sorted(TokenHour.objects.values_list("hour", "requests")) == [
+        (BACKLOG_START, 1), (hour_of(late), 2)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_batch_past_the_statement_timeout_is_undone_and_later_runs_take_smaller_batches(
+        cpu_node: Node, org: Organization, settings: object) -> None:
+    endpoint = demo_endpoint(org)
+    Replica.objects.create(endpoint=endpoint)
+    key, _ = inference_key(org)
+    hours = [T0 + timedelta(hours=n) for n in range(600)]
+    now = hours[-1] + timedelta(hours=1)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=hour).encode()
+                              for hour in hours])
+    do_roll_up_usage(now=now)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=hour).encode()
+                              for hour in hours])
+    RollupState.objects.filter(id=1).update(batch_hours=400)
+    settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS = 3
+    held, release = threading.Event(), threading.Event()
+
+    def hold_a_line_of_the_second_batch() -> None:
+        try:
+            with transaction.atomic():
+                TokenHour.objects.select_for_update().get(hour=hour_of(hours[450]))
+                held.set()
+                release.wait(30)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_a_line_of_the_second_batch)
+    holder.start()
+    try:
+        assert held.wait(10)
+        stopped = do_roll_up_usage(now=now)
+    finally:
+        release.set()
+        holder.join(30)
+    state = RollupState.objects.get()
+    requests = dict(TokenHour.objects.values_list("hour", "requests"))
+
+    assert (stopped.complete, stopped.batches, stopped.token_hours) == (False, 1, 400)
+    assert [requests[hour_of(hour)] for hour in hours] == [2] * 400 + [1] * 200
+    assert StaleUsageHour.objects.count() == 200
+    assert state.batch_hours == 200 and state.timed_out_at is not None
+    assert "ran past the statement timeout" in state.timeout_reason
+    assert "the next runs take batches of 200" in state.timeout_reason
+
+    resumed = do_roll_up_usage(now=now)
+
+    assert resumed.complete and resumed.token_hours == 200
+    assert set(TokenHour.objects.values_list("requests", flat=True)) == {2}
+    assert not StaleUsageHour.objects.exists()
+    assert RollupState.objects.get().batch_hours == 400  # quick batches: room for twice as many
 
 
 @pytest.mark.django_db(transaction=True)

@@ -7,10 +7,13 @@ from django.test import Client, override_settings
 from django.utils import timezone
 
 from accounts.models import Organization
+from billing.models import StaleUsageHour
+from billing.rollup import do_roll_up_usage
+from billing.services import do_record_usage
 from engine.metrics import EngineSnapshot
 from gateway import observed
 from telemetry.services import do_record_engine_samples
-from tests.factories import ready_endpoint
+from tests.factories import inference_key, ready_endpoint, usage_report
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.django_db
@@ -80,3 +83,30 @@ def test_the_grafana_dashboard_asks_only_for_exposed_metrics_and_rates_its_count
             assert name in exposed, f"{name} is not exposed"
             if name.endswith(("_total", "_bucket")):
                 assert f"rate({name}[" in query, f"{query}: counters only through rate()"
+
+
+def test_the_exposition_says_how_far_the_billing_rollup_lags(client: Client,
+                                                             org: Organization) -> None:
+    endpoint = ready_endpoint(org, "chat", ports=[41022])
+    key, _ = inference_key(org)
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=2)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=hour + timedelta(hours=n)
+                                           ).encode() for n in range(2)])
+    StaleUsageHour.objects.update(marked_at=timezone.now() - timedelta(minutes=10))
+
+    text = scrape(client)
+
+    assert gauge(text, "kvrun_billing_stale_hours") == 2
+    assert gauge(text, "kvrun_billing_oldest_stale_hour_timestamp_seconds") == hour.timestamp()
+    assert 600 <= gauge(text, "kvrun_billing_rollup_lag_seconds") < 660
+    assert gauge(text, "kvrun_billing_rollup_batch_hours") == 10_000
+
+    do_roll_up_usage()
+
+    text = scrape(client)
+    assert gauge(text, "kvrun_billing_stale_hours") == 0
+    assert gauge(text, "kvrun_billing_rollup_lag_seconds") == 0
+
+
+def gauge(text: str, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", text, re.M)[1])
