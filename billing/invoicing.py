@@ -6,6 +6,13 @@ A month's lines are computed, not stored, while it is open and through its grace
 Usage of a finalised month that is rolled up later is billed on the next invoice as
 adjustment lines: the difference between what that month's usage now comes to and what its
 invoices have billed, so the total billed for a month always converges on what it used.
+
+Unlike the rollup's stale marks, the tables read here only grow (lines are rewritten a few
+hours at a time, invoices added): their statistics may lag behind them, never claim that a
+large table is nearly empty. Every statement reads one organisation's month through the
+(organisation, hour) index of the lines, or one range of the hour index, and joins only small
+tables (endpoints, GPU types, prices) by their keys; none has a plan that statistics could
+make quadratic (billing.rollup says how that happened to the rollup).
 """
 
 import calendar
