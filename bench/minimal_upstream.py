@@ -1,7 +1,7 @@
 """A minimal OpenAI-compatible upstream for the gateway benchmark: a raw ASGI app that answers
 every completion at once with a fixed body and usage, so that what is measured through it is
-the gateway's own cost. `"stream": true` gets four SSE chunks, the usage chunk when asked
-for, and [DONE].
+the gateway's own cost. `"stream": true` gets four SSE chunks (the last with its finish
+reason), the usage chunk when asked for, and [DONE].
 
     python -m uvicorn bench.minimal_upstream:app --port P --no-access-log
 """
@@ -20,10 +20,11 @@ JSON_HEADERS = [(b"content-type", b"application/json"),
 SSE_HEADERS = [(b"content-type", b"text/event-stream")]
 
 
-def _chunk(text: str, usage: dict | None) -> bytes:
+def _chunk(text: str, usage: dict | None, finish_reason: str | None) -> bytes:
     return b"data: " + orjson.dumps({
         "id": "cmpl-bench", "object": "text_completion", "created": 0, "model": "bench",
-        "choices": [{"index": 0, "text": text, "finish_reason": None}], "usage": usage,
+        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason}],
+        "usage": usage,
     }) + b"\n\n"
 
 
@@ -47,7 +48,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
     for done, text in enumerate([" a", " b", " c", " d"], start=1):
         usage = {"prompt_tokens": 7, "completion_tokens": done,
                  "total_tokens": 7 + done} if running else None
-        await send({"type": "http.response.body", "body": _chunk(text, usage),
+        # The last token's event carries the finish reason, as vLLM's does.
+        await send({"type": "http.response.body",
+                    "body": _chunk(text, usage, "length" if done == 4 else None),
                     "more_body": True})
     tail = b""
     if options.get("include_usage"):

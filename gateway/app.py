@@ -92,7 +92,7 @@ class Gateway:
                 self.redis, ttl_seconds=settings.KVRUN_IDEMPOTENCY_HOURS * 3600)
             self.sink = UsageSink(self.redis)
             self.sink.start()
-            self.proxy = Proxy()
+            self.proxy = Proxy(self.sink)
             self.cold_starts = ColdStarts(self.directory)
             self._background.append(asyncio.get_running_loop().create_task(
                 self._follow_revocations()))

@@ -45,6 +45,9 @@ class Exchange:
     response_started: bool = False  # its headers are sent: an error now goes in the stream
     estimated_prompt_tokens: int = 0  # until the engine says how many there are
     response: Any = None  # the engine's response while it is being read
+    # The tokens (prompt, completion, cached) of its trace as Redis last confirmed it.
+    traced: tuple[int, int, int] = (0, 0, 0)
+    recorded: bool = False  # its usage record is queued for the ledger
 
     def take_usage(self, usage: dict[str, Any] | None) -> None:
         """Keep the engine's latest running (or final) usage figures."""
@@ -110,5 +113,9 @@ class Exchange:
         prompt as estimated when the engine has not yet said."""
         report = self.report()
         return replace(report, status_code=INTERRUPTED_STATUS, error_code=INTERRUPTED_CODE,
-                       prompt_tokens=report.prompt_tokens if self.usage_seen
-                       else self.estimated_prompt_tokens)
+                       prompt_tokens=self.traced_usage()[0])
+
+    def traced_usage(self) -> tuple[int, int, int]:
+        """The tokens its trace holds once written now (interrupted_report)."""
+        return (self.prompt_tokens if self.usage_seen else self.estimated_prompt_tokens,
+                self.completion_tokens, self.cached_tokens)

@@ -24,6 +24,7 @@ from gateway.directory import Upstream, choose_upstream, mark_down
 from gateway.errors import GatewayError, engine_message, from_engine
 from gateway.exchange import Exchange
 from gateway.protocol import ENGINE_PATHS
+from gateway.sink import UsageSink
 from kvrun.digests import cache_salt
 
 logger = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ DONE = b"data: [DONE]\n\n"
 
 
 class Proxy:
-    def __init__(self) -> None:
+    def __init__(self, sink: UsageSink) -> None:
+        self.sink = sink
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=POOLED_IDLE_SECONDS),
             timeout=aiohttp.ClientTimeout(
@@ -73,7 +75,7 @@ class Proxy:
             async with response:
                 if exchange.stream and response.status == 200:
                     await _relay_stream(
-                        exchange, response, send,
+                        exchange, response, send, self.sink,
                         wants_usage=bool(client_options.get("include_usage")),
                         wants_running=bool(client_options.get("continuous_usage_stats")))
                     return None
@@ -99,6 +101,7 @@ class Proxy:
                 if response.status != 200:
                     raise from_engine(response.status, body)
                 exchange.take_usage(orjson.loads(body).get("usage"))
+                await self.sink.add_ahead(exchange)  # billed before it is delivered
                 await respond(send, exchange, 200, body, [JSON])
                 return body
         except asyncio.CancelledError:
@@ -173,11 +176,12 @@ class Proxy:
             exchange.upstream_seconds += time.perf_counter() - waited
 
 
-async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, send: Send, *,
-                        wants_usage: bool, wants_running: bool) -> None:
+async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, send: Send,
+                        sink: UsageSink, *, wants_usage: bool, wants_running: bool) -> None:
     """Pass server-sent events through as they arrive. Usage figures are taken from every
-    chunk (the engine sends running usage) and shown only as the client asked. A stream held
-    for a cold start has had its headers already."""
+    chunk (the engine sends running usage) and shown only as the client asked; the trace
+    holds them before the client has the chunk (UsageSink.write_ahead), all of them before a
+    chunk that ends a choice. A stream held for a cold start has had its headers already."""
     if not exchange.response_started:
         exchange.response_started = True
         await send({"type": "http.response.start", "status": 200,
@@ -222,6 +226,8 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
             data = _client_chunk(exchange, chunk, data, wants_usage=wants_usage,
                                  wants_running=wants_running)
         if data is not None:
+            await sink.write_ahead(exchange, last=any(
+                choice.get("finish_reason") for choice in chunk.get("choices") or ()))
             await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n",
                         "more_body": True})
     if failure is not None:

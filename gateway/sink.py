@@ -8,6 +8,14 @@ running (their in-flight slots, and their traces with the usage so far), so that
 process killed outright held is freed, and recorded, by others (billing.usage_stream).
 If Redis cannot be reached the records go straight to PostgreSQL instead; `close` writes
 what is left before the process exits, so a web process that is told to stop loses nothing.
+
+What a client is about to receive reaches Redis first (`write_ahead`): a stream's trace
+before a chunk would put it more than KVRUN_GATEWAY_TRACE_LAG_TOKENS completion tokens ahead
+of the trace, and before its last chunk; a whole answer's record before the answer. A waiter
+does not wait for the gathering: the write starts at once, with whatever else is waiting,
+and those that arrive meanwhile go together in the next. So a process killed at any moment
+leaves a ledger that bills every token its clients received, less at most that many of a
+stream cut in mid-answer.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -44,6 +53,9 @@ class UsageSink:
         self._records: list[tuple[str, bytes]] = []  # request id, encoded report
         self._releases: list[tuple[Admission, int, int]] = []  # tokens used, when it ended
         self._running: dict[str, Exchange] = {}
+        self._tracing: dict[str, Exchange] = {}  # traces to write with the next write
+        self._written: asyncio.Future[None] | None = None  # the next write's end, if awaited
+        self._reachable = True  # the last write reached Redis
         self._renew_at = 0.0
         self._wake = asyncio.Event()
         self._closing = False
@@ -59,15 +71,48 @@ class UsageSink:
 
     def add(self, exchange: Exchange) -> None:
         """Queue the finished request's usage report, the clearing of its trace, and the
-        release of its limits with the tokens it consumed."""
+        release of its limits with the tokens it consumed; once only."""
         assert exchange.admission is not None
+        if exchange.recorded:
+            return
+        exchange.recorded = True
         self._running.pop(exchange.request_id, None)
+        self._tracing.pop(exchange.request_id, None)
         self._records.append((exchange.request_id, exchange.report().encode()))
         self.counts["queued"] += 1
         self._releases.append((exchange.admission,
                                exchange.prompt_tokens + exchange.completion_tokens,
                                time.time_ns() // 1_000_000))
         self._wake.set()
+
+    async def write_ahead(self, exchange: Exchange, *, last: bool) -> None:
+        """Return once the running request's trace in Redis holds what its client is about
+        to receive: all of its usage so far when this is the `last` of its answer, else all
+        but at most KVRUN_GATEWAY_TRACE_LAG_TOKENS of its completion tokens."""
+        traced, now = exchange.traced, exchange.traced_usage()
+        if now == traced or (not last and now[1] - traced[1]
+                             <= settings.KVRUN_GATEWAY_TRACE_LAG_TOKENS):
+            return
+        if exchange.request_id in self._running:
+            self._tracing[exchange.request_id] = exchange
+            await self._next_write()
+
+    async def add_ahead(self, exchange: Exchange) -> None:
+        """`add` the finished request, and return once its record is written."""
+        self.add(exchange)
+        await self._next_write()
+
+    async def _next_write(self) -> None:
+        """Start a write now, with whatever else waits, and return at its end; at once while
+        Redis is unreachable (records then go to PostgreSQL, and traces are written again
+        when it returns)."""
+        self._wake.set()
+        if not self._reachable:
+            return
+        if self._written is None:
+            self._written = asyncio.get_running_loop().create_future()
+        # Shared by every waiter of the write: one that is cancelled must not cancel it.
+        await asyncio.shield(self._written)
 
     async def close(self, timeout: float = 15.0) -> None:
         """Write everything still buffered; log any record that could not be written."""
@@ -92,10 +137,16 @@ class UsageSink:
                     await self._wake.wait()
             except TimeoutError:
                 pass
-            if not self._closing:
+            if not self._closing and self._written is None:  # nobody waits: gather
                 await asyncio.sleep(settings.KVRUN_GATEWAY_GATHER_SECONDS)
             self._wake.clear()
-            if not await self._flush():
+            written, self._written = self._written, None
+            try:
+                flushed = await self._flush()
+            finally:
+                if written is not None:
+                    written.set_result(None)
+            if not flushed:
                 await asyncio.sleep(RETRY_SECONDS)
                 self._wake.set()
             elif self._closing and not self._records and not self._releases:
@@ -103,10 +154,10 @@ class UsageSink:
 
     async def _flush(self) -> bool:
         """Write one batch; False when it has to be tried again later."""
-        records, releases = self._records, self._releases
-        self._records, self._releases = [], []
+        records, releases, tracing = self._records, self._releases, self._tracing
+        self._records, self._releases, self._tracing = [], [], {}
         renewing = bool(self._running) and time.monotonic() >= self._renew_at
-        if not records and not releases and not renewing:
+        if not records and not releases and not renewing and not tracing:
             return True
         pipe = self._redis.pipeline(transaction=True)
         for admission, tokens, ended_ms in releases:
@@ -115,13 +166,16 @@ class UsageSink:
             pipe.xadd(usage_stream.STREAM, {usage_stream.FIELD: payload})
             pipe.hdel(usage_stream.ADMITTED, request_id)
             pipe.zrem(usage_stream.ADMITTED_SEEN, request_id)
-        if renewing:
-            self._renew(pipe)
+        traced = self._renew(pipe) if renewing else self._trace(pipe, tracing.values())
         try:
             await pipe.execute()
             self.counts["redis"] += len(records)
+            self._reachable = True
+            for exchange, usage in traced:
+                exchange.traced = usage
             return True
         except (RedisError, OSError) as exc:
+            self._reachable = False
             # Limit slots and running Idempotency-Keys are leases that expire on their own;
             # the records must not be lost.
             logger.warning("usage stream unreachable (%s); writing %d record(s) to PostgreSQL",
@@ -140,17 +194,30 @@ class UsageSink:
         self.counts["postgres"] += len(records) - len(rejected)
         return True
 
-    def _renew(self, pipe: Pipeline) -> None:
+    def _renew(self, pipe: Pipeline) -> list[tuple[Exchange, tuple[int, int, int]]]:
         """Queue the renewal of every running request: its in-flight lease, and its trace
         with the usage so far. A trace that was taken for interrupted (its lease ran out
         while Redis was away) is traced again: the ledger keeps one record per request."""
         self._renew_at = time.monotonic() + usage_stream.renew_seconds()
         now_ms = time.time_ns() // 1_000_000
-        for request_id, exchange in self._running.items():
+        for exchange in self._running.values():
             assert exchange.admission is not None
             exchange.admission.renew(pipe, now_ms=now_ms)
             if exchange.idempotency is not None:
                 exchange.idempotency.renew(pipe)
-            pipe.hset(usage_stream.ADMITTED, request_id,
+        return self._trace(pipe, self._running.values(), now_ms=now_ms)
+
+    def _trace(self, pipe: Pipeline, exchanges: Iterable[Exchange], *, now_ms: int | None = None
+               ) -> list[tuple[Exchange, tuple[int, int, int]]]:
+        """Queue the traces of these running requests with their usage so far; returns what
+        each will hold once written."""
+        now_ms = now_ms or time.time_ns() // 1_000_000
+        traced = []
+        for exchange in exchanges:
+            if exchange.recorded:  # its record is written instead
+                continue
+            traced.append((exchange, exchange.traced_usage()))
+            pipe.hset(usage_stream.ADMITTED, exchange.request_id,
                       exchange.interrupted_report().encode())
-            pipe.zadd(usage_stream.ADMITTED_SEEN, {request_id: now_ms})
+            pipe.zadd(usage_stream.ADMITTED_SEEN, {exchange.request_id: now_ms})
+        return traced

@@ -222,6 +222,10 @@ KVRUN_GATEWAY_LEASE_SECONDS = env.float("KVRUN_GATEWAY_LEASE_SECONDS", default=3
 # carries several requests even at low concurrency, and its cost stays off the next request's
 # path.
 KVRUN_GATEWAY_GATHER_SECONDS = env.float("KVRUN_GATEWAY_GATHER_SECONDS", default=0.005)
+# A stream's trace in Redis (what is billed should its web process die) may be this many
+# completion tokens behind what its client has received; a whole answer, and a stream's last
+# chunk, are billed before they are sent.
+KVRUN_GATEWAY_TRACE_LAG_TOKENS = env.int("KVRUN_GATEWAY_TRACE_LAG_TOKENS", default=16)
 # How often beat moves usage records from the gateway's stream into PostgreSQL.
 KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0)
 # How often beat rolls usage records and replica intervals up into hourly lines: how fresh the

@@ -6,7 +6,8 @@ It keeps every completion request it was sent (GET /_requests), with the gateway
 id; counts a prompt's words as its tokens (POST /tokenize); and behaves by the prompt (or the
 last chat message): "context" answers vLLM's context-length 400, "crash" the 500 of an
 engine core that failed, "slow" takes its time
-(a second, or a chunk every 0.2 s), "drop" dies after two chunks of a stream, "huge"
+(a second, or a chunk every 0.2 s), "steady" streams 200 chunks, one every 10 ms (answered
+at once when not streamed), "drop" dies after two chunks of a stream, "huge"
 answers 1 MiB of text (in pieces, with no declared length), "long" streams one event of
 640 KiB, past aiohttp's line limit (twice its read buffer: 512 KiB in aiohttp 3.14);
 anything else is answered at once with usage. Streams carry running usage when asked, as
@@ -35,10 +36,12 @@ def _prompt(request: dict) -> str:
     return str(request.get("prompt", ""))
 
 
-def _chunk(index: int, usage: dict | None, text: str = "") -> bytes:
+def _chunk(index: int, usage: dict | None, text: str = "", *, last: bool = False) -> bytes:
+    """One token's event; the last carries its finish reason, as vLLM's does."""
     return b"data: " + orjson.dumps({
         "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
-        "choices": [{"index": 0, "text": text or f" t{index}", "finish_reason": None}],
+        "choices": [{"index": 0, "text": text or f" t{index}",
+                     "finish_reason": "length" if last else None}],
         "usage": usage}) + b"\n\n"
 
 
@@ -77,8 +80,8 @@ async def app(scope: dict, receive: object, send: object) -> None:
     if prompt == "crash":
         await _respond(send, 500, ENGINE_ERROR)
         return
-    slow = prompt == "slow"
-    chunks = 20 if slow else 4
+    slow, steady = prompt == "slow", prompt == "steady"
+    chunks = 20 if slow else 200 if steady else 4
     if not request.get("stream"):
         if slow:
             await asyncio.sleep(1.0)
@@ -104,10 +107,11 @@ async def app(scope: dict, receive: object, send: object) -> None:
         usage = ({"prompt_tokens": 7, "completion_tokens": index + 1,
                   "total_tokens": 8 + index} if options.get("continuous_usage_stats") else None)
         text = "x" * LONG_EVENT_TEXT_BYTES if prompt == "long" and index == 1 else ""
-        await send({"type": "http.response.body", "body": _chunk(index, usage, text),
+        await send({"type": "http.response.body",
+                    "body": _chunk(index, usage, text, last=index == chunks - 1),
                     "more_body": True})
-        if slow:
-            await asyncio.sleep(0.2)
+        if slow or steady:
+            await asyncio.sleep(0.2 if slow else 0.01)
     tail = b""
     if options.get("include_usage"):
         tail = b"data: " + orjson.dumps({

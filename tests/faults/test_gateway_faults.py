@@ -35,16 +35,24 @@ CONCURRENCY = 8
 # The killed web process and this test's ingestion agree on a short lease, so that the
 # requests of the dead process are recorded within seconds rather than half a minute.
 LEASE_SECONDS = 3
+# A stream's trace may lag what its client received by this many tokens: fewer than the
+# stand-in engine streams between two renewals of a trace (50 in 0.5 s).
+LAG_TOKENS = 2
+STUB_STEADY_TOKENS, STUB_TOKENS = 200, 4  # the stand-in engine's streams, steady and at once
+KILLS = 5
 
 
 class Load:
-    """CONCURRENCY clients sending `prompt`, streamed and not, until stopped."""
+    """CONCURRENCY clients sending `prompt`, streamed and not, until stopped. Each keeps, by
+    the gateway's request id, the completion tokens it received: a stream's events, read as
+    they come, and an answer's usage."""
 
     def __init__(self, base: str, secret: str, prompt: str) -> None:
         self._base, self._secret, self._prompt = base, secret, prompt
         self._stopping = threading.Event()
         self.statuses: list[int] = []
         self.transport_errors = 0
+        self.received: dict[str, int] = {}
         self._threads = [threading.Thread(target=self._client, args=(number % 2 == 0,))
                          for number in range(CONCURRENCY)]
 
@@ -63,11 +71,28 @@ class Load:
         headers = {"Authorization": f"Bearer {self._secret}"}
         while not self._stopping.is_set():
             try:
-                response = httpx.post(f"{self._base}/v1/completions", content=body,
-                                      headers=headers, timeout=30)
+                with httpx.stream("POST", f"{self._base}/v1/completions", content=body,
+                                  headers=headers, timeout=30) as response:
+                    request_id = response.headers.get("x-request-id", "")
+                    self.received[request_id] = 0
+                    if stream:
+                        for line in response.iter_lines():
+                            self.received[request_id] += is_token(line)
+                    else:
+                        usage = orjson.loads(response.read()).get("usage") or {}
+                        self.received[request_id] = usage.get("completion_tokens", 0)
                 self.statuses.append(response.status_code)
             except httpx.TransportError:
                 self.transport_errors += 1
+
+
+def is_token(line: str) -> bool:
+    """Whether a line of a stream is a whole event with a token (a line the kill cut short
+    is not)."""
+    try:
+        return bool(line.startswith("data: {") and orjson.loads(line[6:]).get("choices"))
+    except orjson.JSONDecodeError:
+        return False
 
 
 def served(stub: httpx.Client) -> int:
@@ -95,11 +120,15 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
 ) -> None:
     port = free_port()
-    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS),
+                    KVRUN_GATEWAY_TRACE_LAG_TOKENS=str(LAG_TOKENS))
     try:
-        with Load(f"http://127.0.0.1:{port}", secret, "slow") as load:
-            # Some requests done, CONCURRENCY more at the engine.
+        with Load(f"http://127.0.0.1:{port}", secret, "steady") as load:
+            # Some requests done, and streams mid-way at the engine.
             assert wait_until(lambda: served(stubs[0]) >= 3 * CONCURRENCY, 30, interval=0.05)
+            assert wait_until(lambda: sum(STUB_STEADY_TOKENS // 4 < tokens < STUB_STEADY_TOKENS
+                                          for tokens in load.received.values())
+                              >= CONCURRENCY // 2, 30, interval=0.01)
             web.send_signal(signal.SIGKILL)
             web.wait(10)
     finally:
@@ -111,9 +140,51 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
 
     interrupted = records.filter(error_code=INTERRUPTED_CODE)
     assert load.transport_errors >= CONCURRENCY - 1  # the requests the kill cut off
-    assert interrupted.count() >= CONCURRENCY // 2  # in flight at the kill
+    assert interrupted.count() >= CONCURRENCY // 2  # the streams in flight at the kill
     assert all(record.prompt_tokens > 0 for record in interrupted)
     assert not load.statuses or max(load.statuses) < 500
+    # Each client, answered or cut off, is billed what it received: all of an answer, and of
+    # a stream all but at most the lag, and at most the event its gateway died sending.
+    billed = dict(records.values_list("request_id", "completion_tokens"))
+    cut = [(load.received[request_id], billed[request_id]) for request_id in load.received
+           if request_id in billed and billed[request_id] != load.received[request_id]]
+    assert all(received - LAG_TOKENS <= tokens <= received + 1 for received, tokens in cut), cut
+
+
+def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
+    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
+) -> None:
+    """The client has the stream's last token, and its web process dies at once, before the
+    request's record would have left it: the trace already holds every token."""
+    body = orjson.dumps({"model": "chat", "prompt": "hello", "stream": True})
+    received = {}
+    for _ in range(KILLS):
+        port = free_port()
+        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", content=body,
+                              headers={"Authorization": f"Bearer {secret}"},
+                              timeout=30) as response:
+                tokens = 0
+                for line in response.iter_lines():
+                    tokens += is_token(line)
+                    if '"finish_reason":"length"' in line:
+                        web.send_signal(signal.SIGKILL)
+                        break
+                received[response.headers["x-request-id"]] = tokens
+            web.wait(10)
+        finally:
+            stop(web)
+
+    with override_settings(KVRUN_GATEWAY_LEASE_SECONDS=LEASE_SECONDS):
+        assert wait_until(lambda: do_ingest_usage() == 0 and UsageRecord.objects.filter(
+            request_id__in=received).count() == KILLS, LEASE_SECONDS + 10, interval=0.5)
+    billed = dict(UsageRecord.objects.filter(request_id__in=received).values_list(
+        "request_id", "completion_tokens"))
+    figures(kills=KILLS, streams_billed_in_full=sum(
+        billed[request_id] == tokens for request_id, tokens in received.items()))
+    assert set(received.values()) == {STUB_TOKENS}
+    assert billed == received
 
 
 def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(

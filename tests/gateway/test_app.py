@@ -802,11 +802,13 @@ async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
                      after_frames: int | None = None,
                      leave_when: Callable[[], Awaitable[bool]] | None = None,
                      reading_seconds: float = 0.0, upload_seconds: float = 0.0,
-                     headers: dict[str, str] | None = None) -> list[bytes]:
+                     headers: dict[str, str] | None = None,
+                     on_frame: Callable[[dict], Awaitable[None]] | None = None) -> list[bytes]:
     """Call the app as a client that takes `upload_seconds` to send its body, disconnects
     after `after_frames` body frames or once `leave_when()` is true, and takes
     `reading_seconds` to read each frame (a server's send blocks while its client does not
-    read); returns the frames it got. httpx's transport can do none of it."""
+    read), calling `on_frame` with each message as it arrives; returns the body frames it
+    got. httpx's transport can do none of it."""
     gone = asyncio.Event()
     frames: list[bytes] = []
     request = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
@@ -821,6 +823,8 @@ async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
     async def send(message: dict) -> None:
         if gone.is_set():
             return  # as a server does: nothing reaches a client that has left
+        if on_frame is not None:
+            await on_frame(message)
         if message["type"] == "http.response.body" and message.get("body"):
             await asyncio.sleep(reading_seconds)
             frames.append(message["body"])
@@ -852,6 +856,47 @@ def test_a_client_that_reads_slowly_is_not_the_gateway_s_overhead(
     assert record.duration_ms >= 1500
     # The gateway's own work on a request is about a millisecond.
     assert record.gateway_overhead_ms < 100
+
+
+@override_settings(KVRUN_GATEWAY_TRACE_LAG_TOKENS=3)
+def test_a_stream_s_trace_holds_what_its_client_has_received_before_it_has_it(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    seen = []  # at each event with a token: tokens received, tokens traced, whether the last
+
+    async def watch(redis: Redis) -> list[bytes]:
+        request_id = b""
+
+        async def on_frame(message: dict) -> None:
+            nonlocal request_id
+            if message["type"] == "http.response.start":
+                request_id = dict(message["headers"])[b"x-request-id"]
+            elif b'"choices":[{' in message.get("body", b""):
+                trace = await redis.hget(usage_stream.ADMITTED, request_id)
+                seen.append((len(seen) + 1, orjson.loads(trace)["completion_tokens"],
+                             b'"finish_reason":"length"' in message["body"]))
+        return await raw_client(gateway, secret, {"model": "chat", "prompt": "steady",
+                                                  "stream": True}, on_frame=on_frame)
+
+    gateway.run(with_redis(watch))
+
+    assert len(seen) == 200 and seen[-1] == (200, 200, True)
+    assert all(received - 3 <= traced <= received for received, traced, _ in seen), seen
+    # Written every fourth token or so: not with each.
+    assert 40 <= len({traced for _, traced, _ in seen}) <= 100
+
+
+def test_an_answer_s_record_is_written_before_its_client_has_it(
+    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "hello"})
+
+    # No wait: it was there before the answer left.
+    [(_, fields)] = redis_client().xrange(usage_stream.STREAM)
+    report = orjson.loads(fields[usage_stream.FIELD])
+    assert (report["request_id"], report["status_code"], report["completion_tokens"]) == (
+        response.headers["x-request-id"], 200, 4)
+    assert redis_client().hlen(usage_stream.ADMITTED) == 0
 
 
 def nothing_held(gateway: InProcessGateway, organization: Organization) -> bool:
