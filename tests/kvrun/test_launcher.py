@@ -41,15 +41,21 @@ class Launch:
 
     def __init__(self, state_dir: Path, port: int) -> None:
         Launch.started.append(self)
-        env = {k: v for k, v in os.environ.items()
-               if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER", "DEBUG",
-                            "KVRUN_BASE_URL"}}
-        env.update(KVRUN_STATE_DIR=str(state_dir), KVRUN_PORT=str(port),
-                   KVRUN_NODE_NAME="launch-test", KVRUN_NODE_GPUS="none")
+        env = {**Launch.environment(state_dir), "KVRUN_PORT": str(port)}
         self.process = subprocess.Popen([sys.executable, "-m", "kvrun.launcher", "run"], cwd=ROOT,
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True)
         self.output: list[str] = []
+
+    @staticmethod
+    def environment(state_dir: Path) -> dict[str, str]:
+        """A person's shell: none of the suite's services or secrets, the state directory."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER", "DEBUG",
+                            "KVRUN_BASE_URL"}}
+        env.update(KVRUN_STATE_DIR=str(state_dir), KVRUN_NODE_NAME="launch-test",
+                   KVRUN_NODE_GPUS="none")
+        return env
 
     def read_until(self, marker: str, timeout: float = 180) -> str:
         deadline = time.monotonic() + timeout
@@ -278,6 +284,50 @@ def test_tests_and_benchmarks_keep_their_redis_data_apart_from_make_run_s(
     kept, own = given
     assert kept == tmp_path / "redis"
     assert own.parent == tmp_path and own != kept and not own.exists()  # deleted after
+
+
+def manage(state_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python -m kvrun.launcher manage ARGS` as a person types it beside `make run`."""
+    return subprocess.run([sys.executable, "-m", "kvrun.launcher", "manage", *args], cwd=ROOT,
+                          env=Launch.environment(state_dir), capture_output=True, text=True,
+                          timeout=120)
+
+
+REDIS_PORT_OF_MANAGE = ("from django.conf import settings; "
+                        "print('port', settings.REDIS_URL.rsplit(':', 1)[1].split('/')[0])")
+
+
+@pytest.mark.e2e
+def test_a_management_command_beside_make_run_uses_its_services(state_dir: Path) -> None:
+    port = free_port()
+    launch = Launch(state_dir, port)
+    output = launch.read_until("Ctrl-C stops every process")
+    redis_port = re.search(r"Redis \(embedded\) at 127\.0\.0\.1:(\d+)", output)[1]
+    log = state_dir / "redis" / "redis.log"
+
+    beside = manage(state_dir, "shell", "-c", REDIS_PORT_OF_MANAGE + "; from kvrun.redis "
+                    "import redis_client; redis_client().set('kvrun:test:manage', 'beside')")
+    second = Launch(state_dir, free_port())
+    refused = second.process.wait(60)
+    second.output.append(second.process.stdout.read())
+
+    assert beside.returncode == 0, beside.stderr
+    assert "using the services of the `make run` that is up" in beside.stdout
+    assert f"port {redis_port}" in beside.stdout
+    assert log.read_text().count("Ready to accept connections") == 1  # one server on the data
+    assert refused == 1 and "another `make run` is running" in "".join(second.output)
+    assert launch.interrupt() == 0
+    assert not (state_dir / "run.json").exists()
+
+    # With no `make run` up, a Redis of its own, in a directory of its own, deleted after.
+    alone = manage(state_dir, "shell", "-c", REDIS_PORT_OF_MANAGE)
+
+    assert alone.returncode == 0, alone.stderr
+    assert "using the services" not in alone.stdout
+    assert f"port {redis_port}" not in alone.stdout
+    assert log.read_text().count("Ready to accept connections") == 1
+    assert sorted(path.name for path in state_dir.iterdir() if path.name.startswith("redis")) == [
+        "redis"]
 
 
 def _read(path: Path) -> bytes:
