@@ -55,6 +55,7 @@ class UsageSink:
         self._running: dict[str, Exchange] = {}
         self._tracing: dict[str, Exchange] = {}  # traces to write with the next write
         self._written: asyncio.Future[None] | None = None  # the next write's end, if awaited
+        self._awaited = asyncio.Event()  # someone waits for the next write: stop gathering
         self._reachable = True  # the last write reached Redis
         self._renew_at = 0.0
         self._wake = asyncio.Event()
@@ -88,14 +89,19 @@ class UsageSink:
     async def write_ahead(self, exchange: Exchange, *, last: bool) -> None:
         """Return once the running request's trace in Redis holds what its client is about
         to receive: all of its usage so far when this is the `last` of its answer, else all
-        but at most KVRUN_GATEWAY_TRACE_LAG_TOKENS of its completion tokens."""
+        but at most KVRUN_GATEWAY_TRACE_LAG_TOKENS of its completion tokens. Half-way to
+        that lag the trace is queued for the next gathered write, without waiting: a stream
+        slower than the gathering never waits but for its end."""
         traced, now = exchange.traced, exchange.traced_usage()
-        if now == traced or (not last and now[1] - traced[1]
-                             <= settings.KVRUN_GATEWAY_TRACE_LAG_TOKENS):
+        behind, lag = now[1] - traced[1], settings.KVRUN_GATEWAY_TRACE_LAG_TOKENS
+        if now == traced or exchange.request_id not in self._running:
             return
-        if exchange.request_id in self._running:
+        if last or behind > lag:
             self._tracing[exchange.request_id] = exchange
             await self._next_write()
+        elif behind > lag // 2 and exchange.request_id not in self._tracing:
+            self._tracing[exchange.request_id] = exchange
+            self._wake.set()
 
     async def add_ahead(self, exchange: Exchange) -> None:
         """`add` the finished request, and return once its record is written."""
@@ -105,12 +111,13 @@ class UsageSink:
     async def _next_write(self) -> None:
         """Start a write now, with whatever else waits, and return at its end; at once while
         Redis is unreachable (records then go to PostgreSQL, and traces are written again
-        when it returns)."""
+        when it returns), or once the sink has closed."""
         self._wake.set()
-        if not self._reachable:
+        if not self._reachable or self._task is None or self._task.done():
             return
         if self._written is None:
             self._written = asyncio.get_running_loop().create_future()
+        self._awaited.set()
         # Shared by every waiter of the write: one that is cancelled must not cancel it.
         await asyncio.shield(self._written)
 
@@ -138,8 +145,13 @@ class UsageSink:
             except TimeoutError:
                 pass
             if not self._closing and self._written is None:  # nobody waits: gather
-                await asyncio.sleep(settings.KVRUN_GATEWAY_GATHER_SECONDS)
+                try:
+                    async with asyncio.timeout(settings.KVRUN_GATEWAY_GATHER_SECONDS):
+                        await self._awaited.wait()
+                except TimeoutError:
+                    pass
             self._wake.clear()
+            self._awaited.clear()
             written, self._written = self._written, None
             try:
                 flushed = await self._flush()

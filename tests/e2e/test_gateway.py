@@ -5,26 +5,33 @@ One engine serves the whole module, so its rows must outlive each test: the modu
 its own data (no test transaction, no flush between its tests) and flushes once at the end.
 """
 
+import signal
+import subprocess
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import httpx
 import openai
+import orjson
 import pytest
 from django.conf import settings
 from django.core.management import call_command
+from django.test import override_settings
 
 from accounts.models import Organization, Role
 from accounts.services import do_create_organization, do_revoke_api_key
 from billing.models import UsageRecord
+from billing.services import do_ingest_usage
 from billing.tasks import ingest_usage
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
 from engine.metrics import engine_token_totals, totals
+from engine.processes import free_port
 from kvrun.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
-from tests.helpers import api_servers, drive, records_for, wait_until
+from tests.helpers import api_servers, drive, records_for, start_web, stop, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -263,3 +270,99 @@ def test_a_revoked_key_stops_working_within_the_key_cache_ttl(served: Served) ->
             return True
         return False
     assert wait_until(refused, settings.KVRUN_API_KEY_CACHE_SECONDS, interval=0.1)
+
+
+# The web processes killed below and this test's ingestion agree on a short lease, so that
+# their requests are recorded within seconds.
+LEASE_SECONDS = 3
+LONG_ANSWER = 1900  # tokens, as in the trial that found streams billed as nothing
+
+
+def streamed_tokens(base: str, secret: str, *, max_tokens: int, got: dict[str, int],
+                    on_token: Callable[[int, bool], None]) -> None:
+    """Stream a completion, keeping in `got` by request id the completion tokens received
+    (the engine's running usage, which the client asks to see); `on_token(tokens, last)` at
+    each whole event with a token."""
+    body = {"model": "chat", "prompt": "Once upon a time", "max_tokens": max_tokens,
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    try:
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {secret}"}) as response:
+            request_id = response.headers["x-request-id"]
+            got[request_id] = 0
+            for line in response.iter_lines():
+                try:
+                    event = orjson.loads(line[6:]) if line.startswith("data: {") else {}
+                except orjson.JSONDecodeError:
+                    continue  # an event the kill cut short never reached the client
+                if event.get("choices"):
+                    got[request_id] = event["usage"]["completion_tokens"]
+                    on_token(got[request_id],
+                             any(choice["finish_reason"] for choice in event["choices"]))
+    except httpx.TransportError:
+        pass
+
+
+def billed_after_the_lease(request_ids: Iterable[str]) -> dict[str, int]:
+    """Each request's completion tokens once the dead web process's traces are stored."""
+    request_ids = set(request_ids)
+    with override_settings(KVRUN_GATEWAY_LEASE_SECONDS=LEASE_SECONDS):
+        assert wait_until(lambda: do_ingest_usage() == 0 and UsageRecord.objects.filter(
+            request_id__in=request_ids).count() == len(request_ids), LEASE_SECONDS + 20,
+            interval=0.5)
+    return dict(UsageRecord.objects.filter(request_id__in=request_ids).values_list(
+        "request_id", "completion_tokens"))
+
+
+def test_a_web_process_killed_mid_stream_bills_each_stream_what_its_client_received(
+        served: Served) -> None:
+    _, secret = inference_key(served.first)
+    port = free_port()
+    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+    got: dict[str, int] = {}
+
+    def kill_at_half(tokens: int, last: bool) -> None:
+        if tokens >= LONG_ANSWER // 2 and web.poll() is None:
+            web.send_signal(signal.SIGKILL)
+
+    try:
+        clients = [threading.Thread(target=streamed_tokens, args=(
+            f"http://127.0.0.1:{port}", secret), kwargs={
+                "max_tokens": LONG_ANSWER, "got": got, "on_token": kill_at_half})
+            for _ in range(6)]
+        for client in clients:
+            client.start()
+        for client in clients:
+            client.join(60)
+    finally:
+        stop(web)
+    billed = billed_after_the_lease(got)
+
+    assert len(got) == 6 and all(0 < tokens < LONG_ANSWER for tokens in got.values()), got
+    lag = settings.KVRUN_GATEWAY_TRACE_LAG_TOKENS
+    assert all(got[request] - lag <= billed[request] <= got[request] + 1 for request in got), (
+        got, billed)
+
+
+def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
+        served: Served) -> None:
+    _, secret = inference_key(served.first)
+    got: dict[str, int] = {}
+    for _ in range(3):
+        port = free_port()
+        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+
+        def kill_at_the_end(tokens: int, last: bool, web: subprocess.Popen = web) -> None:
+            if last:
+                web.send_signal(signal.SIGKILL)
+
+        try:
+            streamed_tokens(f"http://127.0.0.1:{port}", secret, max_tokens=300, got=got,
+                            on_token=kill_at_the_end)
+            web.wait(10)
+        finally:
+            stop(web)
+
+    assert set(got.values()) == {300}
+    assert billed_after_the_lease(got) == got

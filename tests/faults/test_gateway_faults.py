@@ -134,8 +134,9 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     finally:
         stop(web)
 
+    counted: dict[str, int] = {}
     with override_settings(KVRUN_GATEWAY_LEASE_SECONDS=LEASE_SECONDS):
-        records = every_admitted_request_recorded(stubs[0], load, figures,
+        records = every_admitted_request_recorded(stubs[0], load, counted.update,
                                                   timeout=LEASE_SECONDS + 10)
 
     interrupted = records.filter(error_code=INTERRUPTED_CODE)
@@ -146,9 +147,14 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     # Each client, answered or cut off, is billed what it received: all of an answer, and of
     # a stream all but at most the lag, and at most the event its gateway died sending.
     billed = dict(records.values_list("request_id", "completion_tokens"))
-    cut = [(load.received[request_id], billed[request_id]) for request_id in load.received
-           if request_id in billed and billed[request_id] != load.received[request_id]]
-    assert all(received - LAG_TOKENS <= tokens <= received + 1 for received, tokens in cut), cut
+    pairs = [(load.received[request_id], billed[request_id]) for request_id in load.received
+             if request_id in billed]
+    cut = [(received, tokens) for received, tokens in pairs if 0 < received < STUB_STEADY_TOKENS]
+    figures(**counted, streams_cut=len(cut),
+            most_received_unbilled=max(received - tokens for received, tokens in pairs),
+            most_billed_unreceived=max(tokens - received for received, tokens in pairs))
+    assert all(received - LAG_TOKENS <= tokens <= received + 1 for received, tokens in pairs), [
+        pair for pair in pairs if pair[0] != pair[1]]
 
 
 def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(

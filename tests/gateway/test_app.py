@@ -882,8 +882,9 @@ def test_a_stream_s_trace_holds_what_its_client_has_received_before_it_has_it(
 
     assert len(seen) == 200 and seen[-1] == (200, 200, True)
     assert all(received - 3 <= traced <= received for received, traced, _ in seen), seen
-    # Written every fourth token or so: not with each.
-    assert 40 <= len({traced for _, traced, _ in seen}) <= 100
+    # Written once two tokens behind (half the lag, without waiting), or at three: not with
+    # each token.
+    assert 40 <= len({traced for _, traced, _ in seen}) <= 110
 
 
 def test_an_answer_s_record_is_written_before_its_client_has_it(
