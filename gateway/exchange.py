@@ -47,7 +47,6 @@ class Exchange:
     response: Any = None  # the engine's response while it is being read
     # The tokens (prompt, completion, cached) of its trace as Redis last confirmed it.
     traced: tuple[int, int, int] = (0, 0, 0)
-    recorded: bool = False  # its usage record is queued for the ledger
 
     def take_usage(self, usage: dict[str, Any] | None) -> None:
         """Keep the engine's latest running (or final) usage figures."""

@@ -101,7 +101,7 @@ class Proxy:
                 if response.status != 200:
                     raise from_engine(response.status, body)
                 exchange.take_usage(orjson.loads(body).get("usage"))
-                await self.sink.add_ahead(exchange)  # billed before it is delivered
+                await self.sink.write_ahead(exchange, last=True)  # billed before delivered
                 await respond(send, exchange, 200, body, [JSON])
                 return body
         except asyncio.CancelledError:

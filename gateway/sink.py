@@ -9,13 +9,13 @@ process killed outright held is freed, and recorded, by others (billing.usage_st
 If Redis cannot be reached the records go straight to PostgreSQL instead; `close` writes
 what is left before the process exits, so a web process that is told to stop loses nothing.
 
-What a client is about to receive reaches Redis first (`write_ahead`): a stream's trace
-before a chunk would put it more than KVRUN_GATEWAY_TRACE_LAG_TOKENS completion tokens ahead
-of the trace, and before its last chunk; a whole answer's record before the answer. A waiter
-does not wait for the gathering: the write starts at once, with whatever else is waiting,
-and those that arrive meanwhile go together in the next. So a process killed at any moment
-leaves a ledger that bills every token its clients received, less at most that many of a
-stream cut in mid-answer.
+What a client is about to receive reaches Redis first (`write_ahead`): a request's trace is
+written before an event would put its client more than KVRUN_GATEWAY_TRACE_LAG_TOKENS
+completion tokens ahead of it, and before the last of its answer, a whole answer included.
+Such a write does not wait for the gathering and carries traces alone (one command each):
+it starts at once with whatever waits, and those that arrive meanwhile go together in the
+next. So a process killed at any moment leaves a ledger that bills every token its clients
+received, less at most that many of a stream cut in mid-answer.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ class UsageSink:
         self._releases: list[tuple[Admission, int, int]] = []  # tokens used, when it ended
         self._running: dict[str, Exchange] = {}
         self._tracing: dict[str, Exchange] = {}  # traces to write with the next write
-        self._written: asyncio.Future[None] | None = None  # the next write's end, if awaited
-        self._awaited = asyncio.Event()  # someone waits for the next write: stop gathering
+        self._written: asyncio.Future[None] | None = None  # the awaited traces' write
         self._reachable = True  # the last write reached Redis
+        self._gathering = False  # something waits for the gathered write at _flush_at
+        self._flush_at = 0.0  # monotonic
         self._renew_at = 0.0
         self._wake = asyncio.Event()
         self._closing = False
@@ -72,11 +73,8 @@ class UsageSink:
 
     def add(self, exchange: Exchange) -> None:
         """Queue the finished request's usage report, the clearing of its trace, and the
-        release of its limits with the tokens it consumed; once only."""
+        release of its limits with the tokens it consumed."""
         assert exchange.admission is not None
-        if exchange.recorded:
-            return
-        exchange.recorded = True
         self._running.pop(exchange.request_id, None)
         self._tracing.pop(exchange.request_id, None)
         self._records.append((exchange.request_id, exchange.report().encode()))
@@ -84,42 +82,42 @@ class UsageSink:
         self._releases.append((exchange.admission,
                                exchange.prompt_tokens + exchange.completion_tokens,
                                time.time_ns() // 1_000_000))
-        self._wake.set()
+        self._gather()
 
     async def write_ahead(self, exchange: Exchange, *, last: bool) -> None:
         """Return once the running request's trace in Redis holds what its client is about
         to receive: all of its usage so far when this is the `last` of its answer, else all
         but at most KVRUN_GATEWAY_TRACE_LAG_TOKENS of its completion tokens. Half-way to
-        that lag the trace is queued for the next gathered write, without waiting: a stream
-        slower than the gathering never waits but for its end."""
+        that lag the trace joins the next gathered write, without waiting: a stream slower
+        than the gathering waits only at its end. At once while Redis is unreachable
+        (records then go to PostgreSQL, and traces are written again when it returns), or
+        once the sink has closed."""
         traced, now = exchange.traced, exchange.traced_usage()
         behind, lag = now[1] - traced[1], settings.KVRUN_GATEWAY_TRACE_LAG_TOKENS
         if now == traced or exchange.request_id not in self._running:
             return
-        if last or behind > lag:
-            self._tracing[exchange.request_id] = exchange
-            await self._next_write()
-        elif behind > lag // 2 and exchange.request_id not in self._tracing:
-            self._tracing[exchange.request_id] = exchange
-            self._wake.set()
-
-    async def add_ahead(self, exchange: Exchange) -> None:
-        """`add` the finished request, and return once its record is written."""
-        self.add(exchange)
-        await self._next_write()
-
-    async def _next_write(self) -> None:
-        """Start a write now, with whatever else waits, and return at its end; at once while
-        Redis is unreachable (records then go to PostgreSQL, and traces are written again
-        when it returns), or once the sink has closed."""
-        self._wake.set()
+        if not last and behind <= lag:
+            if behind > lag // 2 and exchange.request_id not in self._tracing:
+                self._tracing[exchange.request_id] = exchange
+                self._gather()
+            return
+        self._tracing[exchange.request_id] = exchange
         if not self._reachable or self._task is None or self._task.done():
+            self._gather()
             return
         if self._written is None:
             self._written = asyncio.get_running_loop().create_future()
-        self._awaited.set()
+        self._wake.set()
         # Shared by every waiter of the write: one that is cancelled must not cancel it.
         await asyncio.shield(self._written)
+
+    def _gather(self) -> None:
+        """Have what is queued written once the first of it has waited a few milliseconds
+        for more to join it."""
+        if not self._gathering:
+            self._gathering = True
+            self._flush_at = time.monotonic() + settings.KVRUN_GATEWAY_GATHER_SECONDS
+        self._wake.set()
 
     async def close(self, timeout: float = 15.0) -> None:
         """Write everything still buffered; log any record that could not be written."""
@@ -139,35 +137,58 @@ class UsageSink:
 
     async def _run(self) -> None:
         while True:
-            try:
-                async with asyncio.timeout(usage_stream.renew_seconds()):
-                    await self._wake.wait()
-            except TimeoutError:
-                pass
-            if not self._closing and self._written is None:  # nobody waits: gather
+            now = time.monotonic()
+            pending = self._records or self._releases or self._tracing
+            due = min(self._flush_at if pending else float("inf"),
+                      self._renew_at if self._running else float("inf"),
+                      now + usage_stream.renew_seconds())
+            if not self._closing and self._written is None and due > now:
                 try:
-                    async with asyncio.timeout(settings.KVRUN_GATEWAY_GATHER_SECONDS):
-                        await self._awaited.wait()
+                    async with asyncio.timeout(due - now):
+                        await self._wake.wait()
                 except TimeoutError:
                     pass
             self._wake.clear()
-            self._awaited.clear()
-            written, self._written = self._written, None
-            try:
-                flushed = await self._flush()
-            finally:
-                if written is not None:
-                    written.set_result(None)
-            if not flushed:
+            if self._written is not None:
+                await self._write_awaited_traces()
+            now = time.monotonic()
+            pending = self._records or self._releases or self._tracing
+            renewing = bool(self._running) and now >= self._renew_at
+            if not (self._closing or renewing or (pending and now >= self._flush_at)):
+                continue
+            if not await self._flush():
                 await asyncio.sleep(RETRY_SECONDS)
-                self._wake.set()
             elif self._closing and not self._records and not self._releases:
                 return
+
+    async def _write_awaited_traces(self) -> None:
+        """Write the traces queued so far, at once and alone (one command each, no
+        transaction: each is whole by itself), and release who waits for them."""
+        written, self._written = self._written, None
+        tracing, self._tracing = self._tracing, {}
+        self._gathering = bool(self._records or self._releases)
+        traced = [(exchange, exchange.traced_usage()) for exchange in tracing.values()]
+        pipe = self._redis.pipeline(transaction=False)
+        for exchange, _ in traced:
+            pipe.hset(usage_stream.ADMITTED, exchange.request_id,
+                      exchange.interrupted_report().encode())
+        try:
+            await pipe.execute()
+            self._reachable = True
+            for exchange, usage in traced:
+                exchange.traced = usage
+        except (RedisError, OSError) as exc:
+            self._reachable = False
+            logger.warning("usage traces unreachable (%s); %d not written", exc, len(traced))
+        finally:
+            assert written is not None
+            written.set_result(None)
 
     async def _flush(self) -> bool:
         """Write one batch; False when it has to be tried again later."""
         records, releases, tracing = self._records, self._releases, self._tracing
         self._records, self._releases, self._tracing = [], [], {}
+        self._gathering = False
         renewing = bool(self._running) and time.monotonic() >= self._renew_at
         if not records and not releases and not renewing and not tracing:
             return True
@@ -226,8 +247,6 @@ class UsageSink:
         now_ms = now_ms or time.time_ns() // 1_000_000
         traced = []
         for exchange in exchanges:
-            if exchange.recorded:  # its record is written instead
-                continue
             traced.append((exchange, exchange.traced_usage()))
             pipe.hset(usage_stream.ADMITTED, exchange.request_id,
                       exchange.interrupted_report().encode())
