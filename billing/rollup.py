@@ -12,9 +12,9 @@ settled an hour after the latest line has moved past it.
 Stale hours are taken in batches, each in a transaction of its own that deletes their marks
 and rewrites their lines: a rollup stopped between two batches (a timeout, a worker killed)
 leaves every hour either wholly rolled up or still marked, and an ingest that marks an hour
-waits at most for the one batch that holds it. Every statement runs under a statement timeout
-(KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS); a batch that runs past it is rolled back, the reason
-is kept in RollupState, and later runs take half as many hours a batch.
+waits at most for the one batch that holds it. Each transaction's statements together run
+under a timeout (KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS); a batch that runs past it is rolled
+back, the reason is kept in RollupState, and later runs take half as many hours a batch.
 
 Every statement's cost is bounded whatever the planner's statistics say, because the tables
 they read are written in bulk exactly when a rollup has most to do (the first run after an
@@ -43,6 +43,8 @@ from datetime import UTC, datetime, timedelta
 
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
+from django.db.models import F
+from django.db.models.functions import Least
 from django.utils import timezone
 from psycopg.errors import QueryCanceled
 
@@ -79,27 +81,24 @@ def do_roll_up_usage(*, now: datetime | None = None) -> Rollup | None:
     stamped with the database's time once their transaction holds the rollup lock, so a
     finalised invoice sees every line stamped before it (lock_rollups).
     Returns None, doing nothing, when another run or a finalisation holds the lock at the
-    start: the totals are the same. A later batch that finds it held, or that runs past the
-    statement timeout, ends the token part there (`complete` is False); the hours it did not
-    take stay marked for the next run.
+    start: the totals are the same. A later batch that finds it held, or any that runs past
+    the timeout, ends the token part there (`complete` is False), and the GPU hours are
+    rewritten all the same; the hours it did not take stay marked for the next run.
     """
     state, _ = RollupState.objects.get_or_create(id=1)
     clock = time.perf_counter()
     tokens = _roll_up_tokens(batch=state.batch_hours)
-    if tokens.batches == 0 and not tokens.complete:
+    if tokens.locked_out and tokens.batches == 0:
         return None
     tokens_done = time.perf_counter()
     gpu_hours = _roll_up_gpu_time(now or timezone.now())
-    timeout = settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS
-    if (tokens.complete and state.batch_hours < MAX_ROLLUP_BATCH_HOURS
-            and tokens.slowest_batch_seconds < timeout / 4):
-        # Room for twice as many: each batch took under a quarter of the timeout.
-        RollupState.objects.filter(id=1).update(
-            batch_hours=min(MAX_ROLLUP_BATCH_HOURS, state.batch_hours * 2))
+    if tokens.room_for_more:
+        RollupState.objects.filter(id=1, batch_hours__lt=MAX_ROLLUP_BATCH_HOURS).update(
+            batch_hours=Least(F("batch_hours") * 2, MAX_ROLLUP_BATCH_HOURS))
     return Rollup(token_hours=tokens.hours, gpu_hours=gpu_hours or 0,
                   token_seconds=tokens_done - clock,
-                  gpu_seconds=time.perf_counter() - tokens_done,
-                  batches=tokens.batches, complete=tokens.complete and gpu_hours is not None)
+                  gpu_seconds=time.perf_counter() - tokens_done, batches=tokens.batches,
+                  complete=not (tokens.locked_out or tokens.timed_out) and gpu_hours is not None)
 
 
 def lock_rollups() -> datetime:
@@ -146,45 +145,70 @@ def hour_of(moment: datetime) -> datetime:
 class _TokenRollup:
     hours: int
     batches: int
-    complete: bool
-    slowest_batch_seconds: float
+    locked_out: bool = False  # a batch found the lock held
+    timed_out: bool = False  # a batch ran past the timeout
+    room_for_more: bool = False  # a full batch took under a quarter of the timeout
 
 
 def _roll_up_tokens(*, batch: int) -> _TokenRollup:
     """Take and rewrite stale hours, a batch at a time, until none is left after the last
-    key taken, the lock is found held, or a batch runs past the statement timeout."""
-    after, hours, batches, slowest = FIRST_KEY, 0, 0, 0.0
+    key taken, the lock is found held, or a batch runs past the timeout."""
+    after, hours, batches, room = FIRST_KEY, 0, 0, False
+    timeout = settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS
     while True:
         started = time.perf_counter()
         try:
-            with transaction.atomic(), connection.cursor() as cursor:
+            with transaction.atomic(), connection.cursor() as plain:
+                cursor = _Deadline(plain, seconds=timeout)
                 if not _take_lock(cursor):
-                    return _TokenRollup(hours, batches, False, slowest)
+                    return _TokenRollup(hours, batches, locked_out=True, room_for_more=room)
                 taken, after = _roll_up_token_batch(cursor, after=after, batch=batch)
         except OperationalError as exc:
             if not isinstance(exc.__cause__, QueryCanceled):
                 raise
             smaller = max(MIN_ROLLUP_BATCH_HOURS, batch // 2)
-            _record_timeout(f"A batch of up to {batch:,} stale hours ran past the statement "
-                            f"timeout and was rolled back ({str(exc).strip()}); the next runs "
-                            f"take batches of {smaller:,}.", batch_hours=smaller)
-            return _TokenRollup(hours, batches, False, slowest)
-        slowest = max(slowest, time.perf_counter() - started)
-        if not taken:
-            return _TokenRollup(hours, batches, True, slowest)
-        hours, batches = hours + taken, batches + 1
+            advice = (f"the next runs take batches of {smaller:,}" if smaller < batch else
+                      "batches are already at their smallest: one hour's records take longer "
+                      "than that, or something holds a lock on its lines; raise "
+                      "KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS or end what holds the lock")
+            _record_timeout(f"A batch of up to {batch:,} stale hours ran past the timeout and "
+                            f"was rolled back ({str(exc).strip()}); {advice}.",
+                            batch_hours=smaller)
+            return _TokenRollup(hours, batches, timed_out=True)
+        room = room or (taken == batch and time.perf_counter() - started < timeout / 4)
+        if taken:
+            hours, batches = hours + taken, batches + 1
         if taken < batch:
-            return _TokenRollup(hours, batches, True, slowest)
+            return _TokenRollup(hours, batches, room_for_more=room)
 
 
-def _take_lock(cursor: object) -> bool:
-    """The rollup lock for this transaction, and its bounds: a statement timeout, and memory
-    enough to aggregate a batch's records in one hash."""
+class _Deadline:
+    """A cursor whose statements run under one timeout together: each is given what is left
+    of it, so that a transaction, and whoever waits on its locks, waits at most that long."""
+
+    def __init__(self, cursor: object, *, seconds: float) -> None:
+        self._cursor = cursor
+        self._deadline = time.monotonic() + seconds
+
+    def execute(self, sql: str, params: object = None) -> None:
+        left_ms = max(1, round((self._deadline - time.monotonic()) * 1000))
+        self._cursor.execute(f"SET LOCAL statement_timeout = {left_ms:d}")
+        self._cursor.execute(sql, params)
+
+    def fetchone(self) -> tuple | None:
+        return self._cursor.fetchone()
+
+    @property
+    def rowcount(self) -> int:
+        return self._cursor.rowcount
+
+
+def _take_lock(cursor: _Deadline) -> bool:
+    """The rollup lock for this transaction, and memory enough to aggregate a batch's
+    records in one hash."""
     cursor.execute("SELECT pg_try_advisory_xact_lock(%s)", [ROLLUP_LOCK])
     if not cursor.fetchone()[0]:
         return False
-    timeout_ms = round(settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS * 1000)
-    cursor.execute(f"SET LOCAL statement_timeout = {timeout_ms:d}")
     cursor.execute("SET LOCAL work_mem = '256MB'")
     return True
 
@@ -192,7 +216,7 @@ def _take_lock(cursor: object) -> bool:
 def _record_timeout(reason: str, *, batch_hours: int | None = None) -> None:
     """Log and keep why a rollup transaction was rolled back, and the batch size from now."""
     timeout = settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS
-    reason = f"{reason} (statement timeout: {timeout:g} s)"
+    reason = f"{reason} (timeout: {timeout:g} s a transaction)"
     logger.error("billing rollup: %s", reason)
     changes = {"timed_out_at": timezone.now(), "timeout_reason": reason}
     if batch_hours is not None:
@@ -303,7 +327,8 @@ def _roll_up_gpu_time(now: datetime) -> int | None:
     """Rewrite the GPU hours from an hour before the latest line on, in one transaction;
     None when the lock is held or the statement timeout passed (rolled back, logged)."""
     try:
-        with transaction.atomic(), connection.cursor() as cursor:
+        with transaction.atomic(), connection.cursor() as plain:
+            cursor = _Deadline(plain, seconds=settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS)
             if not _take_lock(cursor):
                 return None
             do_write_down_list_prices()

@@ -40,6 +40,10 @@ from gateway.limits import Admission
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 1.0
+# How long a request waits for its trace to be written at most (normally well under a
+# millisecond): past it, Redis is struggling, and the request goes on unguarded rather than
+# holding its client.
+WRITE_AHEAD_WAIT_SECONDS = 0.5
 
 
 def _store_directly(payloads: list[bytes]) -> list[bytes]:
@@ -107,9 +111,15 @@ class UsageSink:
             return
         if self._written is None:
             self._written = asyncio.get_running_loop().create_future()
+        written = self._written
         self._wake.set()
-        # Shared by every waiter of the write: one that is cancelled must not cancel it.
-        await asyncio.shield(self._written)
+        try:
+            # Shared by every waiter of the write: one that is cancelled must not cancel it.
+            async with asyncio.timeout(WRITE_AHEAD_WAIT_SECONDS):
+                await asyncio.shield(written)
+        except TimeoutError:
+            logger.warning("the trace of %s was not written within %.1f s; its answer goes on",
+                           exchange.request_id, WRITE_AHEAD_WAIT_SECONDS)
 
     def _gather(self) -> None:
         """Have what is queued written once the first of it has waited a few milliseconds
@@ -136,7 +146,17 @@ class UsageSink:
                     counts["queued"], counts["redis"], counts["postgres"], len(self._records))
 
     async def _run(self) -> None:
-        while True:
+        try:
+            while not await self._turn():
+                pass
+        finally:
+            if self._written is not None and not self._written.done():
+                self._written.set_result(None)  # nobody waits on a sink that has stopped
+
+    async def _turn(self) -> bool:
+        """Wait for work, then do what is due; True once closing has written everything. An
+        unexpected error is logged and the turn tried again: the sink must outlive it."""
+        try:
             now = time.monotonic()
             pending = self._records or self._releases or self._tracing
             due = min(self._flush_at if pending else float("inf"),
@@ -155,31 +175,34 @@ class UsageSink:
             pending = self._records or self._releases or self._tracing
             renewing = bool(self._running) and now >= self._renew_at
             if not (self._closing or renewing or (pending and now >= self._flush_at)):
-                continue
+                return False
             if not await self._flush():
                 await asyncio.sleep(RETRY_SECONDS)
-            elif self._closing and not self._records and not self._releases:
-                return
+                return False
+            return self._closing and not self._records and not self._releases
+        except Exception:
+            logger.exception("the usage sink failed a turn; trying again")
+            await asyncio.sleep(RETRY_SECONDS)
+            return False
 
     async def _write_awaited_traces(self) -> None:
-        """Write the traces queued so far, at once and alone (one command each, no
-        transaction: each is whole by itself), and release who waits for them."""
+        """Write the traces queued so far, at once and alone (no transaction: each is whole
+        by itself), and release who waits for them."""
         written, self._written = self._written, None
         tracing, self._tracing = self._tracing, {}
         self._gathering = bool(self._records or self._releases)
-        traced = [(exchange, exchange.traced_usage()) for exchange in tracing.values()]
-        pipe = self._redis.pipeline(transaction=False)
-        for exchange, _ in traced:
-            pipe.hset(usage_stream.ADMITTED, exchange.request_id,
-                      exchange.interrupted_report().encode())
         try:
+            if not tracing:  # a write just before took them
+                return
+            pipe = self._redis.pipeline(transaction=False)
+            traced = self._trace(pipe, tracing.values())
             await pipe.execute()
             self._reachable = True
             for exchange, usage in traced:
                 exchange.traced = usage
         except (RedisError, OSError) as exc:
             self._reachable = False
-            logger.warning("usage traces unreachable (%s); %d not written", exc, len(traced))
+            logger.warning("usage traces unreachable (%s); %d not written", exc, len(tracing))
         finally:
             assert written is not None
             written.set_result(None)

@@ -276,27 +276,32 @@ def hold_run_lock() -> int | None:
             time.sleep(0.05)
 
 
-def running_services(timeout: float = 30.0) -> dict[str, str] | None:
-    """DATABASE_URL and REDIS_URL of the `run` up from this state directory, if one is (it
-    holds the run lock; a run that is starting records them within seconds)."""
+def run_is_up() -> bool:
+    """Whether a `run` from this state directory holds the run lock."""
     if not RUN_LOCK.exists():
-        return None
+        return False
     fd = os.open(RUN_LOCK, os.O_RDONLY)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            return None  # nobody holds it: no run is up
-        except BlockingIOError:
-            pass
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
     finally:
         os.close(fd)
+
+
+def running_services(timeout: float = 30.0) -> dict[str, str] | None:
+    """DATABASE_URL and REDIS_URL of the `run` up from this state directory, if one is (a
+    run that is starting records them within seconds of taking the lock)."""
     deadline = time.monotonic() + timeout
-    while not RUN_SERVICES.exists():
+    while run_is_up():
+        if RUN_SERVICES.exists():
+            return json.loads(RUN_SERVICES.read_text())
         if time.monotonic() > deadline:
             raise SystemExit(f"[kvrun] a `make run` from {STATE_DIR} holds {RUN_LOCK.name} but "
                              f"has not recorded its services in {timeout:.0f} s; try again")
         time.sleep(0.2)
-    return json.loads(RUN_SERVICES.read_text())
+    return None
 
 
 def record_services(env: dict[str, str]) -> None:
@@ -315,6 +320,7 @@ def run() -> int:
         log(f"another `make run` is running from {STATE_DIR}; stop it first (Ctrl-C in its "
             "terminal), or give this one a state directory of its own (KVRUN_STATE_DIR)")
         return 1
+    RUN_SERVICES.unlink(missing_ok=True)  # a run killed outright left its own
     services, env = prepare_environment(debug=True)
     record_services(env)
     services.on_stop(lambda: RUN_SERVICES.unlink(missing_ok=True))
@@ -409,7 +415,8 @@ def manage_command(args: list[str]) -> int:
     running = running_services()
     if running is not None:
         log("using the services of the `make run` that is up")
-        os.environ.update(running)
+        for name, url in running.items():
+            os.environ.setdefault(name, url)  # one given in the environment is the user's
     services, env = prepare_environment(debug=True, own_redis=running is None)
     try:
         return run_to_end([sys.executable, "manage.py", *args], env=env)

@@ -231,8 +231,9 @@ KVRUN_USAGE_INGEST_SECONDS = env.float("KVRUN_USAGE_INGEST_SECONDS", default=1.0
 # How often beat rolls usage records and replica intervals up into hourly lines: how fresh the
 # month's cost so far is.
 KVRUN_BILLING_ROLLUP_SECONDS = env.float("KVRUN_BILLING_ROLLUP_SECONDS", default=60.0)
-# Each statement of a rollup batch may take this long (a batch of 10,000 stale hours takes
-# well under a second); one that runs longer is rolled back and the batches halved.
+# A rollup transaction (a batch of stale hours, or the GPU hours) may take this long, its
+# statements together (a batch of 10,000 stale hours takes well under a second); one that runs
+# longer is rolled back, and the batches halved.
 KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS = env.float("KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS",
                                                  default=30.0)
 # A month's invoice stays a draft this long after the month ends, so that usage still on its

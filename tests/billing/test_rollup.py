@@ -309,8 +309,19 @@ def test_a_backlog_of_150000_stale_hours_is_taken_in_bounded_time_whatever_the_s
         (BACKLOG_START, 1), (hour_of(late), 2)]
 
 
+def hold_line(hour: datetime, held: threading.Event, release: threading.Event) -> None:
+    """Hold a lock on the token line of `hour`, as a long query of an operator might."""
+    try:
+        with transaction.atomic():
+            TokenHour.objects.select_for_update().get(hour=hour)
+            held.set()
+            release.wait(30)
+    finally:
+        connection.close()
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_batch_past_the_statement_timeout_is_undone_and_later_runs_take_smaller_batches(
+def test_a_batch_past_the_timeout_is_undone_and_later_runs_take_smaller_batches(
         cpu_node: Node, org: Organization, settings: object) -> None:
     endpoint = demo_endpoint(org)
     Replica.objects.create(endpoint=endpoint)
@@ -325,17 +336,8 @@ def test_a_batch_past_the_statement_timeout_is_undone_and_later_runs_take_smalle
     RollupState.objects.filter(id=1).update(batch_hours=400)
     settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS = 3
     held, release = threading.Event(), threading.Event()
-
-    def hold_a_line_of_the_second_batch() -> None:
-        try:
-            with transaction.atomic():
-                TokenHour.objects.select_for_update().get(hour=hour_of(hours[450]))
-                held.set()
-                release.wait(30)
-        finally:
-            connection.close()
-
-    holder = threading.Thread(target=hold_a_line_of_the_second_batch)
+    # A line of the second batch.
+    holder = threading.Thread(target=hold_line, args=(hour_of(hours[450]), held, release))
     holder.start()
     try:
         assert held.wait(10)
@@ -350,7 +352,7 @@ def test_a_batch_past_the_statement_timeout_is_undone_and_later_runs_take_smalle
     assert [requests[hour_of(hour)] for hour in hours] == [2] * 400 + [1] * 200
     assert StaleUsageHour.objects.count() == 200
     assert state.batch_hours == 200 and state.timed_out_at is not None
-    assert "ran past the statement timeout" in state.timeout_reason
+    assert "ran past the timeout and was rolled back" in state.timeout_reason
     assert "the next runs take batches of 200" in state.timeout_reason
 
     resumed = do_roll_up_usage(now=now)
@@ -359,6 +361,35 @@ def test_a_batch_past_the_statement_timeout_is_undone_and_later_runs_take_smalle
     assert set(TokenHour.objects.values_list("requests", flat=True)) == {2}
     assert not StaleUsageHour.objects.exists()
     assert RollupState.objects.get().batch_hours == 400  # quick batches: room for twice as many
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_first_batch_past_the_timeout_leaves_the_gpu_hours_rolled_up_all_the_same(
+        cpu_node: Node, org: Organization, settings: object) -> None:
+    endpoint = demo_endpoint(org)
+    replica = Replica.objects.create(endpoint=endpoint)
+    run_replica(replica, cpu_node, [(T0, State.SCHEDULING)])
+    key, _ = inference_key(org)
+    now = T0 + timedelta(hours=1)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=T0).encode()])
+    do_roll_up_usage(now=now)
+    do_record_usage(payloads=[usage_report(endpoint, key, started_at=T0).encode()])
+    GPUHour.objects.all().delete()
+    settings.KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS = 3
+    held, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=hold_line, args=(hour_of(T0), held, release))
+    holder.start()
+    try:
+        assert held.wait(10)
+        rollup = do_roll_up_usage(now=now)
+    finally:
+        release.set()
+        holder.join(30)
+
+    assert rollup is not None and (rollup.batches, rollup.complete) == (0, False)
+    assert seconds_by_phase() == {"starting": Decimal(3600)}
+    assert StaleUsageHour.objects.count() == 1 and TokenHour.objects.get().requests == 1
+    assert "ran past the timeout" in RollupState.objects.get().timeout_reason
 
 
 @pytest.mark.django_db(transaction=True)

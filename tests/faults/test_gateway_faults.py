@@ -126,8 +126,9 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
         with Load(f"http://127.0.0.1:{port}", secret, "steady") as load:
             # Some requests done, and streams mid-way at the engine.
             assert wait_until(lambda: served(stubs[0]) >= 3 * CONCURRENCY, 30, interval=0.05)
+            # A copy: the clients' threads add to it meanwhile.
             assert wait_until(lambda: sum(STUB_STEADY_TOKENS // 4 < tokens < STUB_STEADY_TOKENS
-                                          for tokens in load.received.values())
+                                          for tokens in list(load.received.values()))
                               >= CONCURRENCY // 2, 30, interval=0.01)
             web.send_signal(signal.SIGKILL)
             web.wait(10)
