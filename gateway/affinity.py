@@ -86,6 +86,12 @@ class Ring:
         return cls(points=tuple(point for point, _ in placed),
                    owners=tuple(upstream for _, upstream in placed))
 
+    def owner(self, key: int) -> Upstream | None:
+        """The replica `key` belongs to, loads aside: the first clockwise from it."""
+        if not self.points:
+            return None
+        return self.owners[bisect.bisect(self.points, key) % len(self.points)]
+
     def choose(self, key: int, *, upstreams: Sequence[Upstream], tried: set[Upstream],
                concurrency: int) -> Upstream | None:
         """The first replica clockwise from `key` that is up, not yet tried, and under its

@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 from django.conf import settings
+from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -94,6 +95,8 @@ class Gateway:
             self.sink.start()
             self.proxy = Proxy(self.sink)
             self.cold_starts = ColdStarts(self.directory)
+            self.in_flight = observed.InFlight(self.directory)
+            REGISTRY.register(self.in_flight)
             self._background.append(asyncio.get_running_loop().create_task(
                 self._follow_revocations()))
             # Django's start-up leaves a large heap that never changes; moving it out of the
@@ -111,6 +114,7 @@ class Gateway:
         self._background.clear()
         await self.sink.close()
         await self.proxy.close()
+        REGISTRY.unregister(self.in_flight)
         await self.redis.aclose()
         self._started = False
 

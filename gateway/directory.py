@@ -184,6 +184,10 @@ class Directory:
         self._routes[organization_id] = (time.monotonic() + self._route_seconds, routes)
         return routes
 
+    def known_routes(self) -> list[Route]:
+        """Every route this process has read and still keeps."""
+        return [route for _, routes in list(self._routes.values()) for route in routes.values()]
+
     def _with_upstreams(self, route: Route, replicas: tuple[_ReplicaRow, ...]) -> Route:
         """The route with its replicas as upstreams; a replica keeps its upstream (and so
         its in-flight count) from one refresh to the next."""

@@ -1,9 +1,19 @@
 """The gateway's own Prometheus metrics, kept in this process (kvrun's /metrics exposes them
-beside the engines' figures): its overhead and the time to first token per endpoint, and
-requests by status. Observing costs about a microsecond a request."""
+beside the engines' figures): its overhead and the time to first token per endpoint,
+requests by status, the requests in flight to each replica and the requests prefix affinity
+spilled past their replica. Observing costs about a microsecond a request.
+
+Each web process counts its own: a scrape of several sums them (`sum by (endpoint, replica)`
+of the in-flight gauge; `rate` of the counters, summed). Routing, and so its load bound, is
+per process too.
+"""
+
+from collections.abc import Iterator
 
 from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
+from gateway.directory import Directory
 from gateway.exchange import Exchange
 
 OVERHEAD = Histogram(
@@ -18,6 +28,26 @@ TIME_TO_FIRST_TOKEN = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 REQUESTS = Counter("kvrun_gateway_requests", "Finished requests by status.",
                    ["organization", "endpoint", "status"])
+SPILLS = Counter("kvrun_gateway_affinity_spills",
+                 "Requests that prefix affinity sent past their prefix's replica, which was at "
+                 "its load bound.", ["organization", "endpoint"])
+
+
+class InFlight:
+    """Requests in flight to each replica this process knows, as it counts them."""
+
+    def __init__(self, directory: Directory) -> None:
+        self._directory = directory
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily("kvrun_gateway_replica_requests_in_flight",
+                                  "Requests this web process has in flight to the replica.",
+                                  labels=["organization", "endpoint", "replica"])
+        for route in self._directory.known_routes():
+            for upstream in route.upstreams:
+                gauge.add_metric([route.organization_slug, route.name, upstream.replica_id],
+                                 upstream.in_flight)
+        yield gauge
 
 
 def observe(exchange: Exchange) -> None:

@@ -18,6 +18,7 @@ import orjson
 from django.conf import settings
 
 from endpoints.models import CacheIsolation
+from gateway import observed
 from gateway.affinity import prefix_key
 from gateway.asgi import JSON, Receive, Send, respond, response_headers
 from gateway.directory import Upstream, choose_upstream, mark_down
@@ -129,6 +130,8 @@ class Proxy:
         path = ENGINE_PATHS[exchange.operation]
         tried: set[Upstream] = set()
         while (upstream := choose_upstream(route, tried=tried, key=affinity)) is not None:
+            if affinity is not None and not tried and upstream is not route.ring.owner(affinity):
+                observed.SPILLS.labels(route.organization_slug, route.name).inc()
             tried.add(upstream)
             upstream.in_flight += 1
             upstream.served += 1

@@ -30,6 +30,7 @@ from tests.helpers import (
     ENGINE_TIMINGS,
     NODE_LOST_AFTER_SECONDS,
     ROOT,
+    WEB_METRICS_TOKEN,
     start_agent,
     start_web,
     start_worker,
@@ -153,7 +154,7 @@ def web(celery_worker: subprocess.Popen) -> Iterator[str]:
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     # The dashboard's snippets and its playground reach the gateway at this address.
-    process = start_web(port, KVRUN_BASE_URL=base)
+    process = start_web(port, KVRUN_BASE_URL=base, KVRUN_METRICS_TOKEN=WEB_METRICS_TOKEN)
     yield base
     stop(process)
 

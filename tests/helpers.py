@@ -34,6 +34,9 @@ def database_url_for_tests() -> str:
     return urlunsplit(parts._replace(path="/" + settings.DATABASES["default"]["NAME"]))
 
 
+WEB_METRICS_TOKEN = "suite-scraper"  # the suite's shared web process's /metrics answers it
+
+
 def process_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "DATABASE_URL": database_url_for_tests(), **extra}
 

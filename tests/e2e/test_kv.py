@@ -5,11 +5,14 @@ Two engines serve the whole module, so its rows must outlive each test: the modu
 its own data and flushes once at the end. Its tests run in file order.
 """
 
-import functools
+import os
+import re
+import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import timedelta
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,10 +28,12 @@ from endpoints.services import (
     do_load_catalogs,
 )
 from engine.metrics import totals
-from kvrun.digests import engine_api_key
+from gateway.affinity import Ring, prefix_key
+from gateway.directory import Upstream
+from kvrun.digests import cache_salt, engine_api_key
 from telemetry.models import EngineSample
 from tests.factories import UserFactory, api_key, inference_key
-from tests.helpers import api_servers, at_once, drive, records_for, wait_until
+from tests.helpers import WEB_METRICS_TOKEN, api_servers, drive, records_for, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -127,38 +132,49 @@ def test_the_agent_reads_each_engine_s_metrics_and_the_api_charts_their_rates(
                           .values_list("id", flat=True))
 
 
-def most_at_once(records: list) -> int:
-    """The most of `records` that ran at one moment, by their start and duration."""
-    moments = sorted([(record.started_at, 1) for record in records] + [
-        (record.started_at + timedelta(milliseconds=record.duration_ms), -1)
-        for record in records])
-    running = most = 0
-    for _, change in moments:
-        running += change
-        most = max(most, running)
-    return most
+def in_flight(pair: Pair) -> dict[str, float]:
+    """The shared web process's requests in flight to each replica of the pair, as its
+    /metrics says."""
+    text = httpx.get(f"{pair.web}/metrics",
+                     headers={"Authorization": f"Bearer {WEB_METRICS_TOKEN}"}).text
+    return {replica: float(value) for replica, value in re.findall(
+        r'^kvrun_gateway_replica_requests_in_flight\{[^}]*endpoint="pair"[^}]*'
+        r'replica="([^"]+)"\} (\S+)$', text, re.M)}
 
 
 def test_a_saturated_replica_spills_to_the_other(pair: Pair) -> None:
-    def one(shared: str, n: int) -> str:
-        # Long answers, so that the four are in flight at once: one replica would take two
-        # (its concurrency), and its bound, 1.25 × the average in flight, fewer.
-        return pair.complete(f"{shared} Tell me more, {n}.", max_tokens=1024,
-                             ignore_eos=True).headers["x-request-id"]
+    # The replica the prefix belongs to is held still (its engine stopped) while two of its
+    # requests wait on it: that fills it (its concurrency is 2, and its load bound, 1.25
+    # times the average in flight over two replicas counting the next request, is 2 too).
+    # The third request with the prefix goes to the other replica, and is answered there.
+    shared = document()
+    prompt = f"{shared} Tell me more."
+    replicas = list(Replica.objects.filter(endpoint=pair.endpoint, state=State.READY))
+    ring = Ring.of([Upstream(replica_id=str(replica.id), base_url="", authorization="")
+                    for replica in replicas])
+    owner = ring.owner(prefix_key({"prompt": prompt}, salt=cache_salt(pair.organization.id)))
+    [held] = [replica for replica in replicas if str(replica.id) == owner.replica_id]
+    [engine] = [pid for pid in api_servers("pair") if held.port == engine_port(pid)]
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        waiting = [threading.Thread(target=pair.complete, args=(prompt,)) for _ in range(2)]
+        for thread in waiting:
+            thread.start()
+        assert wait_until(lambda: in_flight(pair).get(owner.replica_id) == 2, 30,
+                          interval=0.05)
+        spilled = pair.complete(prompt).headers["x-request-id"]
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    for thread in waiting:
+        thread.join(60)
 
-    # Released together they run together, unless a loaded machine staggers them past each
-    # other's end: such a burst says nothing of spilling, and another is sent.
-    for _ in range(3):
-        shared = document()
-        records = records_for(at_once(*(functools.partial(one, shared, n) for n in range(4))))
-        if most_at_once(records) >= 3:
-            break
-    else:
-        pytest.fail("no burst had three requests in flight at once")
+    [record] = records_for([spilled])
+    assert record.replica_id != held.id
 
-    # The same prefix, which alone would stay on one replica (the first test), spilled.
-    served = [record.replica_id for record in records]
-    assert len(set(served)) == 2, served
+
+def engine_port(pid: int) -> int:
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return int(argv[argv.index(b"--port") + 1])
 
 
 def test_prefix_caching_off_rolls_both_replicas_while_they_serve_and_then_never_hits(

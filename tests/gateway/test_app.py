@@ -15,6 +15,7 @@ import pytest
 from django.conf import settings
 from django.test import override_settings
 from django.utils import timezone
+from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 
 from accounts.models import APIKey, Organization
@@ -382,9 +383,11 @@ def test_a_hot_prefix_spills_to_another_replica_past_its_load_bound(
                 for _ in range(4)]
         return [response.status_code for response in await asyncio.gather(*sent)]
 
+    spills = {"organization": org.slug, "endpoint": "pair"}
     assert gateway.run(at_once()) == [200] * 4
     # Bounded at 1.25 × the average in flight: the second replica takes the third request.
     assert sorted(len(received(stub)) for stub in stubs) == [1, 3]
+    assert REGISTRY.get_sample_value("kvrun_gateway_affinity_spills_total", spills) == 1
 
 
 def test_an_endpoint_may_keep_each_key_s_cache_apart(
