@@ -195,7 +195,7 @@ class UsageSink:
             if not tracing:  # a write just before took them
                 return
             pipe = self._redis.pipeline(transaction=False)
-            traced = self._trace(pipe, tracing.values())
+            traced = self._trace(pipe, tracing.values(), renewed=False)
             await pipe.execute()
             self._reachable = True
             for exchange, usage in traced:
@@ -263,15 +263,20 @@ class UsageSink:
                 exchange.idempotency.renew(pipe)
         return self._trace(pipe, self._running.values(), now_ms=now_ms)
 
-    def _trace(self, pipe: Pipeline, exchanges: Iterable[Exchange], *, now_ms: int | None = None
-               ) -> list[tuple[Exchange, tuple[int, int, int]]]:
-        """Queue the traces of these running requests with their usage so far; returns what
-        each will hold once written."""
+    def _trace(self, pipe: Pipeline, exchanges: Iterable[Exchange], *, now_ms: int | None = None,
+               renewed: bool = True) -> list[tuple[Exchange, tuple[int, int, int]]]:
+        """Queue the traces of these running requests with their usage so far, and when
+        `renewed`, the time their gateway last vouched for them; returns what each will hold
+        once written. A trace written between renewals is listed among the vouched-for only
+        when its admission could not list it (Redis was unreachable then): ingestion finds
+        traces through that list."""
         now_ms = now_ms or time.time_ns() // 1_000_000
         traced = []
         for exchange in exchanges:
+            assert exchange.admission is not None
             traced.append((exchange, exchange.traced_usage()))
             pipe.hset(usage_stream.ADMITTED, exchange.request_id,
                       exchange.interrupted_report().encode())
-            pipe.zadd(usage_stream.ADMITTED_SEEN, {exchange.request_id: now_ms})
+            if renewed or not exchange.admission.endpoint_id:
+                pipe.zadd(usage_stream.ADMITTED_SEEN, {exchange.request_id: now_ms})
         return traced
