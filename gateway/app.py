@@ -19,7 +19,6 @@ from typing import Any
 
 import orjson
 from django.conf import settings
-from prometheus_client import REGISTRY
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
@@ -95,8 +94,7 @@ class Gateway:
             self.sink.start()
             self.proxy = Proxy(self.sink)
             self.cold_starts = ColdStarts(self.directory)
-            self.in_flight = observed.InFlight(self.directory)
-            REGISTRY.register(self.in_flight)
+            observed.IN_FLIGHT.directories.add(self.directory)
             self._background.append(asyncio.get_running_loop().create_task(
                 self._follow_revocations()))
             # Django's start-up leaves a large heap that never changes; moving it out of the
@@ -114,7 +112,7 @@ class Gateway:
         self._background.clear()
         await self.sink.close()
         await self.proxy.close()
-        REGISTRY.unregister(self.in_flight)
+        observed.IN_FLIGHT.directories.discard(self.directory)
         await self.redis.aclose()
         self._started = False
 

@@ -10,7 +10,7 @@ per process too.
 
 from collections.abc import Iterator
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.directory import Directory
@@ -34,20 +34,29 @@ SPILLS = Counter("kvrun_gateway_affinity_spills",
 
 
 class InFlight:
-    """Requests in flight to each replica this process knows, as it counts them."""
+    """Requests in flight to each replica the gateways of this process know, as they count
+    them (one gateway in a web process; tests start several)."""
 
-    def __init__(self, directory: Directory) -> None:
-        self._directory = directory
+    def __init__(self) -> None:
+        self.directories: set[Directory] = set()
 
     def collect(self) -> Iterator[Metric]:
         gauge = GaugeMetricFamily("kvrun_gateway_replica_requests_in_flight",
                                   "Requests this web process has in flight to the replica.",
                                   labels=["organization", "endpoint", "replica"])
-        for route in self._directory.known_routes():
-            for upstream in route.upstreams:
-                gauge.add_metric([route.organization_slug, route.name, upstream.replica_id],
-                                 upstream.in_flight)
+        counts: dict[tuple[str, str, str], int] = {}
+        for directory in list(self.directories):
+            for route in directory.known_routes():
+                for upstream in route.upstreams:
+                    labels = (route.organization_slug, route.name, upstream.replica_id)
+                    counts[labels] = counts.get(labels, 0) + upstream.in_flight
+        for labels, count in counts.items():
+            gauge.add_metric(list(labels), count)
         yield gauge
+
+
+IN_FLIGHT = InFlight()
+REGISTRY.register(IN_FLIGHT)
 
 
 def observe(exchange: Exchange) -> None:
