@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: run test lint bench install browser clean vendor gpu-check
+.PHONY: run test lint bench docs install browser clean vendor gpu-check
 
 run: install
 	$(BIN)/python -m kvrun.launcher run
@@ -37,6 +37,10 @@ endif
 bench: install
 	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 	$(BIN)/python -m kvrun.launcher bench $(BENCH)
+
+# docs/benchmarks.md from bench/results/*.json (make bench renders it too).
+docs: install
+	$(BIN)/python -m bench.render
 
 # On a host with an NVIDIA GPU: kvrun's GPU sizing against what CUDA vLLM logs (README).
 gpu-check: install

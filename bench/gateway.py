@@ -34,6 +34,7 @@ from django.utils import timezone  # noqa: E402
 
 from accounts.models import Organization, Role, Scope, User  # noqa: E402
 from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
+from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
 from billing.services import do_ingest_usage  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
@@ -44,11 +45,31 @@ from kvrun.digests import engine_api_key  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 from tests.factories import ready_endpoint  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 SECONDS = int(os.environ.get("BENCH_SECONDS", "10"))
 WRK_SCRIPT = ROOT / "bench" / "wrk_post.lua"
 CORES = os.cpu_count() or 1
+GOALS = [
+    Goal("added_p50_ms", "added p50, minimal upstream, c=1", at_most=1, unit="ms"),
+    Goal("added_p99_ms", "added p99, minimal upstream, c=1", at_most=5, unit="ms"),
+    Goal("stream_added_p50_ms", "added p50, streamed, c=1", at_most=1, unit="ms"),
+    Goal("stream_added_p99_ms", "added p99, streamed, c=1", at_most=5, unit="ms"),
+    Goal("records_lost", "usage records lost", at_most=0),
+    Goal("rps_minimal_upstream", "requests a second through the gateway, c=32",
+         at_least=2000, unit="req/s", required=False),
+]
+SHOWN = [
+    Figure("rps_minimal_upstream_direct", "requests a second direct, c=32", "req/s"),
+    Figure("gateway_cpu_share_c32", "share of the cores the gateway used, c=32"),
+    Figure("engine_direct_p50_ms", "real engine, 16 tokens, c=1, p50 direct", "ms"),
+    Figure("engine_gateway_p50_ms", "real engine, 16 tokens, c=1, p50 through kvrun", "ms"),
+    Figure("ratio_vs_direct", "real engine: through kvrun / direct, p50"),
+    Figure("stream_ratio_vs_direct", "real engine, streamed: through kvrun / direct, p50"),
+    Figure("peak_rss_mb", "peak RSS of the web process", "MB"),
+    Figure("requests_admitted", "requests admitted"),
+    Figure("usage_records", "usage records stored"),
+    Figure("metered_generation_tokens", "generated tokens metered"),
+    Figure("engine_generation_tokens", "generated tokens the engine counted"),
+]
 COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "ignore_eos": True}
 
 
@@ -95,7 +116,7 @@ def body_for(name: str, *, stream: bool) -> dict:
     return body
 
 
-def main() -> None:
+def main() -> int:
     do_load_catalogs()
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -172,9 +193,9 @@ def main() -> None:
     result = summarise(runs, peak_rss_mb=peak_rss_mb, completed=completed,
                        admitted=admitted_by_gateway(web_log.read_text()),
                        records=UsageRecord.objects.count(), metered=metered, engine_grew=grew)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "gateway.json").write_text(json.dumps(result, indent=2) + "\n")
+    met = write("gateway", result, goals=GOALS, shown=SHOWN)
     report(result)
+    return 0 if met else 1
 
 
 def peak_rss(pid: int) -> int:
@@ -259,8 +280,8 @@ def report(result: dict) -> None:
     print(f"  tokens metered / engine counted: prompt {result['metered_prompt_tokens']:,} / "
           f"{result['engine_prompt_tokens']:,}, generation "
           f"{result['metered_generation_tokens']:,} / {result['engine_generation_tokens']:,}")
-    print(f"\nwritten to {RESULTS / 'gateway.json'}")
+    print_goals(result, GOALS)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

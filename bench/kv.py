@@ -17,7 +17,6 @@ unchanged on a GPU host (there the pools are as large as the devices allow). Goa
 hit rate at least 1.8 × least-loaded's, and its TTFT p50 lower. Writes bench/results/kv.json.
 """
 
-import json
 import os
 import random
 import statistics
@@ -38,6 +37,7 @@ from django.conf import settings  # noqa: E402
 from accounts.models import Role, Scope, User  # noqa: E402
 from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
 from bench.provision import start_processes, start_web  # noqa: E402
+from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import (  # noqa: E402
     do_change_endpoint_policy,
@@ -47,15 +47,23 @@ from endpoints.services import (  # noqa: E402
 )
 from kvrun.celery import app  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 SEED = 20261204
 CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
 TENANTS, QUESTIONS = 12, 4
 ROUNDS = 3  # of each routing, taking turns
 DOCUMENT_WORDS = 200  # about 1,100 tokens of the demo tokenizer: 12 of them overflow 8,192
-GOALS = {"affinity_hit_ratio": 1.8, "affinity_ttft_p50_ratio": 1.0}
+GOALS = [
+    Goal("affinity_hit_ratio", "prefix affinity's hit rate / least-loaded's", at_least=1.8),
+    Goal("affinity_ttft_p50_ratio", "prefix affinity's TTFT p50 / least-loaded's", below=1.0),
+]
+SHOWN = [
+    Figure("hit_rate_on", "multi-turn hit rate, prefix caching on"),
+    Figure("hit_rate_off", "multi-turn hit rate, prefix caching off"),
+    Figure("ttft_ratio_off_on", "multi-turn TTFT p50: caching off / on"),
+    Figure("affinity_hit_rate", "hit rate, prefix affinity"),
+    Figure("least_loaded_hit_rate", "hit rate, least-loaded"),
+]
 WORDS = ("travel expenses leave policy section rule manager approval budget invoice contract "
          "holiday sick remote office security laptop password review quarter target bonus "
          "training mentor customer support ticket release deploy incident report").split()
@@ -213,13 +221,10 @@ def main() -> int:
         "affinity_ttft_p50_ratio": round(affinity["ttft_p50_ms"] / least_loaded["ttft_p50_ms"],
                                          3),
         "caching_on": caching_on, "caching_off": caching_off,
-        "least_loaded": least_loaded, "affinity": affinity, "goals": GOALS,
+        "least_loaded": least_loaded, "affinity": affinity,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "kv.json").write_text(json.dumps(result, indent=2) + "\n")
+    met = write("kv", result, goals=GOALS, shown=SHOWN)
     report(result)
-    met = (result["affinity_hit_ratio"] >= GOALS["affinity_hit_ratio"]
-           and result["affinity_ttft_p50_ratio"] < GOALS["affinity_ttft_p50_ratio"])
     return 0 if met else 1
 
 
@@ -234,11 +239,8 @@ def report(result: dict) -> None:
         row = result[key]
         print(f"  {label:<44}{row['hit_rate']:>9.1%}{row['ttft_p50_ms']:>8.1f}ms"
               f"{row['ttft_p95_ms']:>8.1f}ms")
-    print(f"  TTFT p50 off/on {result['ttft_ratio_off_on']:.2f}; affinity's hit rate "
-          f"{result['affinity_hit_ratio']:.2f} × least-loaded's (goal ≥ "
-          f"{GOALS['affinity_hit_ratio']}); its TTFT p50 {result['affinity_ttft_p50_ratio']:.2f}"
-          " × (goal < 1)")
-    print(f"\nwritten to {RESULTS / 'kv.json'}")
+    print(f"  TTFT p50 off/on {result['ttft_ratio_off_on']:.2f}")
+    print_goals(result, GOALS)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from create to `ready` less that same engine's own spawn-to-serving time (from t
 `loading` and `ready` events). Writes bench/results/provision.json.
 """
 
-import json
 import os
 import statistics
 import subprocess
@@ -27,6 +26,7 @@ from django.conf import settings  # noqa: E402
 
 from accounts.models import Role, User  # noqa: E402
 from accounts.services import do_create_organization  # noqa: E402
+from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State  # noqa: E402
 from endpoints.planning import plan  # noqa: E402
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs  # noqa: E402
@@ -35,8 +35,18 @@ from engine.sizing import CPU  # noqa: E402
 from kvrun.celery import app  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+GOALS = [
+    Goal("overhead_s", "kvrun's own time to ready, in-run", below=2, unit="s"),
+    Goal("ratio", "kvrun create to ready / bare vLLM start", below=1.1),
+    Goal("sizing_error_pct", "KV tokens: sizing against what vLLM logged", at_most=0,
+         unit="%"),
+]
+SHOWN = [
+    Figure("bare_start_s", "bare vLLM start to ready, median", "s"),
+    Figure("kvrun_create_to_ready_s", "kvrun create to ready, median", "s"),
+    Figure("kv_tokens_logged", "KV tokens vLLM logged"),
+    Figure("kv_tokens_predicted", "KV tokens kvrun sized"),
+]
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 
 
@@ -116,7 +126,7 @@ def start_web(children: list[subprocess.Popen]) -> str:
     return f"http://127.0.0.1:{port}"
 
 
-def main() -> None:
+def main() -> int:
     do_load_catalogs()
     model = ModelSpec.objects.get(slug="kvrun-demo-tiny")
     model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / model.slug))
@@ -157,19 +167,19 @@ def main() -> None:
         "kvrun_runs_s": [round(x, 3) for x in through],
         "kvrun_engine_own_s": [round(x, 3) for x in engine_own],
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "provision.json").write_text(json.dumps(result, indent=2) + "\n")
+    met = write("provision", result, goals=GOALS, shown=SHOWN)
     print("\nprovision (demo model, CPU engine, median of "
           f"{ROUNDS} alternating rounds)")
     print(f"  {'bare vLLM start → ready':<34}{result['bare_start_s']:>9.2f} s")
     print(f"  {'kvrun create → ready':<34}{result['kvrun_create_to_ready_s']:>9.2f} s")
-    print(f"  {'kvrun overhead, in-run':<34}{result['overhead_s']:>9.2f} s   (goal < 2 s)")
+    print(f"  {'kvrun overhead, in-run':<34}{result['overhead_s']:>9.2f} s")
     print(f"  {'difference of medians':<34}{result['overhead_vs_bare_median_s']:>9.2f} s")
-    print(f"  {'ratio':<34}{result['ratio']:>9.3f}     (goal < 1.1)")
+    print(f"  {'ratio':<34}{result['ratio']:>9.3f}")
     print(f"  {'KV tokens logged / predicted':<34}{logged:>9,} / {predicted:,}")
     print(f"  {'sizing error':<34}{result['sizing_error_pct']:>9.4f} %")
-    print(f"\nwritten to {RESULTS / 'provision.json'}")
+    print_goals(result, GOALS)
+    return 0 if met else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`make docs`: render docs/benchmarks.md from bench/results/*.json, the only place figures
+are written; each target's method comes from its module's docstring.
+
+    python -m bench.render            # write docs/benchmarks.md
+    python -m bench.render --check    # exit 1 when it differs from what the results say
+
+Standard library only, and no benchmark module is imported (they set Django up on import).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+from bench.record import RESULTS, ROOT, bound, shown_value
+
+BENCHMARKS = ("provision", "gateway", "dashboard", "billing", "kv", "autoscale")
+DOCUMENT = ROOT / "docs" / "benchmarks.md"
+
+INTRO = """# Benchmarks
+
+`make bench` runs the six targets on the machine it is given, each against an empty database
+(`make bench BENCH=billing` runs one), writes what each measured to `bench/results/<target>.json`
+and renders this page from those files (`make docs` renders it alone). Nothing here is typed:
+a test fails when this page differs from the results. Each target compares kvrun with a floor
+measured side by side in the same run (a bare engine, a direct request, a plain query), so
+that its goals are ratios that hold from one machine to another; an absolute goal, which
+depends on the machine and its day, is marked as such and fails no run.
+"""
+
+
+def render(results: Path = RESULTS, benchmarks: Path = ROOT / "bench") -> str:
+    parts = [INTRO]
+    for name in BENCHMARKS:
+        path = results / f"{name}.json"
+        if path.exists():
+            parts.append(_section(name, json.loads(path.read_text()),
+                                  _method(benchmarks / f"{name}.py")))
+    return "\n".join(parts)
+
+
+def _method(module: Path) -> str:
+    return ast.get_docstring(ast.parse(module.read_text())) or ""
+
+
+def _section(name: str, result: dict, method: str) -> str:
+    machine = result.get("machine") or {}
+    lines = [f"## {name}", "", "```text", method, "```", ""]
+    if machine:
+        lines += [f"Measured {result['measured_at']} on {machine['cores']} cores, "
+                  f"{machine['memory_gib']} GiB, {machine['cpu']}, at commit "
+                  f"`{result['commit']}`.", ""]
+    else:
+        lines += ["Measured before results recorded their provenance; run the target again.",
+                  ""]
+    lines += ["| figure | value | goal | met |", "| --- | ---: | --- | --- |"]
+    for goal in result.get("goals") or []:
+        if not isinstance(goal, dict):
+            continue
+        met = ("yes" if goal["met"] else "**no**") if goal.get("required", True) else (
+            "yes" if goal["met"] else "no") + " (depends on the machine)"
+        lines.append(f"| {goal['label']} | {shown_value(result[goal['key']], goal['unit'])} | "
+                     f"{bound(goal)} | {met} |")
+    for figure in result.get("shown") or []:
+        lines.append(f"| {figure['label']} | {shown_value(result[figure['key']], figure['unit'])} "
+                     "| | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    rendered = render()
+    if "--check" in argv:
+        return 0 if DOCUMENT.exists() and DOCUMENT.read_text() == rendered else 1
+    DOCUMENT.parent.mkdir(exist_ok=True)
+    DOCUMENT.write_text(rendered)
+    print(f"rendered {DOCUMENT.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
