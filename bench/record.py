@@ -114,9 +114,12 @@ def machine() -> dict:
 
 
 def commit() -> str:
-    """The commit measured, with `+changes` when the tree differed from it."""
+    """The commit measured, with `+changes` when its code differed from it (documents and
+    results aside: they change nothing measured)."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
                               check=False).stdout.strip()
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    return head + ("+changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+    changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs",
+                  ":!*.md", ":!bench/results")
+    return head + ("+changes" if changed else "")
