@@ -35,7 +35,7 @@ endif
 	touch $@
 
 bench: install
-	@command -v wrk >/dev/null || { apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
+	@command -v wrk >/dev/null || { echo "make bench: installing Debian's wrk (the gateway benchmark's load generator) with apt-get"; apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 	$(BIN)/python -m kvrun.launcher bench $(BENCH)
 
 # docs/benchmarks.md from bench/results/*.json (make bench renders it too).
@@ -48,7 +48,7 @@ gpu-check: install
 
 # Playwright drives Debian's Chromium; its own browser download cannot work offline.
 browser:
-	@test -x /usr/bin/chromium || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+	@test -x /usr/bin/chromium || { echo "make test: installing Debian's chromium (the browser tests drive it) with apt-get"; apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 
 clean:
 	rm -rf $(VENV)
