@@ -42,7 +42,7 @@ bench: install
 docs: install
 	$(BIN)/python -m bench.render
 
-# On a host with an NVIDIA GPU: kvrun's GPU sizing against what CUDA vLLM logs (README).
+# On a host with an NVIDIA GPU: kvrun's GPU sizing against what CUDA vLLM logs (docs/kv-and-autoscaling.md).
 gpu-check: install
 	$(BIN)/python -m bench.gpu_check
 

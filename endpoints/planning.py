@@ -21,7 +21,7 @@ from engine.kv_policy import KVPolicy, refusals
 from engine.sizing import CPU, GPU
 
 # How to bring a node of a missing kind online, in words a newcomer can follow.
-ADD_NODE_ADVICE = ("start a node agent on a host with one (manage.py node_agent; the README's "
+ADD_NODE_ADVICE = ("start a node agent on a host with one (manage.py node_agent; docs/operations.md, "
                    "\"Adding a GPU node\" says how)")
 
 

@@ -14,7 +14,7 @@ FIGURES = ROOT / "artifacts" / "faults"
 @pytest.fixture
 def figures(request: pytest.FixtureRequest) -> Callable[..., None]:
     """figures(**counts): keep what a fault test measured (requests sent, records stored,
-    orphans, 5xx) in artifacts/faults/<test>.json, for the README's table."""
+    orphans, 5xx) in artifacts/faults/<test>.json, for the table in docs/testing.md."""
     def keep(**counts: int) -> None:
         FIGURES.mkdir(parents=True, exist_ok=True)
         (FIGURES / f"{request.node.name}.json").write_text(json.dumps(counts, indent=1))
