@@ -146,7 +146,7 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     assert load.transport_errors >= CONCURRENCY - 1  # the requests the kill cut off
     assert interrupted.count() >= CONCURRENCY // 2  # the streams in flight at the kill
     assert all(record.prompt_tokens > 0 for record in interrupted)
-    assert not load.statuses or max(load.statuses) < 500
+    assert load.statuses and max(load.statuses) < 500  # some answered, none failed
     # Each client, answered or cut off, is billed what it received: all of an answer, and of
     # a stream all but at most the lag, and at most the event its gateway died sending.
     billed = dict(records.values_list("request_id", "completion_tokens"))

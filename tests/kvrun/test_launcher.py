@@ -150,6 +150,25 @@ def test_make_run_starts_everything_and_ctrl_c_leaves_nothing(state_dir: Path) -
 
 
 @pytest.mark.e2e
+def test_make_run_stops_everything_and_fails_when_one_of_its_processes_dies(
+        state_dir: Path) -> None:
+    port = free_port()
+    launch = Launch(state_dir, port)
+    launch.read_until("Ctrl-C stops every process")
+    processes = descendants(launch.process.pid)
+    [beat] = [pid for pid in processes
+              if b"beat" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+
+    os.kill(beat, signal.SIGKILL)
+    code = launch.process.wait(90)
+    output = "".join(launch.output) + launch.process.stdout.read()
+
+    assert code == 1
+    assert "beat exited with status -9; stopping everything" in output
+    assert not [pid for pid in processes if process_alive(pid)], "orphaned processes"
+
+
+@pytest.mark.e2e
 def test_a_sigkilled_launcher_leaves_only_the_embedded_postgresql(state_dir: Path) -> None:
     port = free_port()
     launch = Launch(state_dir, port)
