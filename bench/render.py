@@ -46,24 +46,17 @@ def _method(module: Path) -> str:
 
 
 def _section(name: str, result: dict, method: str) -> str:
-    machine = result.get("machine") or {}
-    lines = [f"## {name}", "", "```text", method, "```", ""]
-    if machine:
-        lines += [f"Measured {result['measured_at']} on {machine['cores']} cores, "
-                  f"{machine['memory_gib']} GiB, {machine['cpu']}, at commit "
-                  f"`{result['commit']}`.", ""]
-    else:
-        lines += ["Measured before results recorded their provenance; run the target again.",
-                  ""]
-    lines += ["| figure | value | goal | met |", "| --- | ---: | --- | --- |"]
-    for goal in result.get("goals") or []:
-        if not isinstance(goal, dict):
-            continue
+    machine = result["machine"]
+    lines = [f"## {name}", "", "```text", method, "```", "",
+             f"Measured {result['measured_at']} on {machine['cores']} cores, "
+             f"{machine['memory_gib']} GiB, {machine['cpu']}, at commit `{result['commit']}`.",
+             "", "| figure | value | goal | met |", "| --- | ---: | --- | --- |"]
+    for goal in result["goals"]:
         met = ("yes" if goal["met"] else "**no**") if goal.get("required", True) else (
             "yes" if goal["met"] else "no") + " (depends on the machine)"
         lines.append(f"| {goal['label']} | {shown_value(result[goal['key']], goal['unit'])} | "
                      f"{bound(goal)} | {met} |")
-    for figure in result.get("shown") or []:
+    for figure in result.get("shown", []):
         lines.append(f"| {figure['label']} | {shown_value(result[figure['key']], figure['unit'])} "
                      "| | |")
     return "\n".join(lines) + "\n"
