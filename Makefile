@@ -17,7 +17,7 @@ run: install
 test: install browser lint
 	$(BIN)/python -m kvrun.launcher test $(PYTEST_ARGS)
 
-# ruff (pyflakes, isort, bugbear, pyupgrade) and import-linter's contracts (pyproject.toml).
+# ruff (pyflakes, isort, bugbear, pyupgrade, line length) and import-linter's contracts (pyproject.toml).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports

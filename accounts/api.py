@@ -54,7 +54,8 @@ def me(request: Request) -> Response:
     return Response(serializers.UserSerializer(request.user).data)
 
 
-@extend_schema(request=serializers.AcceptInviteInput, responses={201: serializers.MembershipSerializer})
+@extend_schema(request=serializers.AcceptInviteInput,
+               responses={201: serializers.MembershipSerializer})
 @api_view(["POST"])
 @permission_classes([IsAuthenticated, SignedInUser])
 def accept_invite(request: Request) -> Response:
@@ -79,7 +80,8 @@ class OrganizationViewSet(
             return Organization.objects.none()
         return selectors.organizations_visible_to(principal=self.request.user)
 
-    @extend_schema(request=serializers.OrganizationInput, responses={201: serializers.OrganizationSerializer})
+    @extend_schema(request=serializers.OrganizationInput,
+                   responses={201: serializers.OrganizationSerializer})
     def create(self, request: Request) -> Response:
         if isinstance(request.user, KeyPrincipal):
             self.permission_denied(request, message=SignedInUser.message)
@@ -141,7 +143,8 @@ class InviteViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
     def get_queryset(self) -> QuerySet[Invite]:
         return selectors.invites_of(organization=self.organization)
 
-    @extend_schema(request=serializers.InviteInput, responses={201: serializers.CreatedInviteSerializer})
+    @extend_schema(request=serializers.InviteInput,
+                   responses={201: serializers.CreatedInviteSerializer})
     def create(self, request: Request, **kwargs: str) -> Response:
         data = validated(serializers.InviteInput, request)
         invite, token = services.do_create_invite(
@@ -177,7 +180,8 @@ class APIKeyViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
     def get_queryset(self) -> QuerySet[APIKey]:
         return selectors.api_keys_of(organization=self.organization)
 
-    @extend_schema(request=serializers.APIKeyInput, responses={201: serializers.CreatedAPIKeySerializer})
+    @extend_schema(request=serializers.APIKeyInput,
+                   responses={201: serializers.CreatedAPIKeySerializer})
     def create(self, request: Request, **kwargs: str) -> Response:
         data = validated(serializers.APIKeyInput, request)
         key, secret = services.do_create_api_key(
@@ -185,7 +189,8 @@ class APIKeyViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
             created_by=_creator(request), **data,
         )
         key.secret = secret
-        return Response(serializers.CreatedAPIKeySerializer(key).data, status=status.HTTP_201_CREATED)
+        return Response(serializers.CreatedAPIKeySerializer(key).data,
+                        status=status.HTTP_201_CREATED)
 
     def destroy(self, request: Request, **kwargs: str) -> Response:
         """Revoke the key at once; the row stays for the audit trail."""

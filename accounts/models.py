@@ -84,14 +84,16 @@ class Organization(models.Model):
 
 
 class Membership(models.Model):
-    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="memberships")
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
+                                     related_name="memberships")
     user = models.ForeignKey(User, on_delete=models.CASCADE, related_name="memberships")
     role = models.CharField(max_length=10, choices=Role.choices, default=Role.MEMBER)
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["organization", "user"], name="accounts_membership_unique")
+            models.UniqueConstraint(fields=["organization", "user"],
+                                    name="accounts_membership_unique")
         ]
 
     def __str__(self) -> str:
@@ -148,7 +150,8 @@ class APIKey(models.Model):
     """An organisation's API key. The secret is shown once; only its HMAC is stored."""
 
     id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
-    organization = models.ForeignKey(Organization, on_delete=models.CASCADE, related_name="api_keys")
+    organization = models.ForeignKey(Organization, on_delete=models.CASCADE,
+                                     related_name="api_keys")
     name = models.CharField(max_length=100)
     scope = models.CharField(max_length=10, choices=Scope.choices)
     digest = models.CharField(max_length=64, unique=True, editable=False)

@@ -71,7 +71,8 @@ class APIKeySerializer(serializers.ModelSerializer):
         model = APIKey
         fields = [
             "id", "name", "scope", "prefix", "last_four", "state", "endpoint_names",
-            "requests_per_minute", "tokens_per_minute", "created_by", "created_at", "expires_at", "revoked_at", "last_used_at",
+            "requests_per_minute", "tokens_per_minute", "created_by", "created_at", "expires_at",
+            "revoked_at", "last_used_at",
         ]
 
 

@@ -164,8 +164,10 @@ def do_revoke_invite(*, invite: Invite, actor_role: str | None) -> None:
     )
 
 
-def do_change_member_role(*, membership: Membership, role: str, actor_role: str | None) -> Membership:
-    """Change a member's role. Only owners grant or take away ownership; one owner always remains."""
+def do_change_member_role(*, membership: Membership, role: str,
+                          actor_role: str | None) -> Membership:
+    """Change a member's role. Only owners grant or take away ownership; one owner always
+    remains."""
     require_manager(actor_role, "change roles")
     if Role.OWNER in (role, membership.role) and actor_role != Role.OWNER:
         raise PermissionDenied("Only owners can make someone an owner or change an owner's role.")

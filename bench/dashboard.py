@@ -187,8 +187,8 @@ def report(result: dict) -> None:
           f"{result['large']['usage_records']:,})")
     print(f"  {'page':<30}{'small ms':>10}{'large ms':>10}{'ratio':>8}{'queries':>9}")
     for name, row in result["pages"].items():
-        queries = (f"{row['large']['queries']}" if row["large"]["queries"] ==
-                   row["small"]["queries"] else f"{row['small']['queries']}→{row['large']['queries']}")
+        small, large = row["small"]["queries"], row["large"]["queries"]
+        queries = f"{large}" if large == small else f"{small}→{large}"
         print(f"  {name:<30}{row['small']['ms']:>10.1f}{row['large']['ms']:>10.1f}"
               f"{row['ratio']:>8.2f}{queries:>9}")
     print(f"  most queries {result['max_queries']}; queries that grow with rows: "

@@ -161,15 +161,18 @@ def main() -> int:
         runs["minimal_direct_plain_c32"] = wrk(direct_minimal, body, "", connections=32)
         runs["minimal_gateway_plain_c32"] = wrk(gateway, body, secret, connections=32,
                                                 watch=web.pid)
+        def engine_totals() -> dict[str, float]:
+            return engine_token_totals(
+                httpx.get(f"{direct_engine}/metrics", headers=engine_auth).text)
+
         # Metered tokens against the engine's own counters, over the gateway's runs alone.
         counted_from = timezone.now()
-        before = engine_token_totals(httpx.get(f"{direct_engine}/metrics", headers=engine_auth).text)
+        before = engine_totals()
         for label, stream in (("plain", False), ("stream", True)):
             runs[f"engine_gateway_{label}_c1"] = wrk(gateway, body_for("engine", stream=stream),
                                                      secret, connections=1)
         time.sleep(1)  # the last cut-off request has been aborted
-        grew = {name: value - before[name] for name, value in
-                engine_token_totals(httpx.get(f"{direct_engine}/metrics", headers=engine_auth).text).items()}
+        grew = {name: value - before[name] for name, value in engine_totals().items()}
         for label, stream in (("plain", False), ("stream", True)):
             runs[f"engine_direct_{label}_c1"] = wrk(
                 f"{direct_engine}/v1/completions", body_for("engine", stream=stream),
@@ -220,7 +223,8 @@ def ms(us: float) -> float:
 def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, admitted: int,
               records: int, metered: dict, engine_grew: dict) -> dict:
     def added(label: str, pct: str) -> float:
-        return ms(runs[f"minimal_gateway_{label}_c1"][pct] - runs[f"minimal_direct_{label}_c1"][pct])
+        return ms(runs[f"minimal_gateway_{label}_c1"][pct]
+                  - runs[f"minimal_direct_{label}_c1"][pct])
 
     gateway_c32 = runs["minimal_gateway_plain_c32"]
     return {

@@ -156,7 +156,8 @@ def main() -> int:
         "rounds": ROUNDS,
         "bare_start_s": round(statistics.median(bare), 3),
         "kvrun_create_to_ready_s": round(statistics.median(through), 3),
-        "overhead_s": round(statistics.median(t - e for t, e in zip(through, engine_own, strict=True)), 3),
+        "overhead_s": round(statistics.median(
+            t - e for t, e in zip(through, engine_own, strict=True)), 3),
         "overhead_vs_bare_median_s": round(statistics.median(through)
                                            - statistics.median(bare), 3),
         "ratio": round(statistics.median(through) / statistics.median(bare), 3),

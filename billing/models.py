@@ -191,7 +191,8 @@ class GPUPrice(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.gpu_type} ${self.hourly_price_usd}/h from {self.effective_from:%Y-%m-%d %H:%M}"
+        return (f"{self.gpu_type} ${self.hourly_price_usd}/h "
+                f"from {self.effective_from:%Y-%m-%d %H:%M}")
 
     def clean(self) -> None:
         validate_price_start(self.effective_from)

@@ -217,9 +217,9 @@ class EndpointAdmin(ReadOnlyAdmin):
                 self.refused(request, endpoint, exc)
                 continue
             restarted += 1
+        skipped = skipped_deleted(queryset, len(endpoints))
         self.message_user(request, f"Restarting {restarted} endpoint(s); {replaced} replica(s) "
-                                   f"are being replaced{skipped_deleted(queryset, len(endpoints))}.",
-                          messages.SUCCESS)
+                                   f"are being replaced{skipped}.", messages.SUCCESS)
 
     def refused(self, request: HttpRequest, endpoint: Endpoint, error: ValidationError) -> None:
         self.message_user(request, f"{endpoint.name} ({endpoint.organization}): "

@@ -21,8 +21,8 @@ from engine.kv_policy import KVPolicy, refusals
 from engine.sizing import CPU, GPU
 
 # How to bring a node of a missing kind online, in words a newcomer can follow.
-ADD_NODE_ADVICE = ("start a node agent on a host with one (manage.py node_agent; docs/operations.md, "
-                   "\"Adding a GPU node\" says how)")
+ADD_NODE_ADVICE = ("start a node agent on a host with one (manage.py node_agent; "
+                   "docs/operations.md, \"Adding a GPU node\" says how)")
 
 
 def shape_of(model: ModelSpec) -> sizing.ModelShape:
@@ -43,7 +43,9 @@ def accelerator_of(gpu: GPUType) -> sizing.Accelerator:
 
 
 def weight_dtype_of(model: ModelSpec) -> str:
-    return model.default_dtype if model.default_dtype in sizing.WEIGHT_BYTES_PER_PARAM else "bfloat16"
+    if model.default_dtype in sizing.WEIGHT_BYTES_PER_PARAM:
+        return model.default_dtype
+    return "bfloat16"
 
 
 def request_for(model: ModelSpec, *, context_length: int, concurrency: int, kv_cache_dtype: str,

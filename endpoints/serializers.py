@@ -60,7 +60,8 @@ class EndpointSerializer(serializers.ModelSerializer):
                   "cache_isolation", "prefix_affinity", "policy_version", "min_replicas",
                   "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
                   "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds",
-                  "last_scaled_at", "desired_replicas", "desired_state", "state", "failure_reason", "progress",
+                  "last_scaled_at", "desired_replicas", "desired_state", "state", "failure_reason",
+                  "progress",
                   "hourly_price_usd", "sizing", "replicas", "created_at"]
 
     @extend_schema_field({"type": "object", "properties": {

@@ -497,7 +497,8 @@ def do_restart_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> int:
 
 
 def do_delete_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> None:
-    """Stop the endpoint and hide it; its rows stay for usage and billing. The name is free again."""
+    """Stop the endpoint and hide it; its rows stay for usage and billing. The name is free
+    again."""
     require_manager(actor_role, "delete endpoints")
     Endpoint.objects.filter(id=endpoint.id, deleted_at=None).update(
         deleted_at=timezone.now(), desired_state=DesiredState.STOPPED)

@@ -171,7 +171,8 @@ def explain(model: ModelShape, request: Request, choice: Fit | None, fits: list[
     kv_total = request.concurrency * kv_bytes_for_request(
         model, tokens=request.context_length, kv_dtype=request.kv_dtype,
         block_tokens=request.block_tokens)
-    asked = (f"weights {gb_text(weight_bytes(model, request.weight_dtype))} + KV {gib_text(kv_total)} "
+    asked = (f"weights {gb_text(weight_bytes(model, request.weight_dtype))} "
+             f"+ KV {gib_text(kv_total)} "
              f"for {request.concurrency} × {_k(request.context_length)} tokens")
     if choice is None:
         best = max(fits, key=lambda fit: fit.kv_available_per_gpu, default=None)

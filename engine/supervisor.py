@@ -53,7 +53,8 @@ class EngineSpec:
     extra_args: tuple[str, ...] = ()  # flags beyond what a policy sets (gpu-check's loader)
 
 
-def build_command(spec: EngineSpec, python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
+def build_command(spec: EngineSpec,
+                  python: str = sys.executable) -> tuple[list[str], dict[str, str]]:
     """The argv and the environment additions that start `spec`'s engine."""
     argv = [
         python, "-m", "vllm.entrypoints.openai.api_server",

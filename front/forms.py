@@ -66,8 +66,8 @@ class APIKeyForm(forms.Form):
 
 class InviteForm(forms.Form):
     email = forms.EmailField(required=False, label="Email (optional)",
-                             help_text="Only someone signed in with this address can accept the link "
-                                       "(kvrun sends no mail); empty: anyone who has it.")
+                             help_text="Only someone signed in with this address can accept "
+                                       "the link (kvrun sends no mail); empty: anyone who has it.")
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 

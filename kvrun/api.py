@@ -77,7 +77,8 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
     elif isinstance(exc, PermissionDenied):
         exc = exceptions.PermissionDenied(str(exc) or None)
     elif isinstance(exc, DjangoValidationError):
-        detail = exc.message_dict if hasattr(exc, "error_dict") else {"non_field_errors": exc.messages}
+        detail = (exc.message_dict if hasattr(exc, "error_dict")
+                  else {"non_field_errors": exc.messages})
         exc = exceptions.ValidationError(detail)
     response = drf_exception_handler(exc, context)
     if response is None:

@@ -140,7 +140,8 @@ def start_replica(replica_id: str) -> None:
         do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
                                 stage="loading weights and allocating the KV cache", percent=50)
         supervisor.wait_ready(
-            host=spec.host, port=port, served_model_name=spec.served_model_name, api_key=spec.api_key,
+            host=spec.host, port=port, served_model_name=spec.served_model_name,
+            api_key=spec.api_key,
             alive=lambda: process.poll() is None,
             timeout=settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS,
             on_progress=lambda stage: do_set_replica_progress(
@@ -342,7 +343,8 @@ def stop_all_engines(*, name: str) -> None:
         groups = set().union(*processes.running_engines(owner(name)).values())
     # Every group, those a background stop is on included: the agent may exit before it ends.
     processes.stop_groups(groups | {child.pid for child in children},
-                          grace=min(SHUTDOWN_GRACE_SECONDS, settings.KVRUN_ENGINE_STOP_GRACE_SECONDS))
+                          grace=min(SHUTDOWN_GRACE_SECONDS,
+                                    settings.KVRUN_ENGINE_STOP_GRACE_SECONDS))
     for child in children:
         child.poll()
 

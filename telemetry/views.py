@@ -16,6 +16,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
         raise Http404("Set KVRUN_METRICS_TOKEN to expose kvrun's metrics.")
     sent = request.headers.get("Authorization", "").removeprefix("Bearer ")
     if not hmac.compare_digest(sent.encode(), token.encode()):
-        return HttpResponse("Send the metrics token: Authorization: Bearer <KVRUN_METRICS_TOKEN>.\n",
+        return HttpResponse("Send the metrics token: "
+                            "Authorization: Bearer <KVRUN_METRICS_TOKEN>.\n",
                             status=401, content_type="text/plain")
     return HttpResponse(exposition(), content_type=CONTENT_TYPE_LATEST)

@@ -14,7 +14,8 @@ def operator(client: Client) -> Client:
     return client
 
 
-def test_the_console_never_shows_a_key_secret_or_digest(operator: Client, org: Organization) -> None:
+def test_the_console_never_shows_a_key_secret_or_digest(operator: Client,
+                                                        org: Organization) -> None:
     key, secret = api_key(org)
 
     pages = [operator.get("/admin/accounts/apikey/"),

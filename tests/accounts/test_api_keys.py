@@ -29,7 +29,8 @@ def bearer(secret: str) -> APIClient:
     return client
 
 
-def test_it_creates_a_key_and_shows_the_secret_once(owner_api: APIClient, org: Organization) -> None:
+def test_it_creates_a_key_and_shows_the_secret_once(owner_api: APIClient,
+                                                    org: Organization) -> None:
     response = owner_api.post(keys_url(org), {"name": "ci", "scope": "inference"}, format="json")
 
     assert response.status_code == 201, response.content

@@ -54,7 +54,8 @@ def test_a_report_comes_back_from_the_stream_exactly_as_it_was_sent() -> None:
 
 @pytest.mark.django_db(transaction=True)
 def test_it_stores_each_record_and_empties_the_stream(endpoint: Endpoint, key: APIKey) -> None:
-    first, second = record(endpoint, key), record(endpoint, key, stream=True, time_to_first_token_ms=5)
+    first = record(endpoint, key)
+    second = record(endpoint, key, stream=True, time_to_first_token_ms=5)
     append(first, second)
 
     assert do_ingest_usage() == 2

@@ -125,7 +125,8 @@ def test_the_rollup_run_twice_or_by_two_workers_at_once_gives_the_same_totals(
         cpu_node: Node, org: Organization) -> None:
     endpoint = demo_endpoint(org)
     replica = Replica.objects.create(endpoint=endpoint)
-    run_replica(replica, cpu_node, [(T0, State.SCHEDULING), (T0 + timedelta(hours=3), State.FAILED)])
+    run_replica(replica, cpu_node,
+                [(T0, State.SCHEDULING), (T0 + timedelta(hours=3), State.FAILED)])
     key, _ = inference_key(org)
     do_record_usage(payloads=[
         usage_report(endpoint, key, started_at=T0 + timedelta(minutes=minute),

@@ -132,7 +132,8 @@ def test_it_lists_nodes_with_their_engines(operator: Client, org: Organization) 
 @pytest.mark.parametrize(("url", "params"), [
     ("/admin/endpoints/node/", {"q": "gpu", "draining__exact": "0"}),
     ("/admin/endpoints/endpoint/", {"q": "acme", "state__exact": "ready"}),
-    ("/admin/endpoints/endpoint/", {"q": "llama-3.1-8b-instruct", "desired_state__exact": "running"}),
+    ("/admin/endpoints/endpoint/",
+     {"q": "llama-3.1-8b-instruct", "desired_state__exact": "running"}),
     ("/admin/endpoints/replica/", {"q": "chat", "state__exact": "ready"}),
     ("/admin/endpoints/endpointevent/", {"q": "chat", "state__exact": "pending"}),
     ("/admin/endpoints/gputype/", {"q": "H100", "vendor__exact": "nvidia"}),

@@ -47,7 +47,8 @@ def test_a_worker_killed_mid_ingest_loses_no_record_and_stores_none_twice(
         # batch's commit and its deletion from the stream: wait for the stream itself.
         do_ingest_usage()
         return (redis_client().xlen(usage_stream.STREAM) == 0
-                and redis_client().xpending(usage_stream.STREAM, usage_stream.GROUP)["pending"] == 0)
+                and redis_client().xpending(usage_stream.STREAM,
+                                            usage_stream.GROUP)["pending"] == 0)
 
     assert wait_until(drained, 60, interval=0.5)
 

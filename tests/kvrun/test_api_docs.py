@@ -72,7 +72,8 @@ def test_a_page_size_out_of_range_is_refused_rather_than_ignored(owner_api: APIC
         response = owner_api.get(f"/api/v1/models/?page_size={asked}")
 
         assert response.status_code == 400, asked
-        assert response.json()["error"]["fields"] == {"page_size": ["A whole number from 1 to 200."]}
+        assert response.json()["error"]["fields"] == {
+            "page_size": ["A whole number from 1 to 200."]}
     assert owner_api.get("/api/v1/models/?page_size=200").status_code == 200
 
 

@@ -29,7 +29,8 @@ def test_the_benchmark_page_shows_each_goal_with_its_figure_and_verdict(tmp_path
     assert "## billing" in page and "## gateway" not in page  # only what has results
     assert "Measured 2026-12-06 03:00 UTC on 2 cores, 23.5 GiB, a CPU, at commit `abc123`." in page
     assert "| the ratio | 2.5 | ≤ 2.2 | **no** |" in page
-    assert "| the rate | 1,234,567 records/s | ≥ 500,000 records/s | yes (depends on the machine) |" in page
+    assert ("| the rate | 1,234,567 records/s | ≥ 500,000 records/s "
+            "| yes (depends on the machine) |") in page
     assert "| the time | 0.1235 s | | |" in page
 
 

@@ -6,7 +6,8 @@ from endpoints.services import do_import_model
 
 
 class Command(BaseCommand):
-    help = "Add or update a catalog model from a local Hugging Face folder (config.json, *.safetensors)."
+    help = ("Add or update a catalog model from a local Hugging Face folder "
+            "(config.json, *.safetensors).")
 
     def add_arguments(self, parser: object) -> None:
         parser.add_argument("directory", type=Path)
