@@ -15,7 +15,6 @@ from django.utils.html import format_html_join
 
 from accounts.models import Organization, Role
 from endpoints.models import (
-    ACTIVE_STATES,
     Endpoint,
     EndpointEvent,
     GPUType,
@@ -32,6 +31,7 @@ from endpoints.services import (
     do_stop_endpoint,
     do_undrain_node,
 )
+from endpoints.states import ON_NODE
 from engine.sizing import GIB
 from kvrun.paginators import BoundedCountPaginator
 
@@ -114,7 +114,7 @@ class NodeAdmin(ReadOnlyAdmin):
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[Node]:
         return super().get_queryset(request).annotate(
-            live_replicas=Count("replicas", filter=Q(replicas__state__in=ACTIVE_STATES)))
+            live_replicas=Count("replicas", filter=Q(replicas__state__in=ON_NODE)))
 
     @admin.display(description="GPUs")
     def device_count(self, node: Node) -> int:

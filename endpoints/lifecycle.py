@@ -12,20 +12,9 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from endpoints.models import (
-    PHASE_OF_STATE,
-    DesiredState,
-    Endpoint,
-    EndpointEvent,
-    Replica,
-    ReplicaInterval,
-    State,
-)
-
-PROGRESS = {
-    State.PENDING: 0, State.SCHEDULING: 10, State.STARTING: 20, State.LOADING: 40,
-    State.READY: 100, State.STOPPING: 100, State.STOPPED: 100, State.FAILED: 100,
-}
+from endpoints.dispatch import send_stop_after_commit
+from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, ReplicaInterval
+from endpoints.states import ON_NODE, PHASE_OF_STATE, PROGRESS, UNSETTLED, State, check_transition
 
 
 def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_state: str,
@@ -33,11 +22,14 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
                           **fields: Any) -> bool:
     """Move a replica from one of `from_states` to `to_state`; False (and no change) if it
     is no longer in one of them. Records an event, refreshes the endpoint's state, and closes
-    and opens the replica's GPU-time intervals as its phase changes.
+    and opens the replica's GPU-time intervals as its phase changes. A move that the
+    lifecycle (endpoints.states) does not allow raises TransitionNotAllowed.
 
     `held_until` is when the replica's devices were last known held, where that is earlier
     than now (a lost node's last heartbeat): its open interval closes then.
     """
+    from_states = frozenset(from_states)
+    check_transition(from_states=from_states, to_state=to_state)
     fields.setdefault("stage", message[:80])
     fields.setdefault("progress_percent", PROGRESS[to_state])
     endpoint_id = (Replica.objects.filter(id=replica_id).values_list("endpoint_id", flat=True)
@@ -101,6 +93,21 @@ def do_fail_replica(*, replica_id: UUID, from_states: Iterable[str], reason: str
     )
 
 
+def do_stop_replica(*, replica: Replica, reason: str) -> bool:
+    """Stop one replica, with `reason` as its event: one not on a node is stopped at once; one
+    on a node is stopping and its agent is told to stop the engine once this commits.
+    Returns False (and changes nothing) when the replica has already moved on."""
+    if replica.state in (State.PENDING, State.FAILED):
+        return do_transition_replica(replica_id=replica.id, from_states=[replica.state],
+                                     to_state=State.STOPPED, message=reason,
+                                     stopped_at=timezone.now())
+    moved = do_transition_replica(replica_id=replica.id, from_states=ON_NODE,
+                                  to_state=State.STOPPING, message=reason)
+    if moved and replica.node_id is not None:
+        send_stop_after_commit(replica=replica, node=replica.node)
+    return moved
+
+
 def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent: int) -> None:
     Replica.objects.filter(id=replica_id, state=state).update(stage=stage[:80],
                                                               progress_percent=percent)
@@ -118,7 +125,7 @@ def do_note_replica(*, replica_id: UUID, message: str) -> None:
 def summarise(*, desired_state: str, desired_replicas: int, deleted: bool,
               replica_states: list[str]) -> str:
     """The endpoint's state as the user reads it, from its replicas' states."""
-    live = [state for state in replica_states if state not in {State.STOPPED, State.FAILED}]
+    live = [state for state in replica_states if state in UNSETTLED]
     if desired_state == DesiredState.STOPPED or deleted:
         return State.STOPPING if live else State.STOPPED
     if State.READY in live:

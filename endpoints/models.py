@@ -5,11 +5,30 @@ from django.core.validators import RegexValidator
 from django.db import models
 from django.utils import timezone
 
+from endpoints.states import BilledPhase, State
 from engine.kv_policy import KVPolicy
 
+# The endpoint's contract, defined here once: the services, forms, serializers, wizard and
+# API schema import these bounds and defaults.
+#
+# A context shorter than one CPU engine's KV block holds no real chat prompt (the template
+# alone of most chat models takes tens of tokens), so it is refused rather than sized.
+MIN_CONTEXT_LENGTH = 128
+DEFAULT_CONTEXT_LENGTH = 4096
+# Sequences one engine schedules at once (vLLM's --max-num-seqs); beyond this, a typo.
+MAX_CONCURRENCY = 4096
+DEFAULT_CONCURRENCY = 8
 # A hard cap, whatever an organisation's quota: a reconcile pass over one endpoint costs the
 # square of its replicas, on the queue that also carries usage ingestion.
 MAX_REPLICAS_PER_ENDPOINT = 16
+# A host tier beyond this is a typo, not a plan: the largest hosts have a few TiB of memory.
+MAX_HOST_TIER_GIB = 4096
+MAX_DISK_TIER_GIB = 65536
+DEFAULT_IDLE_SECONDS = 900
+MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
+# The autoscaler judges a window by the engines' samples: one needs a few scrapes to say
+# anything, and the samples are kept as read for two hours (telemetry.models.RAW_KEPT).
+SHORTEST_WINDOW_SECONDS, LONGEST_WINDOW_SECONDS = 15, 7200
 
 # Engines get the name as --served-model-name, so one that starts with "-" would be read as
 # another flag (such as --trust-remote-code): a name starts with a letter.
@@ -120,24 +139,6 @@ class Node(models.Model):
         return f"node.{self.name}"
 
 
-class State(models.TextChoices):
-    """An endpoint's or a replica's lifecycle."""
-
-    PENDING = "pending"
-    SCHEDULING = "scheduling"
-    STARTING = "starting"
-    LOADING = "loading"
-    READY = "ready"
-    # Running, with no replica: scaled to zero while idle, woken by its next request.
-    IDLE = "idle"
-    STOPPING = "stopping"
-    STOPPED = "stopped"
-    FAILED = "failed"
-
-
-ACTIVE_STATES = frozenset({State.SCHEDULING, State.STARTING, State.LOADING, State.READY})
-
-
 class DesiredState(models.TextChoices):
     """What the user asked an endpoint to be; the reconciler moves its replicas there."""
 
@@ -164,11 +165,6 @@ class CacheIsolation(models.TextChoices):
 
     ORGANIZATION = "organization", "within the organisation"
     KEY = "key", "within each API key"
-
-
-# A host tier beyond this is a typo, not a plan: the largest hosts have a few TiB of memory.
-MAX_HOST_TIER_GIB = 4096
-MAX_DISK_TIER_GIB = 65536
 
 
 class Endpoint(models.Model):
@@ -205,8 +201,9 @@ class Endpoint(models.Model):
     min_replicas = models.PositiveSmallIntegerField(
         default=1, help_text="0 lets the endpoint scale to zero while idle.")
     scale_to_zero_after_seconds = models.PositiveIntegerField(
-        default=900, help_text="With min_replicas 0: how long without a request before the "
-                               "endpoint scales to zero.")
+        default=DEFAULT_IDLE_SECONDS,
+        help_text="With min_replicas 0: how long without a request before the endpoint scales "
+                  "to zero.")
     scaling_metric = models.CharField(max_length=16, choices=ScalingMetric.choices,
                                       default=ScalingMetric.IN_FLIGHT)
     scaling_target = models.FloatField(
@@ -303,23 +300,6 @@ class EndpointEvent(models.Model):
     class Meta:
         ordering = ["at", "id"]
         indexes = [models.Index(fields=["endpoint", "at"])]
-
-
-class BilledPhase(models.TextChoices):
-    """The lifecycle phases in which a replica holds its devices; scheduling (devices chosen,
-    start not yet sent) counts as starting."""
-
-    STARTING = "starting"
-    LOADING = "loading"
-    READY = "ready"
-    STOPPING = "stopping"
-
-
-PHASE_OF_STATE = {
-    State.SCHEDULING: BilledPhase.STARTING, State.STARTING: BilledPhase.STARTING,
-    State.LOADING: BilledPhase.LOADING, State.READY: BilledPhase.READY,
-    State.STOPPING: BilledPhase.STOPPING,
-}
 
 
 class ReplicaInterval(models.Model):

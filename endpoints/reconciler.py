@@ -18,19 +18,19 @@ from endpoints.lifecycle import (
     do_create_replica,
     do_fail_replica,
     do_refresh_endpoint_state,
+    do_stop_replica,
     do_transition_replica,
 )
-from endpoints.models import DesiredState, Endpoint, NodeState, Replica, State
+from endpoints.models import DesiredState, Endpoint, NodeState, Replica
 from endpoints.scheduling import do_place_replica
+from endpoints.states import ASKED_FOR, ON_NODE, UNSETTLED, State
 
-LIVE = (State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
-ON_NODE = (State.SCHEDULING, State.STARTING, State.LOADING, State.READY)
 # What an agent's stop may take beyond its grace period (the process reaped, the port freed).
 QUIET_MARGIN_SECONDS = 30
 
 
 def endpoints_to_reconcile() -> list[UUID]:
-    unsettled = Q(replicas__state__in=LIVE + (State.STOPPING,))
+    unsettled = Q(replicas__state__in=UNSETTLED)
     return list(
         Endpoint.objects.filter(Q(deleted_at=None, desired_state=DesiredState.RUNNING) | unsettled)
         .values_list("id", flat=True).distinct()
@@ -68,11 +68,11 @@ def _release_replicas_on_lost_nodes(endpoint: Endpoint) -> None:
     a heartbeat that brings one back waits and then sees these replicas settled; a node row
     a heartbeat holds is skipped until the next pass (an agent frozen mid-heartbeat must not
     stall every pass)."""
-    lost = endpoint.replicas.filter(state__in=ON_NODE + (State.STOPPING,),
+    lost = endpoint.replicas.filter(state__in=ON_NODE | {State.STOPPING},
                                     node__state=NodeState.LOST)
     for replica in lost.select_related("node").select_for_update(of=("node",), skip_locked=True):
         do_transition_replica(
-            replica_id=replica.id, from_states=ON_NODE + (State.STOPPING,),
+            replica_id=replica.id, from_states=ON_NODE | {State.STOPPING},
             to_state=State.STOPPED, stopped_at=timezone.now(),
             held_until=replica.node.last_heartbeat_at,
             message=f"node {replica.node.name} stopped sending heartbeats; rescheduling",
@@ -102,7 +102,7 @@ def _roll_to_new_policy(endpoint: Endpoint) -> None:
     """Replace the replicas started under an older policy one at a time, the next only once
     every replica is ready again: an endpoint of two or more replicas serves throughout.
     The replica stopped here is replaced by _match_replica_count in the same pass."""
-    live = list(endpoint.replicas.filter(state__in=LIVE).select_related("node"))
+    live = list(endpoint.replicas.filter(state__in=ASKED_FOR).select_related("node"))
     outdated = [replica for replica in live
                 if replica.policy_version < endpoint.policy_version]
     if (not outdated or len(live) < endpoint.desired_replicas
@@ -114,7 +114,7 @@ def _roll_to_new_policy(endpoint: Endpoint) -> None:
 
 
 def _match_replica_count(endpoint: Endpoint) -> None:
-    slots = list(endpoint.replicas.filter(state__in=LIVE + (State.FAILED,))
+    slots = list(endpoint.replicas.filter(state__in=ASKED_FOR | {State.FAILED})
                  .order_by("-created_at"))
     missing = endpoint.desired_replicas - len(slots)
     for _ in range(max(0, missing)):
@@ -167,18 +167,3 @@ def _quiet_for(replica: Replica, seconds: float) -> bool:
     """Whether the replica's last event is more than `seconds` old."""
     last = replica.events.order_by("-at").values_list("at", flat=True).first()
     return last is not None and last < timezone.now() - timedelta(seconds=seconds)
-
-
-def do_stop_replica(*, replica: Replica, reason: str) -> bool:
-    """Stop one replica, with `reason` as its event: one not on a node is stopped at once; one
-    on a node is stopping and its agent is told to stop the engine once this commits.
-    Returns False (and changes nothing) when the replica has already moved on."""
-    if replica.state in (State.PENDING, State.FAILED):
-        return do_transition_replica(replica_id=replica.id, from_states=[replica.state],
-                                     to_state=State.STOPPED, message=reason,
-                                     stopped_at=timezone.now())
-    moved = do_transition_replica(replica_id=replica.id, from_states=ON_NODE,
-                                  to_state=State.STOPPING, message=reason)
-    if moved and replica.node_id is not None:
-        send_stop_after_commit(replica=replica, node=replica.node)
-    return moved

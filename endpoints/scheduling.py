@@ -5,14 +5,15 @@ from uuid import UUID
 from django.db import transaction
 
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import ACTIVE_STATES, Node, NodeState, Replica, State
+from endpoints.models import Node, NodeState, Replica
+from endpoints.states import ON_NODE, State
 from engine.sizing import CPU
 
 
 def free_devices(node: Node) -> list[int]:
     used = {
         index
-        for indices in Replica.objects.filter(node=node, state__in=ACTIVE_STATES | {State.STOPPING})
+        for indices in Replica.objects.filter(node=node, state__in=ON_NODE | {State.STOPPING})
         .values_list("device_indices", flat=True)
         for index in indices
     }
@@ -39,7 +40,7 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
             state=NodeState.ONLINE, draining=False, gpu_type=endpoint.gpu_type).order_by("name"))
         if endpoint.gpu_type.slug == CPU:
             ranked = sorted(nodes, key=lambda node: Replica.objects.filter(
-                node=node, state__in=ACTIVE_STATES).count())
+                node=node, state__in=ON_NODE).count())
             choice, devices = (ranked[0], []) if ranked else (None, [])
         else:
             fits = [(node, free) for node in nodes

@@ -2,9 +2,12 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from endpoints.models import (
+    MAX_CONCURRENCY,
     MAX_DISK_TIER_GIB,
     MAX_HOST_TIER_GIB,
+    MAX_IDLE_SECONDS,
     MAX_REPLICAS_PER_ENDPOINT,
+    MIN_CONTEXT_LENGTH,
     CacheIsolation,
     Endpoint,
     EndpointEvent,
@@ -16,7 +19,6 @@ from endpoints.models import (
     State,
 )
 from endpoints.selectors import progress_of
-from endpoints.services import MAX_IDLE_SECONDS
 from kvrun.api import StrictSerializer
 
 
@@ -92,8 +94,9 @@ def _model_field() -> serializers.SlugRelatedField:
 
 class SizingInput(StrictSerializer):
     model = _model_field()
-    context_length = serializers.IntegerField(min_value=1, max_value=2**31 - 1)  # its column
-    concurrency = serializers.IntegerField(min_value=1, max_value=4096)
+    context_length = serializers.IntegerField(min_value=MIN_CONTEXT_LENGTH,
+                                              max_value=2**31 - 1)  # its column
+    concurrency = serializers.IntegerField(min_value=1, max_value=MAX_CONCURRENCY)
     gpu_type = serializers.SlugRelatedField(
         slug_field="slug", queryset=GPUType.objects.all(), required=False, allow_null=True,
         error_messages={"does_not_exist": "Unknown GPU type {value!r}; GET /api/v1/gpu-types/ "
@@ -142,8 +145,10 @@ class EndpointInput(SizingInput, ScalingInput):
 class PolicyInput(StrictSerializer):
     """A change of KV policy: only the fields sent change."""
 
-    context_length = serializers.IntegerField(min_value=1, max_value=2**31 - 1, required=False)
-    concurrency = serializers.IntegerField(min_value=1, max_value=4096, required=False)
+    context_length = serializers.IntegerField(min_value=MIN_CONTEXT_LENGTH, max_value=2**31 - 1,
+                                              required=False)
+    concurrency = serializers.IntegerField(min_value=1, max_value=MAX_CONCURRENCY,
+                                           required=False)
     kv_cache_dtype = serializers.ChoiceField(choices=KVCacheDtype.choices, required=False)
     prefix_caching = serializers.BooleanField(required=False)
     host_tier_gib = serializers.IntegerField(min_value=0, max_value=MAX_HOST_TIER_GIB,

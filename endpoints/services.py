@@ -16,8 +16,14 @@ from django.utils import timezone
 from accounts.models import Organization, User
 from accounts.selectors import quota_of
 from accounts.services import require_manager
+from endpoints.lifecycle import do_stop_replica
 from endpoints.models import (
+    DEFAULT_IDLE_SECONDS,
+    LONGEST_WINDOW_SECONDS,
+    MAX_IDLE_SECONDS,
     MAX_REPLICAS_PER_ENDPOINT,
+    MIN_CONTEXT_LENGTH,
+    SHORTEST_WINDOW_SECONDS,
     CacheIsolation,
     DesiredState,
     Endpoint,
@@ -32,8 +38,8 @@ from endpoints.models import (
     validate_endpoint_name,
 )
 from endpoints.planning import plan
-from endpoints.reconciler import LIVE, ON_NODE, do_stop_replica
 from endpoints.selectors import quota_used_by
+from endpoints.states import ASKED_FOR, ON_NODE
 from engine import hf_checkpoint
 from engine.sizing import CPU
 
@@ -114,13 +120,24 @@ def _reconcile_after_commit(endpoint: Endpoint) -> None:
     reconcile.delay_on_commit(str(endpoint.id))
 
 
+def context_length_refusal(*, model: ModelSpec, context_length: int) -> str | None:
+    """Why `context_length` cannot be asked of `model`, in words a person can act on; None
+    when it can."""
+    if context_length < MIN_CONTEXT_LENGTH:
+        return f"Ask for at least {MIN_CONTEXT_LENGTH} tokens of context."
+    if context_length > model.max_context:
+        return (f"{model.name} supports at most {model.max_context:,} tokens of context; "
+                f"ask for {model.max_context:,} or fewer.")
+    return None
+
+
 def do_create_endpoint(
     *, organization: Organization, actor_role: str | None, created_by: User | None, name: str,
     model: ModelSpec, context_length: int, concurrency: int, gpu_type: GPUType | None = None,
     gpu_count: int | None = None, min_replicas: int = 1, max_replicas: int | None = None,
     kv_cache_dtype: str = "auto", prefix_caching: bool = True, host_tier_gib: int = 0,
     disk_tier_gib: int = 0, cache_isolation: str = CacheIsolation.ORGANIZATION,
-    prefix_affinity: bool = True, scale_to_zero_after_seconds: int = 900,
+    prefix_affinity: bool = True, scale_to_zero_after_seconds: int = DEFAULT_IDLE_SECONDS,
     scaling_metric: str = ScalingMetric.IN_FLIGHT, scaling_target: float | None = None,
     scale_up_window_seconds: int = 60, scale_down_window_seconds: int = 300,
 ) -> Endpoint:
@@ -144,10 +161,8 @@ def do_create_endpoint(
         errors["name"] = exc.messages
     if name in RESERVED_NAMES:
         errors["name"] = [f"{name!r} is reserved; choose another name."]
-    if context_length > model.max_context:
-        errors["context_length"] = [
-            f"{model.name} supports at most {model.max_context:,} tokens of context; "
-            f"ask for {model.max_context:,} or fewer."]
+    if refusal := context_length_refusal(model=model, context_length=context_length):
+        errors["context_length"] = [refusal]
     scaling = dict(min_replicas=min_replicas, max_replicas=max_replicas,
                    scale_to_zero_after_seconds=scale_to_zero_after_seconds,
                    scaling_metric=scaling_metric, scaling_target=scaling_target,
@@ -241,10 +256,6 @@ def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: i
 
 SCALING_FIELDS = ("min_replicas", "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
                   "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds")
-# The autoscaler judges a window by the engines' samples: one needs a few scrapes to say
-# anything, and the samples are kept as read for two hours (telemetry.models.RAW_KEPT).
-SHORTEST_WINDOW_SECONDS, LONGEST_WINDOW_SECONDS = 15, 7200
-MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
 
 
 def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
@@ -405,10 +416,9 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
             id=endpoint.id)
         policy = {name: changes.get(name, getattr(locked, name))
                   for name in ENGINE_POLICY_FIELDS + ROUTING_POLICY_FIELDS}
-        if policy["context_length"] > locked.model.max_context:
-            raise ValidationError({"context_length": [
-                f"{locked.model.name} supports at most {locked.model.max_context:,} tokens of "
-                "context."]})
+        if refusal := context_length_refusal(model=locked.model,
+                                             context_length=policy["context_length"]):
+            raise ValidationError({"context_length": [refusal]})
         decided = plan(model=locked.model, context_length=policy["context_length"],
                        concurrency=policy["concurrency"],
                        kv_cache_dtype=policy["kv_cache_dtype"], gpu_type=locked.gpu_type,
@@ -486,7 +496,7 @@ def do_restart_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> int:
             id=endpoint.id, deleted_at=None).first()
         if locked is None:
             raise ValidationError(f"The endpoint {endpoint.name!r} is deleted; it cannot restart.")
-        replicas = list(locked.replicas.filter(state__in=LIVE).select_related("node"))
+        replicas = list(locked.replicas.filter(state__in=ASKED_FOR).select_related("node"))
         EndpointEvent.objects.create(endpoint=locked, state=locked.state,
                                      message=f"restarting: replacing {len(replicas)} replica(s)")
         stopped = sum(

@@ -12,9 +12,16 @@ from accounts.models import LARGEST_LIMIT, Role, Scope
 from accounts.services import validate_key_expiry
 from billing.models import BudgetAction
 from endpoints.models import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_CONTEXT_LENGTH,
+    DEFAULT_IDLE_SECONDS,
+    LONGEST_WINDOW_SECONDS,
+    MAX_CONCURRENCY,
     MAX_DISK_TIER_GIB,
     MAX_HOST_TIER_GIB,
     MAX_REPLICAS_PER_ENDPOINT,
+    MIN_CONTEXT_LENGTH,
+    SHORTEST_WINDOW_SECONDS,
     CacheIsolation,
     Endpoint,
     GPUType,
@@ -22,7 +29,7 @@ from endpoints.models import (
     ModelSpec,
     ScalingMetric,
 )
-from endpoints.services import LONGEST_WINDOW_SECONDS, SHORTEST_WINDOW_SECONDS, idle_time_refusal
+from endpoints.services import idle_time_refusal
 
 
 class APIKeyForm(forms.Form):
@@ -79,9 +86,11 @@ class SizingForm(forms.Form):
         error_messages={"required": "Pick a model from the catalog above.",
                         "invalid_choice": "That model is not in the catalog; pick one above."})
     context_length = forms.IntegerField(
-        min_value=128, initial=4096, label="Context length (tokens)",
+        min_value=MIN_CONTEXT_LENGTH, initial=DEFAULT_CONTEXT_LENGTH,
+        label="Context length (tokens)",
         help_text="The longest prompt plus answer one request may use.")
-    concurrency = forms.IntegerField(min_value=1, max_value=4096, initial=8,
+    concurrency = forms.IntegerField(min_value=1, max_value=MAX_CONCURRENCY,
+                                     initial=DEFAULT_CONCURRENCY,
                                      label="Concurrent requests",
                                      help_text="Requests served at once at that context.")
     kv_cache_dtype = forms.ChoiceField(choices=KVCacheDtype.choices, initial=KVCacheDtype.AUTO,
@@ -137,7 +146,8 @@ class EndpointForm(SizingForm, KVRoutingFields):
                                       required=False,
                                       label="Most replicas (for scaling)")
     scale_to_zero_after_seconds = forms.IntegerField(
-        min_value=1, initial=900, required=False, label="Idle time before zero (s)",
+        min_value=1, initial=DEFAULT_IDLE_SECONDS, required=False,
+        label="Idle time before zero (s)",
         help_text="With fewest replicas 0: how long without a request before it scales to zero.")
 
     def __init__(self, *args: object, **kwargs: object) -> None:
@@ -165,8 +175,10 @@ def _show_idle_floor(form: forms.Form) -> None:
 class PolicyForm(KVRoutingFields):
     """An endpoint's KV policy, changed on its hardware."""
 
-    context_length = forms.IntegerField(min_value=128, label="Context length (tokens)")
-    concurrency = forms.IntegerField(min_value=1, max_value=4096, label="Concurrent requests")
+    context_length = forms.IntegerField(min_value=MIN_CONTEXT_LENGTH,
+                                        label="Context length (tokens)")
+    concurrency = forms.IntegerField(min_value=1, max_value=MAX_CONCURRENCY,
+                                     label="Concurrent requests")
     kv_cache_dtype = SizingForm.base_fields["kv_cache_dtype"]
     prefix_caching = SizingForm.base_fields["prefix_caching"]
     host_tier_gib = SizingForm.base_fields["host_tier_gib"]

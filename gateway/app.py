@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from accounts.models import Scope
 from accounts.principals import KeyIdentity
 from accounts.revocations import KEY_REVOKED_CHANNEL
-from endpoints.models import State
+from endpoints.states import ASKED_FOR, State
 from gateway import idempotency, observed
 from gateway.asgi import (
     JSON,
@@ -39,7 +39,7 @@ from gateway.asgi import (
     respond,
     send_error,
 )
-from gateway.directory import STARTING_STATES, Directory, Route
+from gateway.directory import Directory, Route
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 from gateway.guard import AuthFailures
@@ -352,7 +352,7 @@ def _model_not_found(name: str) -> GatewayError:
 
 def _not_ready(route: Route) -> GatewayError:
     name = route.name
-    if route.state in STARTING_STATES or route.state == State.READY:
+    if route.state in ASKED_FOR:
         stage, percent = route.progress.get("stage"), route.progress.get("percent")
         message = (f"Endpoint {name!r} is {route.state} ({stage}, {percent}%); "
                    "retry in a few seconds.")

@@ -25,6 +25,7 @@ from accounts.principals import KeyIdentity
 from accounts.selectors import key_identity_from_database
 from endpoints.models import DesiredState, State
 from endpoints.selectors import endpoints_for_gateway, median_start_seconds, progress_of
+from endpoints.states import COMING_UP
 from gateway.affinity import Ring
 from gateway.errors import GatewayError
 from kvrun.digests import engine_api_key, secret_digest
@@ -38,8 +39,6 @@ MAX_REMEMBERED_UPSTREAMS = 10_000
 # While the database cannot be reached, what was known before is served, and asked for again
 # this often.
 STALE_RETRY_SECONDS = 1.0
-# A replica being asked for and not yet ready.
-STARTING_STATES = frozenset({State.PENDING, State.SCHEDULING, State.STARTING, State.LOADING})
 # A replica that refused a connection is tried last for this long.
 DOWN_SECONDS = 5.0
 
@@ -96,7 +95,7 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
         scales_to_zero = (endpoint.min_replicas == 0 and endpoint.state != State.FAILED
                           and endpoint.desired_state == DesiredState.RUNNING)
         starting = [replica.created_at.timestamp() for replica in endpoint.replicas.all()
-                    if replica.state in STARTING_STATES]
+                    if replica.state in COMING_UP]
         route = Route(endpoint_id=str(endpoint.id), name=endpoint.name,
                       organization_slug=endpoint.organization.slug, state=endpoint.state,
                       progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),

@@ -5,9 +5,9 @@ from collections.abc import Collection
 from django.db import transaction
 from django.utils import timezone
 
-from endpoints.models import GPUType, Node, NodeState, Replica, State
-from endpoints.reconciler import ON_NODE
+from endpoints.models import GPUType, Node, NodeState, Replica
 from endpoints.selectors import gpu_type_for_device
+from endpoints.states import ON_NODE, State
 from engine.devices import HostResources
 from engine.sizing import CPU
 
@@ -54,7 +54,7 @@ def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str]
         if node is None:
             return None
         expected = {str(replica_id) for replica_id in Replica.objects.filter(
-            node=node, state__in=ON_NODE + (State.STOPPING,)).values_list("id", flat=True)}
+            node=node, state__in=ON_NODE | {State.STOPPING}).values_list("id", flat=True)}
         unexpected = set(engines) - expected
         Node.objects.filter(id=node.id).update(
             last_heartbeat_at=timezone.now(),

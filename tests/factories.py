@@ -10,10 +10,10 @@ from django.utils import timezone
 
 from accounts.models import APIKey, Organization, Role, Scope, User
 from accounts.services import do_create_api_key, do_create_organization
+from bench.seed import ready_endpoint  # noqa: F401  the shape the tests share with bench/
 from billing.usage_stream import UsageReport
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
-from endpoints.services import do_load_catalogs
 
 PASSWORD = "correct horse battery"
 
@@ -51,25 +51,6 @@ def inference_key(organization: Organization, **limits: object) -> tuple[APIKey,
                              actor_role=Role.OWNER, created_by=None, **limits)
 
 
-def ready_endpoint(organization: Organization, name: str, ports: list[int],
-                   state: str = State.READY, **policy: object) -> Endpoint:
-    """An endpoint whose replicas are ready at 127.0.0.1 on `ports`, as the reconciler leaves
-    one once its engines serve; here the engines are test stand-ins. `policy` sets KV policy
-    fields (cache_isolation, prefix_affinity, ...)."""
-    do_load_catalogs()
-    cpu = GPUType.objects.get(slug="cpu")
-    node, _ = Node.objects.get_or_create(name="stub-node", defaults=dict(
-        gpu_type=cpu, cpu_count=2, memory_bytes=2**30))
-    endpoint = Endpoint.objects.create(
-        organization=organization, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-        context_length=2048, concurrency=8, gpu_type=cpu, gpu_count=1, hourly_price_usd=0,
-        state=state, **policy)
-    for port in ports:
-        Replica.objects.create(endpoint=endpoint, node=node, state=state, port=port,
-                               ready_at=timezone.now())
-    return endpoint
-
-
 def endpoint_at_zero(organization: Organization, name: str, *, start_seconds: float,
                      **fields: object) -> Endpoint:
     """An endpoint scaled to zero whose model started once, an hour ago, in `start_seconds`
@@ -81,6 +62,16 @@ def endpoint_at_zero(organization: Organization, name: str, *, start_seconds: fl
                            ready_at=started + timedelta(seconds=start_seconds),
                            stopped_at=timezone.now(), node=Node.objects.get(name="stub-node"))
     return endpoint
+
+
+def demo_endpoint(org: Organization, *, name: str = "chat") -> Endpoint:
+    """An endpoint of the demo model on the CPU, as created, without the reconciler pass a
+    create asks for: these tests move its replicas themselves, and a control worker running
+    for other tests of the session must not move them too."""
+    return Endpoint.objects.create(
+        organization=org, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        context_length=2048, concurrency=4, gpu_type=GPUType.objects.get(slug="cpu"),
+        gpu_count=1, hourly_price_usd=GPUType.objects.get(slug="cpu").hourly_price_usd)
 
 
 def replica_history(endpoint: Endpoint, moves: list[tuple[datetime, str]]) -> Replica:

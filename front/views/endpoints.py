@@ -24,8 +24,9 @@ from billing.selectors import (
     window_costs,
 )
 from endpoints import selectors, services
-from endpoints.models import ACTIVE_STATES, BilledPhase, Endpoint, State
+from endpoints.models import Endpoint
 from endpoints.planning import accelerator_of
+from endpoints.states import COMING_UP, ENDPOINT_AT_REST, BilledPhase, State
 from front.forms import PolicyForm, ScaleForm, ScalingForm
 from front.scoping import Member, current_organization, endpoint_of, membership
 from front.views.wizard import memory_bar
@@ -173,14 +174,13 @@ def _status(endpoint: Endpoint) -> dict[str, object]:
     replicas = list(endpoint.replicas.all())
     progress = selectors.progress_of(endpoint=endpoint, replicas=replicas)
     starting = [replica for replica in replicas
-                if replica.state in ACTIVE_STATES | {State.PENDING}
-                and replica.state != State.READY]
+                if replica.state in COMING_UP]
     leader = max(starting, key=lambda replica: replica.progress_percent, default=None)
     status: dict[str, object] = {
         "progress": progress, "replicas": [r for r in replicas if r.state != State.STOPPED][:20],
         "ready": sum(replica.state == State.READY for replica in replicas),
         "events": list(endpoint.events.order_by("-at", "-id")[:EVENTS_SHOWN]),
-        "settled": endpoint.state in (State.READY, State.IDLE, State.STOPPED, State.FAILED),
+        "settled": endpoint.state in ENDPOINT_AT_REST,
         "kv_cache_tokens": next((replica.kv_cache_tokens for replica in replicas
                                  if replica.kv_cache_tokens), None),
         "wake_seconds": _wake_seconds(endpoint),

@@ -30,6 +30,7 @@ KEY_LIFETIME = timedelta(hours=1)
 KEY_RENEW_BEFORE = timedelta(minutes=5)
 ROLES = {"system", "user", "assistant"}
 MAX_MESSAGES = 100
+# The most tokens one playground answer may ask for: a console to try a model, not a batch job.
 MAX_TOKENS = 4096
 
 

@@ -15,7 +15,13 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from endpoints import planning, services
-from endpoints.models import GPUType, ModelSpec
+from endpoints.models import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_CONTEXT_LENGTH,
+    DEFAULT_IDLE_SECONDS,
+    GPUType,
+    ModelSpec,
+)
 from endpoints.selectors import median_start_seconds, model_catalog
 from front.forms import EndpointForm, SizingForm
 from front.scoping import Member, membership
@@ -83,15 +89,17 @@ def _page(request: HttpRequest, member: Member, form: EndpointForm, *,
 
 
 def _initial(query: QueryDict) -> dict[str, object]:
-    initial: dict[str, object] = {"context_length": 4096, "concurrency": 8,
+    initial: dict[str, object] = {"context_length": DEFAULT_CONTEXT_LENGTH,
+                                  "concurrency": DEFAULT_CONCURRENCY,
                                   "kv_cache_dtype": "auto", "prefix_caching": True,
                                   "host_tier_gib": 0, "disk_tier_gib": 0,
                                   "cache_isolation": "organization", "prefix_affinity": True,
-                                  "min_replicas": 1, "scale_to_zero_after_seconds": 900}
+                                  "min_replicas": 1,
+                                  "scale_to_zero_after_seconds": DEFAULT_IDLE_SECONDS}
     model = model_catalog().filter(slug=query.get("model", "")).first()
     if model is not None:
         initial.update(model=model.slug, name=suggested_name(model.slug),
-                       context_length=min(4096, model.max_context))
+                       context_length=min(DEFAULT_CONTEXT_LENGTH, model.max_context))
     return initial
 
 

@@ -12,7 +12,7 @@ from billing.models import GPUPrice
 from endpoints.models import Endpoint, GPUType, Node, Replica
 from engine.processes import free_port
 from kvrun.launcher import wait_until_listening
-from tests.billing.helpers import demo_endpoint
+from tests.factories import demo_endpoint
 from tests.helpers import stop
 
 WEBHOOK_SECRET = "whsec_kvrun_test"

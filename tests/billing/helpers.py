@@ -5,23 +5,13 @@ from datetime import datetime, timedelta
 
 import time_machine
 
-from accounts.models import APIKey, Organization
+from accounts.models import APIKey
 from billing.invoicing import do_finalize_due_invoices
 from billing.rollup import do_roll_up_usage
 from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
+from endpoints.models import Endpoint, Node, Replica, State
 from tests.factories import usage_report
-
-
-def demo_endpoint(org: Organization, *, name: str = "chat") -> Endpoint:
-    """An endpoint of the demo model on the CPU, as created, without the reconciler pass a
-    create asks for: these tests move its replicas themselves, and a control worker running
-    for other tests of the session must not move them too."""
-    return Endpoint.objects.create(
-        organization=org, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-        context_length=2048, concurrency=4, gpu_type=GPUType.objects.get(slug="cpu"),
-        gpu_count=1, hourly_price_usd=GPUType.objects.get(slug="cpu").hourly_price_usd)
 
 
 def run_replica(replica: Replica, node: Node, steps: list[tuple[datetime, str]]) -> None:

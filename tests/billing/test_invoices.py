@@ -13,8 +13,8 @@ from billing.invoicing import do_finalize_due_invoices, draft_lines
 from billing.models import GPUPrice, Invoice, InvoiceLine, TokenPrice
 from billing.rollup import do_roll_up_usage
 from endpoints.models import Endpoint, Node, Replica
-from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, record
-from tests.factories import inference_key, organization_with_owner
+from tests.billing.helpers import finalize_at, ready_for, record
+from tests.factories import demo_endpoint, inference_key, organization_with_owner
 from tests.helpers import at_once
 
 JAN = date(2026, 1, 1)

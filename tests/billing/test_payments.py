@@ -18,7 +18,8 @@ from billing.models import BillingAccount, Invoice, PaymentStatus, StripeEvent
 from billing.payments import do_attach_card, do_ensure_customer, do_push_invoice
 from endpoints.models import DesiredState, Endpoint, Node, Replica
 from tests.billing.conftest import WEBHOOK_SECRET
-from tests.billing.helpers import demo_endpoint, finalize_at, ready_for
+from tests.billing.helpers import finalize_at, ready_for
+from tests.factories import demo_endpoint
 from tests.helpers import wait_until
 
 GOOD_CARD = {"number": "4242424242424242", "exp_month": 12, "exp_year": 2031, "cvc": "123"}

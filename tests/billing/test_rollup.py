@@ -25,8 +25,8 @@ from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint
-from tests.billing.helpers import demo_endpoint, run_replica
-from tests.factories import inference_key, usage_report
+from tests.billing.helpers import run_replica
+from tests.factories import demo_endpoint, inference_key, usage_report
 from tests.helpers import at_once
 
 T0 = datetime(2026, 1, 31, 23, 30, tzinfo=UTC)  # half an hour before a month ends

@@ -15,7 +15,8 @@ from billing.models import GPUPrice
 from billing.rollup import do_roll_up_usage
 from endpoints.models import Node, Replica, State
 from front.templatetags.units import cents
-from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, run_replica
+from tests.billing.helpers import finalize_at, ready_for, run_replica
+from tests.factories import demo_endpoint
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
 

@@ -71,6 +71,7 @@ def test_without_nodes_it_sizes_against_the_gpu_catalog(owner_api: APIClient,
     [
         ({"model": "gpt-17"}, "model", "Unknown model"),
         ({"context_length": 4096}, "context_length", "at most 2,048"),
+        ({"context_length": 127}, "context_length", "greater than or equal to 128"),
         ({"min_replicas": 0, "max_replicas": 0}, "max_replicas", "Choose between 1"),
         ({"min_replicas": -2}, "min_replicas", "Run at least 0 replicas"),
         ({"min_replicas": 0, "scale_to_zero_after_seconds": 5}, "scale_to_zero_after_seconds",
@@ -168,6 +169,7 @@ def test_a_routing_change_restarts_nothing_and_a_lone_replica_is_said_to_restart
 @pytest.mark.parametrize(("change", "field", "phrase"), [
     ({"host_tier_gib": 8}, "host_tier_gib", "CPU Offloading is currently only supported"),
     ({"context_length": 4096}, "context_length", "at most 2,048"),
+    ({"context_length": 1}, "context_length", "greater than or equal to 128"),
     ({"disk_tier_gib": 10, "host_tier_gib": 1}, "disk_tier_gib", "runs on CUDA only"),
     ({"concurrency": 0}, "concurrency", "greater than or equal to 1"),
     ({"colour": "blue"}, "colour", "Unknown field"),

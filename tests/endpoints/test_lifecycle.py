@@ -2,6 +2,7 @@ import threading
 from datetime import timedelta
 
 import pytest
+from django.core.exceptions import ValidationError
 from django.db import connection, transaction
 from django.utils import timezone
 
@@ -81,3 +82,21 @@ def test_restart_backoff_doubles_from_its_first_delay_up_to_five_minutes(
     until = backoff_until(failures)
 
     assert timedelta(seconds=seconds) <= until - before <= timedelta(seconds=seconds + 1)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("context_length", "phrase"), [
+    (127, "Ask for at least 128 tokens of context."),
+    (2049, "supports at most 2,048 tokens of context"),
+])
+def test_the_service_refuses_a_context_out_of_the_contract_whoever_calls_it(
+        context_length: int, phrase: str) -> None:
+    organization = organization_with_owner("Acme")
+
+    with pytest.raises(ValidationError) as refused:
+        do_create_endpoint(organization=organization, actor_role=Role.OWNER, created_by=None,
+                           name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+                           context_length=context_length, concurrency=4)
+
+    assert phrase in " ".join(refused.value.message_dict["context_length"])
+    assert not Endpoint.objects.filter(organization=organization).exists()

@@ -17,8 +17,8 @@ from accounts.services import do_set_billing_hold
 from billing.models import Budget, GPUPrice, TokenPrice
 from billing.rollup import do_roll_up_usage
 from endpoints.models import Endpoint, Node, Replica, State
-from tests.billing.helpers import demo_endpoint, finalize_at, ready_for, record, run_replica
-from tests.factories import inference_key
+from tests.billing.helpers import finalize_at, ready_for, record, run_replica
+from tests.factories import demo_endpoint, inference_key
 
 pytestmark = pytest.mark.django_db
 

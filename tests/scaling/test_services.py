@@ -8,8 +8,15 @@ from django.conf import settings
 from django.utils import timezone
 
 from accounts.models import Organization, Role
-from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
-from endpoints.services import LONGEST_WINDOW_SECONDS, do_autoscale_endpoint, do_scale_endpoint
+from endpoints.models import (
+    LONGEST_WINDOW_SECONDS,
+    DesiredState,
+    Endpoint,
+    EndpointEvent,
+    Replica,
+    State,
+)
+from endpoints.services import do_autoscale_endpoint, do_scale_endpoint
 from kvrun.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.selectors import replica_to_remove

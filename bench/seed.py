@@ -1,0 +1,49 @@
+"""The rows the benchmarks start from, made through kvrun's own services where there is one:
+an organisation with its owner, keys, and endpoints whose replicas serve on given ports. Every
+target seeds from here (and the tests' factories build ready endpoints with it), so that a
+benchmark imports nothing from tests/. Import it once Django is set up."""
+
+import time
+
+from django.utils import timezone
+
+from accounts.models import APIKey, Organization, Role, Scope, User
+from accounts.services import do_create_api_key, do_create_organization
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
+from endpoints.services import do_load_catalogs
+
+
+def owner() -> User:
+    """A user of its own for one run: its address is new each time."""
+    return User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
+
+
+def organization(name: str, *, owned_by: User | None = None) -> Organization:
+    return do_create_organization(user=owned_by or owner(), name=name)
+
+
+def key(organization: Organization, *, scope: str = Scope.INFERENCE, name: str = "bench",
+        **limits: object) -> tuple[APIKey, str]:
+    """A key and its secret; `limits` may set requests_per_minute, tokens_per_minute,
+    endpoint_names and expires_at."""
+    return do_create_api_key(organization=organization, name=name, scope=scope,
+                             actor_role=Role.OWNER, created_by=None, **limits)
+
+
+def ready_endpoint(organization: Organization, name: str, ports: list[int],
+                   state: str = State.READY, **policy: object) -> Endpoint:
+    """An endpoint whose replicas are ready at 127.0.0.1 on `ports`, as the reconciler leaves
+    one once its engines serve, on the demo model; the engines are whatever the caller runs
+    there. `policy` sets KV policy fields (cache_isolation, prefix_affinity, ...)."""
+    do_load_catalogs()
+    cpu = GPUType.objects.get(slug="cpu")
+    node, _ = Node.objects.get_or_create(name="stub-node", defaults=dict(
+        gpu_type=cpu, cpu_count=2, memory_bytes=2**30))
+    endpoint = Endpoint.objects.create(
+        organization=organization, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        context_length=2048, concurrency=8, gpu_type=cpu, gpu_count=1, hourly_price_usd=0,
+        state=state, **policy)
+    for port in ports:
+        Replica.objects.create(endpoint=endpoint, node=node, state=state, port=port,
+                               ready_at=timezone.now())
+    return endpoint
