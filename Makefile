@@ -8,14 +8,19 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: run test lint bench docs install browser clean vendor gpu-check
+.PHONY: run test check lint bench docs install browser clean vendor gpu-check
 
 run: install
 	$(BIN)/python -m kvrun.launcher run
 
 # Lint and the import contracts first: a broken layout fails before any test runs.
 test: install browser lint
-	$(BIN)/python -m kvrun.launcher test $(PYTEST_ARGS)
+	$(BIN)/python -m kvrun.launcher test --durations=15 $(PYTEST_ARGS)
+
+# The fast loop: lint and every test that starts no worker, web process, engine or browser
+# and injects no fault (tests/conftest.py marks a test by the fixtures it uses).
+check: install lint
+	$(BIN)/python -m kvrun.launcher test -m "not e2e and not browser and not faults" --durations=10 $(PYTEST_ARGS)
 
 # ruff (pyflakes, isort, bugbear, pyupgrade, line length) and import-linter's contracts (pyproject.toml).
 lint: install

@@ -10,12 +10,12 @@ Goals: cold first token ≤ bare start + 1 s, ETA within ±25 %, no request fail
 round's ETA comes from the endpoint's own first start. Writes bench/results/autoscale.json.
 """
 
-import functools
 import os
 import re
 import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import django
@@ -26,15 +26,14 @@ django.setup()
 import httpx  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from accounts.models import Role, Scope, User  # noqa: E402
-from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
+from accounts.models import Role  # noqa: E402
+from bench import seed  # noqa: E402
 from bench.provision import CONCURRENCY, CONTEXT_LENGTH, bare_start, start_processes, start_web  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_create_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model  # noqa: E402
 from kvrun.celery import app  # noqa: E402
-from tests.helpers import at_once  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 IDLE_SECONDS = 2
@@ -87,7 +86,8 @@ def cold_burst(web: str, secret: str) -> dict:
                 seen["waited_s"] = int(response.headers.get("x-kvrun-cold-start-ms", 0)) / 1000
         return seen
 
-    outcomes = at_once(*(functools.partial(send, n) for n in range(4)))
+    with ThreadPoolExecutor(4) as pool:
+        outcomes = list(pool.map(send, range(4)))
     streamed = outcomes[0]
     return {"first_token_s": streamed["first_token_s"], "eta_s": streamed["eta_s"],
             "waited_s": streamed["waited_s"],
@@ -109,16 +109,13 @@ def main() -> int:
     settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS = IDLE_SECONDS  # this process creates it
     model = ModelSpec.objects.get(slug="kvrun-demo-tiny")
     model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / model.slug))
-    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
-    organization = do_create_organization(user=owner, name="bench autoscale")
+    organization = seed.organization("bench autoscale")
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
     children = start_processes(logs)
     bare, rounds = [], []
     try:
         base = start_web(children)
-        secret = do_create_api_key(organization=organization, name="bench",
-                                   scope=Scope.INFERENCE, actor_role=Role.OWNER,
-                                   created_by=None)[1]
+        _, secret = seed.key(organization)
         endpoint = do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name="sleepy",
             model=model, context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY, min_replicas=0,

@@ -38,13 +38,12 @@ django.setup()
 from django.db import connection, transaction  # noqa: E402
 
 from accounts.models import User  # noqa: E402
-from accounts.services import do_create_organization  # noqa: E402
+from bench import seed  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from billing.models import GPUHour, TokenHour  # noqa: E402
 from billing.rollup import Rollup, do_roll_up_usage, mark_stale_hours  # noqa: E402
 from endpoints.models import Endpoint, GPUType, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
-from tests.factories import inference_key  # noqa: E402
 
 RECORDS, INTERVALS, ENDPOINTS, DAYS = 1_000_000, 10_000, 100, 30
 NOW = datetime.now(UTC).replace(minute=30, second=0, microsecond=0)
@@ -73,11 +72,12 @@ SHOWN = [
 ]
 
 
-def seed(label: str, owner: User, *, records: int, intervals: int, hours: int) -> list:
+def populate(label: str, owner: User, *, records: int, intervals: int,
+             hours: int) -> list:
     """`records` usage records and `intervals` closed intervals of ENDPOINTS endpoints (each
     with one replica and one key), spread over the last `hours` hours. Returns the endpoints."""
-    organization = do_create_organization(user=owner, name=f"bench {label}")
-    key, _ = inference_key(organization)
+    organization = seed.organization(f"bench {label}", owned_by=owner)
+    key, _ = seed.key(organization)
     cpu = GPUType.objects.get(slug="cpu")
     endpoints = Endpoint.objects.bulk_create([
         Endpoint(organization=organization, name=f"e{n:04d}",
@@ -209,16 +209,17 @@ def main() -> int:
     with connection.cursor() as cursor:
         cursor.execute("ALTER TABLE billing_staleusagehour SET (autovacuum_enabled = false)")
     hours = DAYS * 24
-    first = seed("1x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
+    first = populate("1x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
     floor = min(floor_seconds() for _ in range(TRIES))
     full, parts = best_full_rollup(first)
     lines_1x = TokenHour.objects.count(), GPUHour.objects.count()
 
     # 1 % more: records of the last hour, and intervals that start in it.
-    extra = seed("1x-new", owner, records=RECORDS // 100, intervals=INTERVALS // 100, hours=1)
+    extra = populate("1x-new", owner, records=RECORDS // 100, intervals=INTERVALS // 100,
+                     hours=1)
     incremental, _ = timed_rollup()
 
-    second = seed("2x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
+    second = populate("2x", owner, records=RECORDS, intervals=INTERVALS, hours=hours)
     doubled, doubled_parts = best_full_rollup(first + extra + second)
     unanalyzed, unanalyzed_parts = unanalyzed_rollup(first + extra + second)
 

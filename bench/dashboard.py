@@ -26,14 +26,13 @@ from django.test import Client  # noqa: E402
 from django.test.utils import CaptureQueriesContext  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
-from accounts.models import Organization, User  # noqa: E402
-from accounts.services import do_create_organization  # noqa: E402
+from accounts.models import Organization, Scope, User  # noqa: E402
+from bench import seed  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, EndpointEvent, GPUType, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
 from engine.devices import HostResources  # noqa: E402
 from nodes.services import do_register_node  # noqa: E402
-from tests.factories import api_key  # noqa: E402
 
 REPEATS = int(os.environ.get("BENCH_REPEATS", "15"))
 GOALS = [
@@ -47,8 +46,8 @@ SIZES = {"small": (10, 1_000), "large": (1_000, 1_000_000)}
 HOT_RECORDS = 10_000
 
 
-def seed(label: str, endpoints: int, records: int, owner: User) -> Organization:
-    organization = do_create_organization(user=owner, name=f"bench {label}")
+def populate(label: str, endpoints: int, records: int, owner: User) -> Organization:
+    organization = seed.organization(f"bench {label}", owned_by=owner)
     model = ModelSpec.objects.get(slug="kvrun-demo-tiny")
     cpu = GPUType.objects.get(slug="cpu")
     node = do_register_node(name="bench-cpu", resources=HostResources(
@@ -149,10 +148,10 @@ def main() -> int:
     figures: dict[str, dict[str, dict]] = {}
     for label, (endpoints, records) in SIZES.items():
         started = time.monotonic()
-        organization = seed(label, endpoints, records, owner)
+        organization = populate(label, endpoints, records, owner)
         print(f"seeded {label}: {endpoints:,} endpoints, {records:,} usage records "
               f"in {time.monotonic() - started:.0f} s", flush=True)
-        _, secret = api_key(organization)
+        _, secret = seed.key(organization, scope=Scope.MANAGE)
         for name, (method, path, data) in pages(organization, "e0000",
                                                 last_page=max(1, endpoints // 50)).items():
             median, queries = measure(client, method, path, data, secret)

@@ -32,8 +32,8 @@ from django.conf import settings  # noqa: E402
 from django.db.models import Sum  # noqa: E402
 from django.utils import timezone  # noqa: E402
 
-from accounts.models import Organization, Role, Scope, User  # noqa: E402
-from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
+from accounts.models import Organization  # noqa: E402
+from bench import seed  # noqa: E402
 from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
 from billing.services import do_ingest_usage  # noqa: E402
@@ -43,7 +43,6 @@ from engine.metrics import engine_token_totals  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
 from kvrun.digests import engine_api_key  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
-from tests.factories import ready_endpoint  # noqa: E402
 
 SECONDS = int(os.environ.get("BENCH_SECONDS", "10"))
 WRK_SCRIPT = ROOT / "bench" / "wrk_post.lua"
@@ -120,17 +119,14 @@ def main() -> int:
     do_load_catalogs()
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
     logs.mkdir(parents=True, exist_ok=True)
-    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
-    organization = do_create_organization(user=owner, name="bench")
+    organization = seed.organization("bench")
     Organization.objects.filter(id=organization.id).update(max_concurrent_requests=10_000)
     # Limits on, set high enough never to refuse: their cost is part of what is measured.
-    _, secret = do_create_api_key(organization=organization, name="bench", scope=Scope.INFERENCE,
-                                  actor_role=Role.OWNER, created_by=owner,
-                                  requests_per_minute=10**9, tokens_per_minute=10**9)
+    _, secret = seed.key(organization, requests_per_minute=10**9, tokens_per_minute=10**9)
 
     upstream_port, engine_port, web_port = (processes.free_port() for _ in range(3))
-    ready_endpoint(organization, "minimal", [upstream_port])
-    engine_endpoint = ready_endpoint(organization, "engine", [engine_port])
+    seed.ready_endpoint(organization, "minimal", [upstream_port])
+    engine_endpoint = seed.ready_endpoint(organization, "engine", [engine_port])
     model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / "kvrun-demo-tiny"))
     engine_key = engine_api_key(engine_endpoint.replicas.get().id)
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="engine",

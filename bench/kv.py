@@ -34,8 +34,8 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from accounts.models import Role, Scope, User  # noqa: E402
-from accounts.services import do_create_api_key, do_create_organization  # noqa: E402
+from accounts.models import Role  # noqa: E402
+from bench import seed  # noqa: E402
 from bench.provision import start_processes, start_web  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
@@ -167,16 +167,13 @@ def summary(measured: list[tuple]) -> dict:
 
 def main() -> int:
     do_load_catalogs()
-    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
-    organization = do_create_organization(user=owner, name="bench kv")
+    organization = seed.organization("bench kv")
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
     children = start_processes(logs)
     rng = random.Random(SEED)
     try:
         base = start_web(children)
-        inference = do_create_api_key(organization=organization, name="bench",
-                                      scope=Scope.INFERENCE, actor_role=Role.OWNER,
-                                      created_by=None)[1]
+        _, inference = seed.key(organization)
         on = create(organization, "turns-on")
         off = create(organization, "turns-off", prefix_caching=False)
         wait_ready(on, 1)
@@ -189,9 +186,7 @@ def main() -> int:
         pair = create(organization, "pair", min_replicas=2, cache_isolation="key",
                       prefix_affinity=False)
         wait_ready(pair, 2)
-        secrets = [do_create_api_key(organization=organization, name=f"tenant {n}",
-                                     scope=Scope.INFERENCE, actor_role=Role.OWNER,
-                                     created_by=None)[1] for n in range(TENANTS)]
+        secrets = [seed.key(organization, name=f"tenant {n}")[1] for n in range(TENANTS)]
         # The two routings take turns, each round with fresh documents, so that whatever
         # drifts over the run (the engines' caches filling, the machine's load) weighs on both.
         rounds: dict[bool, list[tuple]] = {False: [], True: []}

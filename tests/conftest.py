@@ -38,6 +38,18 @@ from tests.helpers import (
     wait_until,
 )
 
+# The fixtures that start a real process (a worker, a web process, a node agent and its
+# engines, a browser). A test that uses one, however indirectly, carries the mark, so that
+# `make check`, which leaves those marks out, never starts one whatever the test's author wrote.
+PROCESS_FIXTURES = {"celery_worker": "e2e", "web": "e2e", "stub_ports": "e2e", "agent": "e2e",
+                    "browser": "browser"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for fixture in PROCESS_FIXTURES.keys() & set(getattr(item, "fixturenames", ())):
+            item.add_marker(PROCESS_FIXTURES[fixture])
+
 
 @pytest.fixture(scope="session")
 def django_db_setup(request: pytest.FixtureRequest, django_test_environment: None,
