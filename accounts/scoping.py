@@ -2,18 +2,15 @@
 
 from functools import cached_property
 
-from rest_framework.request import Request
+from rest_framework.views import APIView
 
 from accounts import selectors
 from accounts.models import Organization
 
 
-class OrganizationScoped:
+class OrganizationScoped(APIView):
     """Resolves the organisation in the URL (`org_slug`) and the caller's role in it; an
-    organisation the caller cannot see is a 404."""
-
-    request: Request
-    kwargs: dict
+    organisation the caller cannot see is a 404. The first base of the app's REST views."""
 
     @cached_property
     def organization(self) -> Organization:

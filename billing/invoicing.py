@@ -118,8 +118,8 @@ def adjustment_lines(*, organization_id: UUID, before: date) -> list[Line]:
         }
         for key in sorted(due.keys() | billed.keys(), key=str):
             line, before_now = due.get(key), billed.get(key)
-            quantity = (line.quantity if line else 0) - (before_now["quantity"] if before_now
-                                                         else 0)
+            quantity = ((line.quantity if line else Decimal(0))
+                        - (before_now["quantity"] if before_now else Decimal(0)))
             amount = (line.amount_cents if line else 0) - (before_now["amount_cents"]
                                                            if before_now else 0)
             if not quantity and not amount:
@@ -268,6 +268,7 @@ def _line_from_billed(key: tuple, month: date) -> Line:
                                           gpu_type_id=gpu_type_id, phase=phase,
                                           unit_price_usd=unit_price, usage_month=month)
                .select_related("endpoint").first())
+    assert earlier is not None, key  # the key is one of the month's billed lines
     return Line(kind=kind, endpoint_id=endpoint_id, endpoint_name=earlier.endpoint.name,
                 gpu_type_id=gpu_type_id, phase=phase, usage_month=month,
                 period_start=earlier.period_start, period_end=earlier.period_end,

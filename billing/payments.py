@@ -48,9 +48,10 @@ def configured() -> bool:
 
 
 def _client() -> stripe.StripeClient:
-    addresses = {"api": settings.STRIPE_API_BASE} if settings.STRIPE_API_BASE else None
-    return stripe.StripeClient(settings.STRIPE_SECRET_KEY, max_network_retries=2,
-                               base_addresses=addresses)
+    if settings.STRIPE_API_BASE:  # a stand-in (localstripe)
+        return stripe.StripeClient(settings.STRIPE_SECRET_KEY, max_network_retries=2,
+                                   base_addresses={"api": settings.STRIPE_API_BASE})
+    return stripe.StripeClient(settings.STRIPE_SECRET_KEY, max_network_retries=2)
 
 
 def do_ensure_customer(*, organization: Organization) -> BillingAccount:
@@ -95,7 +96,8 @@ def do_attach_card(*, organization: Organization, card: dict[str, object]) -> Bi
     in production a card is added through Checkout, checkout_url)."""
     account = do_ensure_customer(organization=organization)
     client = _client()
-    method = client.v1.payment_methods.create(params={"type": "card", "card": card})
+    method = client.v1.payment_methods.create(
+        params={"type": "card", "card": card})  # type: ignore[arg-type]  # a test card
     client.v1.payment_methods.attach(method.id, params={"customer": account.stripe_customer_id})
     _use_payment_method(account, method)
     return account
@@ -107,12 +109,15 @@ def checkout_url(*, organization: Organization, return_url: str) -> str:
     ("Use the most recent payment method"). Raises StripeUnavailable."""
     try:
         account = do_ensure_customer(organization=organization)
-        session = _client().v1.checkout.sessions.create(params={
+        # payment_method_types is a parameter of Stripe's API that its typed params lack.
+        session = _client().v1.checkout.sessions.create(params={  # type: ignore[arg-type]
             "mode": "setup", "customer": account.stripe_customer_id, "currency": "usd",
             "payment_method_types": ["card"], "success_url": return_url,
             "cancel_url": return_url})
     except stripe.StripeError as exc:
         raise StripeUnavailable(str(exc)) from exc
+    if session.url is None:  # only an embedded session has none
+        raise StripeUnavailable("Stripe returned a Checkout session without a page to open.")
     return session.url
 
 

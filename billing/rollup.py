@@ -40,6 +40,7 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Any, Protocol
 
 from django.conf import settings
 from django.db import OperationalError, connection, transaction
@@ -110,7 +111,18 @@ def lock_rollups() -> datetime:
         return _database_time(cursor)
 
 
-def _database_time(cursor: object) -> datetime:
+class _Cursor(Protocol):
+    """What these statements need of a cursor: Django's, or a _Deadline around one."""
+
+    def execute(self, sql: str, params: Any = None) -> Any: ...
+
+    def fetchone(self) -> Any: ...
+
+    @property
+    def rowcount(self) -> int: ...
+
+
+def _database_time(cursor: _Cursor) -> datetime:
     cursor.execute("SELECT clock_timestamp()")
     return cursor.fetchone()[0]
 
@@ -186,16 +198,16 @@ class _Deadline:
     """A cursor whose statements run under one timeout together: each is given what is left
     of it, so that a transaction, and whoever waits on its locks, waits at most that long."""
 
-    def __init__(self, cursor: object, *, seconds: float) -> None:
+    def __init__(self, cursor: _Cursor, *, seconds: float) -> None:
         self._cursor = cursor
         self._deadline = time.monotonic() + seconds
 
-    def execute(self, sql: str, params: object = None) -> None:
+    def execute(self, sql: str, params: Any = None) -> None:
         left_ms = max(1, round((self._deadline - time.monotonic()) * 1000))
         self._cursor.execute(f"SET LOCAL statement_timeout = {left_ms:d}")
         self._cursor.execute(sql, params)
 
-    def fetchone(self) -> tuple | None:
+    def fetchone(self) -> Any:
         return self._cursor.fetchone()
 
     @property
@@ -272,7 +284,7 @@ LINES = """
     GROUP BY 1, 2, 3, 4"""
 
 
-def _roll_up_token_batch(cursor: object, *, after: tuple, batch: int
+def _roll_up_token_batch(cursor: _Cursor, *, after: tuple, batch: int
                          ) -> tuple[int, tuple]:
     """Take the next `batch` stale hours after key `after` and rewrite their lines. Returns
     how many it took and the last key taken."""
@@ -291,7 +303,7 @@ def _roll_up_token_batch(cursor: object, *, after: tuple, batch: int
     return taken
 
 
-def _rewrite_token_hours(cursor: object, *, after: tuple, batch: int) -> tuple[int, tuple]:
+def _rewrite_token_hours(cursor: _Cursor, *, after: tuple, batch: int) -> tuple[int, tuple]:
     """The batch in the temporary tables. Every join is between tables of this batch, or a
     LATERAL lookup through an index."""
     stamp = _database_time(cursor)
@@ -341,7 +353,7 @@ def _roll_up_gpu_time(now: datetime) -> int | None:
         return None
 
 
-def _rewrite_gpu_hours(cursor: object, *, now: datetime, stamp: datetime) -> int:
+def _rewrite_gpu_hours(cursor: _Cursor, *, now: datetime, stamp: datetime) -> int:
     cursor.execute("SELECT max(hour) FROM billing_gpuhour")
     latest = cursor.fetchone()[0]
     since = (min(latest, now) - GPU_SETTLE if latest is not None

@@ -1,10 +1,11 @@
 """Reads over the billing ledger for the dashboard, the API and the console: usage totals and
 series, invoices and what is behind their lines, and how far the rollup lags."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from typing import Any
 from uuid import UUID
 
 from django.db import connection
@@ -67,7 +68,7 @@ def last_hour_totals(*, endpoint_ids: Iterable[UUID], now: datetime | None = Non
 
 
 def usage_by_minute(*, endpoint_id: UUID, minutes: int = 60, now: datetime | None = None
-                    ) -> list[dict[str, object]]:
+                    ) -> list[Mapping[str, Any]]:
     """One row per minute that saw requests, over the current minute and the `minutes` - 1
     before it: requests, those that failed (status 500 and up) and those refused (400 to 499:
     the client's errors, and clients that left), tokens, and TTFT p50/p95 in ms."""
@@ -288,7 +289,7 @@ def daily_usage(*, organization: Organization, days: int = 30, now: datetime | N
     series = []
     for offset in range(days):
         day = first + timedelta(days=offset)
-        row = tokens.get(day, {})
+        row: Mapping[str, Any] = tokens.get(day, {})
         series.append({"day": day, "gpu_hours": (gpu.get(day, Decimal(0)) / 3600),
                        "prompt_tokens": row.get("prompt", 0) or 0,
                        "completion_tokens": row.get("completion", 0) or 0})

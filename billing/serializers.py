@@ -63,7 +63,7 @@ class InvoiceDetailSerializer(InvoiceSerializer):
     def get_lines(self, invoice: InvoiceView) -> list:
         context = {**self.context, "month": month_label(invoice.month),
                    "numbers": {id(line): n for n, line in enumerate(invoice.lines, 1)}}
-        return LineSerializer(invoice.lines, many=True, context=context).data
+        return list(LineSerializer(invoice.lines, many=True, context=context).data)
 
 
 class IntervalSerializer(serializers.ModelSerializer):

@@ -4,6 +4,9 @@ import logging
 import socket
 import time
 from collections.abc import Iterable
+from datetime import datetime
+from typing import cast
+from uuid import UUID
 
 from django.db import DataError, IntegrityError, transaction
 from redis import Redis
@@ -67,7 +70,7 @@ def _insert(rows: list[UsageRecord]) -> None:
 
 def _touch_keys(records: Iterable[UsageRecord]) -> None:
     """Keys' last_used_at comes from their usage, so the gateway writes nothing per request."""
-    latest: dict[object, object] = {}
+    latest: dict[UUID, datetime] = {}
     for record in records:
         if record.api_key_id and (record.api_key_id not in latest
                                   or record.started_at > latest[record.api_key_id]):
@@ -127,11 +130,11 @@ def _store(redis: Redis, payloads: list[bytes]) -> None:
 def _store_interrupted(redis: Redis, lock: Lock, *, batch: int, now_ms: int) -> int:
     """Store, as interrupted, the requests whose gateway stopped renewing their trace."""
     handled = 0
-    while request_ids := redis.zrangebyscore(usage_stream.ADMITTED_SEEN, "-inf",
-                                             now_ms - usage_stream.lease_ms(), start=0,
-                                             num=batch):
-        payloads = [payload for payload in redis.hmget(usage_stream.ADMITTED, request_ids)
-                    if payload is not None]
+    while request_ids := cast(list[bytes], redis.zrangebyscore(
+            usage_stream.ADMITTED_SEEN, "-inf", now_ms - usage_stream.lease_ms(), start=0,
+            num=batch)):
+        payloads = [payload for payload in cast(list[bytes | None], redis.hmget(
+                    usage_stream.ADMITTED, request_ids)) if payload is not None]
         _store(redis, payloads)
         logger.warning("%d request(s) interrupted by the death of their gateway recorded",
                        len(payloads))
@@ -144,7 +147,7 @@ def _store_interrupted(redis: Redis, lock: Lock, *, batch: int, now_ms: int) -> 
     return handled
 
 
-def _ensure_group(redis: object) -> None:
+def _ensure_group(redis: Redis) -> None:
     try:
         redis.xgroup_create(usage_stream.STREAM, usage_stream.GROUP, id="0", mkstream=True)
     except ResponseError as exc:
@@ -152,7 +155,7 @@ def _ensure_group(redis: object) -> None:
             raise
 
 
-def _next_entries(redis: object, consumer: str, count: int) -> list[tuple[bytes, dict]]:
+def _next_entries(redis: Redis, consumer: str, count: int) -> list[tuple[bytes, dict]]:
     """This consumer's own unacknowledged entries first (a run that died), then entries other
     consumers left idle, then new ones."""
     for start in ("0", None, ">"):
@@ -161,8 +164,8 @@ def _next_entries(redis: object, consumer: str, count: int) -> list[tuple[bytes,
                                               min_idle_time=CLAIM_IDLE_MS, start_id="0-0",
                                               count=count)
         else:
-            reply = redis.xreadgroup(usage_stream.GROUP, consumer, {usage_stream.STREAM: start},
-                                     count=count)
+            reply = cast(list, redis.xreadgroup(usage_stream.GROUP, consumer,
+                                                {usage_stream.STREAM: start}, count=count))
             entries = reply[0][1] if reply else []
         empty = [entry_id for entry_id, fields in entries if not fields]
         if empty:  # deleted before they were acknowledged: nothing left to store

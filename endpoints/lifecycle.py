@@ -40,8 +40,8 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
         # The endpoint's row before the replica's, the order a reconciler pass takes them in:
         # the other way round, an agent's transition and a pass each held what the other
         # waited for, and PostgreSQL aborted one of them.
-        endpoint = (Endpoint.objects.select_for_update().filter(id=endpoint_id)
-                    .only("organization_id", "gpu_type_id", "gpu_count").first())
+        endpoint = (Endpoint.objects.select_for_update()
+                    .only("organization_id", "gpu_type_id", "gpu_count").get(id=endpoint_id))
         moved = Replica.objects.filter(id=replica_id, state__in=list(from_states)).update(
             state=to_state, **fields)
         if moved != 1:
@@ -103,7 +103,7 @@ def do_stop_replica(*, replica: Replica, reason: str) -> bool:
                                      stopped_at=timezone.now())
     moved = do_transition_replica(replica_id=replica.id, from_states=ON_NODE,
                                   to_state=State.STOPPING, message=reason)
-    if moved and replica.node_id is not None:
+    if moved and replica.node is not None:
         send_stop_after_commit(replica=replica, node=replica.node)
     return moved
 
@@ -141,6 +141,7 @@ def do_refresh_endpoint_state(*, endpoint_id: UUID, failure_reason: str | None =
     """Recompute and store the endpoint's state; record an event when it changes."""
     endpoint = Endpoint.objects.select_for_update().get(id=endpoint_id)
     states = list(endpoint.replicas.values_list("state", flat=True))
+    new_state: str
     if failure_reason is not None:
         new_state = State.FAILED
     elif endpoint.state == State.FAILED and endpoint.desired_state == DesiredState.RUNNING:

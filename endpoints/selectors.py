@@ -6,6 +6,7 @@ from uuid import UUID
 
 from django.db.models import F, Prefetch, Q, QuerySet, Sum
 
+from accounts.models import Organization
 from accounts.selectors import Quota
 from endpoints.models import (
     DesiredState,
@@ -38,7 +39,7 @@ def gpu_type_for_device(*, device_name: str, memory_bytes: int) -> GPUType | Non
     return min(candidates, key=lambda gpu: abs(gpu.memory_bytes - memory_bytes))
 
 
-def endpoints_of(*, organization: object) -> QuerySet[Endpoint]:
+def endpoints_of(*, organization: Organization) -> QuerySet[Endpoint]:
     """The organisation's endpoints that are not deleted, with what their responses show:
     their replicas that are not stopped (stopped ones are history, and grow without end)."""
     live = (Replica.objects.exclude(state=State.STOPPED).select_related("node")
@@ -48,13 +49,14 @@ def endpoints_of(*, organization: object) -> QuerySet[Endpoint]:
             .prefetch_related(Prefetch("replicas", queryset=live)))
 
 
-def quota_used_by(*, organization_id: object, excluding: object = None) -> Quota:
+def quota_used_by(*, organization_id: UUID, excluding: UUID | None = None) -> Quota:
     """What an organisation's endpoints (but `excluding`, an endpoint id) hold against its
     quotas: every endpoint not deleted; and of those that should run, their replicas and GPUs
     at their most replicas, so that scaling within max_replicas never passes a quota. A CPU
     engine holds no GPU."""
-    kept = Endpoint.objects.filter(organization_id=organization_id, deleted_at=None).exclude(
-        id=excluding)
+    kept = Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
+    if excluding is not None:
+        kept = kept.exclude(id=excluding)
     running = kept.filter(desired_state=DesiredState.RUNNING)
     held = running.aggregate(
         replicas=Sum("max_replicas", default=0),
@@ -72,7 +74,7 @@ def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str,
     return {"stage": leader.stage or leader.state, "percent": leader.progress_percent}
 
 
-def endpoints_for_gateway(*, organization_id: object) -> QuerySet[Endpoint]:
+def endpoints_for_gateway(*, organization_id: UUID | str) -> QuerySet[Endpoint]:
     """The organisation's live endpoints with their ready replicas and nodes: what the
     gateway routes by."""
     ready = Replica.objects.filter(state=State.READY, port__isnull=False,
@@ -96,7 +98,8 @@ def median_start_seconds(*, model_id: int, gpu_type_id: int, last: int = 20) -> 
     spans = (Replica.objects.filter(endpoint__model_id=model_id, node__gpu_type_id=gpu_type_id,
                                     ready_at__isnull=False)
              .order_by("-ready_at").values_list("created_at", "ready_at")[:last])
-    seconds = [(ready - created).total_seconds() for created, ready in spans]
+    seconds = [(ready - created).total_seconds() for created, ready in spans
+               if ready is not None]  # never None here; the type says it may be
     return statistics.median(seconds) if seconds else None
 
 

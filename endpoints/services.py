@@ -4,7 +4,7 @@ their agent (nodes.services)."""
 import json
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from uuid import UUID
 
 from django.conf import settings
@@ -64,7 +64,10 @@ def do_load_catalogs(*, directory: Path = CATALOG_DIR) -> tuple[int, int]:
     return len(models), len(gpus)
 
 
-def _upsert(model: type, rows: list[dict], kept: tuple[str, ...] = ()) -> None:
+Catalog = TypeVar("Catalog", ModelSpec, GPUType)
+
+
+def _upsert(model: type[Catalog], rows: list[dict], kept: tuple[str, ...] = ()) -> None:
     fields = [name for name in rows[0] if name not in ("slug", *kept)]
     model.objects.bulk_create(
         [model(**row) for row in rows], update_conflicts=True, unique_fields=["slug"],
@@ -203,8 +206,8 @@ def do_create_endpoint(
     return endpoint
 
 
-def _hold_quota(*, organization_id: object, gpu_type: GPUType, gpu_count: int, replicas: int,
-                new_endpoint: bool = False, excluding: object = None) -> None:
+def _hold_quota(*, organization_id: UUID, gpu_type: GPUType, gpu_count: int, replicas: int,
+                new_endpoint: bool = False, excluding: UUID | None = None) -> None:
     """Lock the organisation's row until the transaction ends, then refuse, with its reason,
     when billing holds the organisation (billing_hold), and, saying which quota and how to
     raise it, when the organisation's endpoints (but `excluding`) together with one

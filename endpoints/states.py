@@ -51,13 +51,13 @@ UNSETTLED = ASKED_FOR | {State.STOPPING}
 # An endpoint in one of these is at rest: nothing moves until someone or something asks.
 ENDPOINT_AT_REST = frozenset({State.READY, State.IDLE, State.STOPPED, State.FAILED})
 
-PHASE_OF_STATE = {
+PHASE_OF_STATE: dict[str, str] = {
     State.SCHEDULING: BilledPhase.STARTING, State.STARTING: BilledPhase.STARTING,
     State.LOADING: BilledPhase.LOADING, State.READY: BilledPhase.READY,
     State.STOPPING: BilledPhase.STOPPING,
 }
 
-PROGRESS = {
+PROGRESS: dict[str, int] = {
     State.PENDING: 0, State.SCHEDULING: 10, State.STARTING: 20, State.LOADING: 40,
     State.READY: 100, State.STOPPING: 100, State.STOPPED: 100, State.FAILED: 100,
 }

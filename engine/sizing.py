@@ -79,6 +79,7 @@ def weight_bytes(model: ModelShape, dtype: str) -> int:
 def kv_bytes_per_token_per_layer(model: ModelShape, *, kv_dtype: str, tp: int) -> int:
     value_bytes = KV_DTYPE_BYTES[kv_dtype]
     if model.attention_kind == "mla":
+        assert model.kv_lora_rank is not None and model.qk_rope_head_dim is not None, model
         return (model.kv_lora_rank + model.qk_rope_head_dim) * value_bytes
     return 2 * max(1, model.kv_heads // tp) * model.head_dim * value_bytes
 

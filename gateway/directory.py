@@ -109,9 +109,11 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
                           model_id=endpoint.model_id, gpu_type_id=endpoint.gpu_type_id)
                       if scales_to_zero else None,
                       starting_since=min(starting, default=None))
+        # Prefetched by endpoints_for_gateway, to an attribute the model does not declare.
+        ready = endpoint.ready_replicas  # type: ignore[attr-defined]
         replicas = tuple(_ReplicaRow(replica_id=str(replica.id),
                                      base_url=_base_url(replica.node.address, replica.port))
-                         for replica in endpoint.ready_replicas)
+                         for replica in ready)
         rows.append((route, replicas))
     return rows
 

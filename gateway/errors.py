@@ -99,6 +99,8 @@ def readable(message: str) -> str:
 def _problem(line: str) -> str:
     """One of vLLM's validation error lines as "field: what is wrong"; the line as it is
     when it is not one ("...and 3 more errors")."""
+    field: str | None
+    problem: str | None
     try:
         error = ast.literal_eval(line)
         field, problem = str(error["loc"]), str(error["msg"])

@@ -15,6 +15,7 @@ import asyncio
 import math
 import time
 from collections import Counter
+from uuid import UUID
 
 from asgiref.sync import sync_to_async
 from django.conf import settings
@@ -60,7 +61,7 @@ def _progress(route: Route) -> str:
 
 def _wake(endpoint_id: str) -> bool:
     close_old_connections()  # this thread serves no Django request that would do it
-    return do_wake_endpoint(endpoint_id=endpoint_id)
+    return do_wake_endpoint(endpoint_id=UUID(endpoint_id))
 
 
 class ColdStarts:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from uuid import UUID
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -74,7 +75,7 @@ def counter_name(identity: KeyIdentity, kind: str, window: int) -> str:
     return f"kvrun:rl:{identity.id}:{kind}:{window}"
 
 
-def in_flight_name(organization_id: object) -> str:
+def in_flight_name(organization_id: UUID | str) -> str:
     return f"kvrun:inflight:{organization_id}"
 
 

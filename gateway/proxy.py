@@ -110,7 +110,9 @@ class Proxy:
                 raise
             # The client left while the engine had not answered yet (a non-streamed answer
             # comes whole): the cancelled request closed the engine connection.
-            asyncio.current_task().uncancel()
+            task = asyncio.current_task()
+            assert task is not None  # this coroutine runs as a task
+            task.uncancel()
             if exchange.response is not None:
                 exchange.response.close()
             return None
@@ -220,18 +222,19 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
         if data == b"[DONE]":
             break
         chunk = orjson.loads(data)
+        sent: bytes | None
         if "error" in chunk:
             detail = chunk["error"] or {}
             error = engine_message(int(detail.get("code") or 500), str(detail.get("message")))
             exchange.status, exchange.error_code = error.status, error.code or ""
-            data = orjson.dumps({"error": error.as_dict()})
+            sent = orjson.dumps({"error": error.as_dict()})
         else:
-            data = _client_chunk(exchange, chunk, data, wants_usage=wants_usage,
+            sent = _client_chunk(exchange, chunk, data, wants_usage=wants_usage,
                                  wants_running=wants_running)
-        if data is not None:
+        if sent is not None:
             await sink.write_ahead(exchange, last=any(
                 choice.get("finish_reason") for choice in chunk.get("choices") or ()))
-            await send({"type": "http.response.body", "body": b"data: " + data + b"\n\n",
+            await send({"type": "http.response.body", "body": b"data: " + sent + b"\n\n",
                         "more_body": True})
     if failure is not None:
         exchange.status, exchange.error_code = failure.status, failure.code or ""

@@ -46,7 +46,7 @@ RETRY_SECONDS = 1.0
 WRITE_AHEAD_WAIT_SECONDS = 0.5
 
 
-def _store_directly(payloads: list[bytes]) -> list[bytes]:
+def _store_directly(payloads: list[bytes]) -> list[tuple[bytes, str]]:
     close_old_connections()
     return do_record_usage(payloads=payloads)
 
