@@ -7,6 +7,10 @@ agent is not enough (a loading engine ignores the signal), so the agent finds it
 that marker: it stops them all when it shuts down and, when it starts, whatever its previous
 run left; each heartbeat reports them and stops those kvrun no longer expects. Stops run off
 the heartbeat's thread, and a replica is settled only once its engine is confirmed gone.
+
+What the agent holds while it runs (its engines, the stops under way, whether it is shutting
+down) belongs to one NodeAgent, which the command builds and serves; the node's Celery tasks
+reach it through serving(). Tests build a fresh one.
 """
 
 import logging
@@ -49,13 +53,202 @@ SCRAPE_TIMEOUT_SECONDS = 2.0
 ROUTE_MARGIN_SECONDS = 0.5
 LOG_SWEEP_SECONDS = 3600.0
 
-_engines: dict[str, Popen] = {}
-# Held while an engine is spawned, and while a heartbeat finds the engines and reports them,
-# so that no engine appears between the two.
-_engines_lock = threading.Lock()
-_stopping: set[int] = set()  # process groups a stop is already on
-_shutting_down = threading.Event()
-_next_log_sweep = 0.0  # monotonic
+
+class NodeAgent:
+    """The node agent of node `name` in this process: the engines it started (its children)
+    and what it is doing to them. Its methods run on Celery's threads, the heartbeat's thread
+    and background stops at once."""
+
+    def __init__(self, *, name: str) -> None:
+        self.name = name
+        self.engines: dict[str, Popen] = {}  # by replica id
+        # Held while an engine is spawned, and while a heartbeat finds the engines and reports
+        # them, so that no engine appears between the two.
+        self._lock = threading.Lock()
+        self._stopping: set[int] = set()  # process groups a stop is already on
+        self._shutting_down = threading.Event()
+        self._next_log_sweep = 0.0  # monotonic
+
+    def start_replica(self, replica_id: str) -> None:
+        """Start the replica's engine and wait until it serves. A second delivery of the same start
+        finds the replica no longer `starting` and does nothing: one engine per replica."""
+        replica = (Replica.objects.select_related("endpoint__model", "endpoint__gpu_type", "node")
+                   .filter(id=replica_id).first())
+        if replica is None:
+            return
+        port = processes.free_port(replica.node.address)
+        # The engine starts with the endpoint's policy as read above, and says which one.
+        if not do_transition_replica(replica_id=replica.id, from_states=[State.STARTING],
+                                     to_state=State.LOADING, message="starting the engine",
+                                     port=port, policy_version=replica.endpoint.policy_version):
+            return
+        log = log_path(replica.id)
+        process = None
+        try:
+            do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
+                                    stage="preparing the model", percent=45)
+            spec = spec_for(replica, port)
+            with self._lock:
+                # A stop (or the node's loss, or the agent's shutdown) that came while the model
+                # was prepared found no engine to stop: none may start after it.
+                if self._shutting_down.is_set() or not Replica.objects.filter(
+                        id=replica.id, state=State.LOADING).exists():
+                    return
+                process = supervisor.start(spec, log)
+                self.engines[str(replica.id)] = process
+            Replica.objects.filter(id=replica.id).update(pid=process.pid)
+            do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
+                                    stage="loading weights and allocating the KV cache", percent=50)
+            supervisor.wait_ready(
+                host=spec.host, port=port, served_model_name=spec.served_model_name,
+                api_key=spec.api_key,
+                alive=lambda: process.poll() is None,
+                timeout=settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS,
+                on_progress=lambda stage: do_set_replica_progress(
+                    replica_id=replica.id, state=State.LOADING, stage="engine healthy, loading API",
+                    percent=90),
+            )
+        except (supervisor.EngineFailed, OSError, ValueError) as exc:
+            # ValueError: a KV policy this node's vLLM cannot run (engine.kv_policy says why).
+            if process is not None:
+                self._forget_and_stop(str(replica.id), process)
+            _record_failure(replica.id, str(exc), log, from_states=[State.LOADING])
+            return
+        capacity = supervisor.read_kv_capacity(log.read_text(errors="replace"))
+        ready = do_transition_replica(
+            replica_id=replica.id, from_states=[State.LOADING], to_state=State.READY,
+            message=f"ready on port {port}"
+            + (f", KV cache {capacity:,} tokens" if capacity else ""),
+            kv_cache_tokens=capacity, ready_at=timezone.now(), restarts=0,
+            log_tail=supervisor.tail(log),
+        )
+        if ready and (spec.kv_policy.host_tier_gib or spec.kv_policy.disk_tier_gib):
+            _in_background(_test_offload, replica.id, spec)
+
+    def stop_replica(self, replica_id: str) -> None:
+        """Stop the replica's engine: SIGTERM, SIGKILL after the grace period; wait for the port.
+        The replica is stopped only once no process of its engine is left; until then it stays
+        stopping, holding its devices, and the reconciler sends the stop again."""
+        replica = Replica.objects.select_related("node").filter(id=replica_id).first()
+        if replica is None or replica.state != State.STOPPING or replica.node is None:
+            return
+        _drain(replica)
+        marker = owner(replica.node.name)
+        with self._lock:
+            process = self.engines.pop(str(replica.id), None)
+            groups = processes.running_engines(marker).get(str(replica.id), set())
+        children = [process] if process is not None else []
+        self._stop_and_reap(groups | {child.pid for child in children}, children,
+                       grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+        if str(replica.id) in processes.running_engines(marker):
+            logger.warning("replica %s: its engine outlived SIGKILL; the stop will come again",
+                           replica.id)
+            return
+        deadline = time.monotonic() + 10
+        host = replica.node.address
+        while (replica.port and not processes.port_is_free(replica.port, host)
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        shutil.rmtree(cache_dir(replica.id), ignore_errors=True)
+        do_transition_replica(replica_id=replica.id, from_states=[State.STOPPING],
+                              to_state=State.STOPPED, message="engine stopped, port freed",
+                              stopped_at=timezone.now(), pid=None, log_tail=supervisor.tail(
+                                  log_path(replica.id)))
+
+    def beat(self) -> bool:
+        """One heartbeat of the node `name`: report the engines it runs and stop, in the
+        background, those kvrun no longer expects; publish each engine's last log lines (the API
+        shows them while it loads); fail a ready engine that exited once its group is gone (the
+        reconciler restarts it after a backoff). Returns False when the node must register again.
+        Nothing here waits for an engine to stop."""
+        with self._lock:
+            running = processes.running_engines(owner(self.name))
+            unexpected = do_record_node_heartbeat(name=self.name, engines=running)
+            if unexpected is None:
+                return False
+            children = {rid: self.engines.pop(rid) for rid in unexpected
+                        if rid in self.engines and self.engines[rid].pid in running[rid]}
+        for rid in unexpected:
+            logger.warning("replica %s: kvrun no longer expects its engine here; stopping it", rid)
+            _in_background(self._stop_unexpected, rid, running[rid],
+                           [children[rid]] if rid in children else [])
+        with self._lock:
+            exited = {rid: p for rid, p in self.engines.items() if p.poll() is not None}
+            for rid in exited:
+                self.engines.pop(rid)
+            live = list(self.engines)
+        for rid in live:
+            Replica.objects.filter(id=rid, state__in=[State.LOADING, State.READY]).update(
+                log_tail=supervisor.tail(log_path(rid)))
+        for rid, process in exited.items():
+            _in_background(self._fail_once_stopped, rid, process)
+        if time.monotonic() >= self._next_log_sweep:
+            self._next_log_sweep = time.monotonic() + LOG_SWEEP_SECONDS
+            delete_old_logs()
+        return True
+
+    def stop_all_engines(self) -> None:
+        """On agent shutdown: stop every engine, whatever it is doing (a start waiting on one then
+        ends), within the time the agent's own supervisor gives the agent."""
+        with self._lock:
+            self._shutting_down.set()
+            children = list(self.engines.values())
+            groups = set().union(*processes.running_engines(owner(self.name)).values())
+        # Every group, those a background stop is on included: the agent may exit before it ends.
+        processes.stop_groups(groups | {child.pid for child in children},
+                              grace=min(SHUTDOWN_GRACE_SECONDS,
+                                        settings.KVRUN_ENGINE_STOP_GRACE_SECONDS))
+        for child in children:
+            child.poll()
+
+    def _forget_and_stop(self, replica_id: str, process: Popen) -> None:
+        with self._lock:
+            self.engines.pop(replica_id, None)
+        self._stop_and_reap({process.pid}, [process], settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+
+    def _fail_once_stopped(self, replica_id: str, process: Popen) -> None:
+        # The API server is gone; its engine-core children may not be: end the whole group
+        # before the failure frees the replica's devices.
+        self._stop_and_reap({process.pid}, [process], settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+        _record_failure(UUID(replica_id), f"the engine exited with status {process.returncode}",
+                        log_path(replica_id), from_states=[State.READY])
+
+    def _stop_unexpected(self, replica_id: str, groups: set[int], children: list[Popen]) -> None:
+        self._stop_and_reap(groups, children, settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+        shutil.rmtree(cache_dir(replica_id), ignore_errors=True)
+
+    def _stop_and_reap(self, groups: set[int], children: list[Popen], grace: float) -> None:
+        """Stop the process groups (leaving one a stop is already on to it), then collect the exit
+        status of those that are this agent's children."""
+        with self._lock:
+            mine = groups - self._stopping
+            self._stopping.update(mine)
+        try:
+            processes.stop_groups(mine, grace=grace)
+        finally:
+            with self._lock:
+                self._stopping.difference_update(mine)
+        for child in children:
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                logger.warning("engine %s outlived SIGKILL", child.pid)
+
+
+_serving: NodeAgent | None = None
+
+
+def serve(agent: NodeAgent) -> None:
+    """Make `agent` the one this process's node tasks act through (manage.py node_agent)."""
+    global _serving
+    _serving = agent
+
+
+def serving() -> NodeAgent:
+    """The node agent this process serves; a node task runs nowhere else."""
+    if _serving is None:
+        raise RuntimeError("node tasks run only in manage.py node_agent, which serves a node")
+    return _serving
 
 
 def log_path(replica_id: UUID | str) -> Path:
@@ -109,93 +302,6 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
     )
 
 
-def start_replica(replica_id: str) -> None:
-    """Start the replica's engine and wait until it serves. A second delivery of the same start
-    finds the replica no longer `starting` and does nothing: one engine per replica."""
-    replica = (Replica.objects.select_related("endpoint__model", "endpoint__gpu_type", "node")
-               .filter(id=replica_id).first())
-    if replica is None:
-        return
-    port = processes.free_port(replica.node.address)
-    # The engine starts with the endpoint's policy as read above, and says which one.
-    if not do_transition_replica(replica_id=replica.id, from_states=[State.STARTING],
-                                 to_state=State.LOADING, message="starting the engine",
-                                 port=port, policy_version=replica.endpoint.policy_version):
-        return
-    log = log_path(replica.id)
-    process = None
-    try:
-        do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
-                                stage="preparing the model", percent=45)
-        spec = spec_for(replica, port)
-        with _engines_lock:
-            # A stop (or the node's loss, or the agent's shutdown) that came while the model
-            # was prepared found no engine to stop: none may start after it.
-            if _shutting_down.is_set() or not Replica.objects.filter(
-                    id=replica.id, state=State.LOADING).exists():
-                return
-            process = supervisor.start(spec, log)
-            _engines[str(replica.id)] = process
-        Replica.objects.filter(id=replica.id).update(pid=process.pid)
-        do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
-                                stage="loading weights and allocating the KV cache", percent=50)
-        supervisor.wait_ready(
-            host=spec.host, port=port, served_model_name=spec.served_model_name,
-            api_key=spec.api_key,
-            alive=lambda: process.poll() is None,
-            timeout=settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS,
-            on_progress=lambda stage: do_set_replica_progress(
-                replica_id=replica.id, state=State.LOADING, stage="engine healthy, loading API",
-                percent=90),
-        )
-    except (supervisor.EngineFailed, OSError, ValueError) as exc:
-        # ValueError: a KV policy this node's vLLM cannot run (engine.kv_policy says why).
-        if process is not None:
-            _forget_and_stop(str(replica.id), process)
-        _record_failure(replica.id, str(exc), log, from_states=[State.LOADING])
-        return
-    capacity = supervisor.read_kv_capacity(log.read_text(errors="replace"))
-    ready = do_transition_replica(
-        replica_id=replica.id, from_states=[State.LOADING], to_state=State.READY,
-        message=f"ready on port {port}" + (f", KV cache {capacity:,} tokens" if capacity else ""),
-        kv_cache_tokens=capacity, ready_at=timezone.now(), restarts=0,
-        log_tail=supervisor.tail(log),
-    )
-    if ready and (spec.kv_policy.host_tier_gib or spec.kv_policy.disk_tier_gib):
-        _in_background(_test_offload, replica.id, spec)
-
-
-def stop_replica(replica_id: str) -> None:
-    """Stop the replica's engine: SIGTERM, SIGKILL after the grace period; wait for the port.
-    The replica is stopped only once no process of its engine is left; until then it stays
-    stopping, holding its devices, and the reconciler sends the stop again."""
-    replica = Replica.objects.select_related("node").filter(id=replica_id).first()
-    if replica is None or replica.state != State.STOPPING or replica.node is None:
-        return
-    _drain(replica)
-    marker = owner(replica.node.name)
-    with _engines_lock:
-        process = _engines.pop(str(replica.id), None)
-        groups = processes.running_engines(marker).get(str(replica.id), set())
-    children = [process] if process is not None else []
-    _stop_and_reap(groups | {child.pid for child in children}, children,
-                   grace=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
-    if str(replica.id) in processes.running_engines(marker):
-        logger.warning("replica %s: its engine outlived SIGKILL; the stop will come again",
-                       replica.id)
-        return
-    deadline = time.monotonic() + 10
-    host = replica.node.address
-    while (replica.port and not processes.port_is_free(replica.port, host)
-           and time.monotonic() < deadline):
-        time.sleep(0.2)
-    shutil.rmtree(cache_dir(replica.id), ignore_errors=True)
-    do_transition_replica(replica_id=replica.id, from_states=[State.STOPPING],
-                          to_state=State.STOPPED, message="engine stopped, port freed",
-                          stopped_at=timezone.now(), pid=None, log_tail=supervisor.tail(
-                              log_path(replica.id)))
-
-
 def _test_offload(replica_id: UUID, spec: supervisor.EngineSpec) -> None:
     """The offload self-test on a replica just ready with a KV tier; its verdict becomes the
     replica's event."""
@@ -224,40 +330,6 @@ def _drain(replica: Replica) -> None:
         if busy is None or busy.running + busy.waiting == 0:
             return
         time.sleep(0.5)
-
-
-def beat(*, name: str) -> bool:
-    """One heartbeat of the node `name`: report the engines it runs and stop, in the
-    background, those kvrun no longer expects; publish each engine's last log lines (the API
-    shows them while it loads); fail a ready engine that exited once its group is gone (the
-    reconciler restarts it after a backoff). Returns False when the node must register again.
-    Nothing here waits for an engine to stop."""
-    with _engines_lock:
-        running = processes.running_engines(owner(name))
-        unexpected = do_record_node_heartbeat(name=name, engines=running)
-        if unexpected is None:
-            return False
-        children = {rid: _engines.pop(rid) for rid in unexpected
-                    if rid in _engines and _engines[rid].pid in running[rid]}
-    for rid in unexpected:
-        logger.warning("replica %s: kvrun no longer expects its engine here; stopping it", rid)
-        _in_background(_stop_unexpected, rid, running[rid],
-                       [children[rid]] if rid in children else [])
-    with _engines_lock:
-        exited = {rid: p for rid, p in _engines.items() if p.poll() is not None}
-        for rid in exited:
-            _engines.pop(rid)
-        live = list(_engines)
-    for rid in live:
-        Replica.objects.filter(id=rid, state__in=[State.LOADING, State.READY]).update(
-            log_tail=supervisor.tail(log_path(rid)))
-    for rid, process in exited.items():
-        _in_background(_fail_once_stopped, rid, process)
-    global _next_log_sweep
-    if time.monotonic() >= _next_log_sweep:
-        _next_log_sweep = time.monotonic() + LOG_SWEEP_SECONDS
-        delete_old_logs()
-    return True
 
 
 def delete_old_logs() -> int:
@@ -334,21 +406,6 @@ def _is_uuid(text: str) -> bool:
     return True
 
 
-def stop_all_engines(*, name: str) -> None:
-    """On agent shutdown: stop every engine, whatever it is doing (a start waiting on one then
-    ends), within the time the agent's own supervisor gives the agent."""
-    with _engines_lock:
-        _shutting_down.set()
-        children = list(_engines.values())
-        groups = set().union(*processes.running_engines(owner(name)).values())
-    # Every group, those a background stop is on included: the agent may exit before it ends.
-    processes.stop_groups(groups | {child.pid for child in children},
-                          grace=min(SHUTDOWN_GRACE_SECONDS,
-                                    settings.KVRUN_ENGINE_STOP_GRACE_SECONDS))
-    for child in children:
-        child.poll()
-
-
 def do_fail_replicas_of_previous_agent(*, node: Node) -> int:
     """On agent start: the engines of the agent's previous life are gone (it stopped those
     left behind first)."""
@@ -367,43 +424,6 @@ def _record_failure(replica_id: UUID, reason: str, log: Path, *, from_states: li
     logger.warning("replica %s failed: %s", replica_id, reason)
     return do_fail_replica(replica_id=replica_id, from_states=from_states, reason=reason,
                            failure_reason=full, log_tail=last_lines, pid=None)
-
-
-def _forget_and_stop(replica_id: str, process: Popen) -> None:
-    with _engines_lock:
-        _engines.pop(replica_id, None)
-    _stop_and_reap({process.pid}, [process], settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
-
-
-def _fail_once_stopped(replica_id: str, process: Popen) -> None:
-    # The API server is gone; its engine-core children may not be: end the whole group
-    # before the failure frees the replica's devices.
-    _stop_and_reap({process.pid}, [process], settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
-    _record_failure(UUID(replica_id), f"the engine exited with status {process.returncode}",
-                    log_path(replica_id), from_states=[State.READY])
-
-
-def _stop_unexpected(replica_id: str, groups: set[int], children: list[Popen]) -> None:
-    _stop_and_reap(groups, children, settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
-    shutil.rmtree(cache_dir(replica_id), ignore_errors=True)
-
-
-def _stop_and_reap(groups: set[int], children: list[Popen], grace: float) -> None:
-    """Stop the process groups (leaving one a stop is already on to it), then collect the exit
-    status of those that are this agent's children."""
-    with _engines_lock:
-        mine = groups - _stopping
-        _stopping.update(mine)
-    try:
-        processes.stop_groups(mine, grace=grace)
-    finally:
-        with _engines_lock:
-            _stopping.difference_update(mine)
-    for child in children:
-        try:
-            child.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            logger.warning("engine %s outlived SIGKILL", child.pid)
 
 
 def _in_background(target: Callable[..., None], *args: object) -> None:

@@ -9,10 +9,10 @@ from nodes import agent
 
 @shared_task(name=START_REPLICA, ignore_result=True)
 def start_replica(replica_id: str) -> None:
-    agent.start_replica(replica_id)
+    agent.serving().start_replica(replica_id)
 
 
 # Stopping is idempotent (a stopped replica is left alone), so a redelivery after a crash is safe.
 @shared_task(name=STOP_REPLICA, ignore_result=True, acks_late=True)
 def stop_replica(replica_id: str) -> None:
-    agent.stop_replica(replica_id)
+    agent.serving().stop_replica(replica_id)

@@ -51,6 +51,16 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+def stop_agent(process: subprocess.Popen, name: str) -> None:
+    """Stop a node agent a test started, and mark its node lost at once, as the liveness
+    check would after its heartbeats stopped: no later test inherits a node that looks online
+    with no agent behind it (an idle one is the first a replica is placed on)."""
+    from endpoints.models import Node, NodeState
+
+    stop(process)
+    Node.objects.filter(name=name).update(state=NodeState.LOST)
+
+
 def process_alive(pid: int) -> bool:
     """Whether `pid` runs (a zombie does not)."""
     try:
@@ -132,11 +142,15 @@ def start_agent(name: str, logs: Path) -> subprocess.Popen:
     )
 
 
-def drive(predicate: Callable[[], bool], timeout: float) -> bool:
-    """Wait for `predicate`, running the reconciler and the liveness check on the worker as
-    beat would: again once the worker has taken the last ones. Sent every second whatever
-    the worker's pace, they piled up while an engine start slowed its passes, and a node's
-    loss was seen half a minute late."""
+def drive(predicate: Callable[[], bool], timeout: float, *,
+          lose_silent_nodes: bool = False) -> bool:
+    """Wait for `predicate`, running the reconciler on the worker as beat would: again once
+    the worker has taken the last one (sent every second whatever the worker's pace, passes
+    piled up while an engine start slowed them). The liveness check runs too only where the
+    test asks for it (`lose_silent_nodes`): the tests' nodes are lost after 3 s of silence,
+    and an agent's heartbeat comes later than that while engines load on these two cores, so
+    a check run by every test lost ready nodes at random. A test that stops an agent marks
+    its node lost itself (stop_agent)."""
     from endpoints.tasks import mark_lost_nodes, reconcile
     from kvrun.redis import redis_client
 
@@ -145,9 +159,23 @@ def drive(predicate: Callable[[], bool], timeout: float) -> bool:
     def step() -> bool:
         if not broker.llen("control"):  # the control queue's list in Redis
             reconcile.delay()
-            mark_lost_nodes.delay()
+            if lose_silent_nodes:
+                mark_lost_nodes.delay()
         return predicate()
     return wait_until(step, timeout, interval=1.0)
+
+
+def story_of(endpoint_id: object) -> str:
+    """An endpoint's state, its replicas' and its last events, for a test's failure message."""
+    from endpoints.models import Endpoint, EndpointEvent, Replica
+
+    endpoint = Endpoint.objects.get(id=endpoint_id)
+    replicas = ", ".join(f"{replica.id.hex[:8]} {replica.state} on {replica.node_id}"
+                         for replica in Replica.objects.filter(endpoint=endpoint))
+    events = "\n".join(f"  {event.at:%H:%M:%S} {event.state}: {event.message}"
+                       for event in EndpointEvent.objects.filter(endpoint=endpoint)
+                       .order_by("-at", "-id")[:20][::-1])
+    return f"{endpoint.name} is {endpoint.state}; replicas: {replicas}\n{events}"
 
 
 def api_servers(name: str) -> list[int]:

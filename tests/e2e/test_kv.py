@@ -33,7 +33,7 @@ from gateway.directory import Upstream
 from kvrun.digests import cache_salt, engine_api_key
 from telemetry.models import EngineSample
 from tests.factories import UserFactory, api_key, inference_key
-from tests.helpers import WEB_METRICS_TOKEN, api_servers, drive, records_for, wait_until
+from tests.helpers import WEB_METRICS_TOKEN, api_servers, drive, records_for, story_of, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -77,7 +77,8 @@ def pair(django_db_blocker: object, agent: object, web: str) -> Iterator[Pair]:
             model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
             concurrency=2, min_replicas=2)
         assert drive(lambda: Replica.objects.filter(endpoint=endpoint,
-                                                    state=State.READY).count() == 2, 240)
+                                                    state=State.READY).count() == 2, 240), (
+            story_of(endpoint.id))
         yield Pair(web=web, endpoint=endpoint, organization=organization,
                    secret=inference_key(organization)[1])
         do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)

@@ -22,7 +22,7 @@ from endpoints.planning import shape_of
 from engine.processes import port_is_free
 from engine.sizing import kv_cache_tokens
 from kvrun.digests import engine_api_key
-from tests.helpers import api_servers, drive, process_alive, start_agent, stop, wait_until
+from tests.helpers import api_servers, drive, process_alive, start_agent, stop_agent, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -193,10 +193,11 @@ def test_a_lost_node_s_replica_moves_to_another_node(
         second.wait()
         assert wait_until(lambda: not process_alive(first.pid), 15), "engine outlived its agent"
 
-        assert drive(lambda: Node.objects.get(name="e2e-0").state == "lost", 30)
+        assert drive(lambda: Node.objects.get(name="e2e-0").state == "lost", 30,
+                     lose_silent_nodes=True)
         assert drive(lambda: Replica.objects.filter(endpoint__name="mover", state=State.READY,
                                                     node__name="e2e-a").exists(), RESTART_WITHIN)
         assert Replica.objects.get(id=first.id).state == State.STOPPED
         delete_and_settle(owner_api, org, "mover")
     finally:
-        stop(second)
+        stop_agent(second, "e2e-0")

@@ -25,7 +25,7 @@ from tests.helpers import (
     group_members,
     process_alive,
     start_agent,
-    stop,
+    stop_agent,
     wait_until,
 )
 
@@ -54,7 +54,8 @@ def test_a_node_back_from_lost_stops_its_old_engine_before_it_takes_a_replica(
         # The agent goes quiet (as behind a network partition); its engine keeps running.
         os.kill(node_agent.pid, signal.SIGSTOP)
         try:
-            assert drive(lambda: Replica.objects.get(id=old.id).state == State.STOPPED, 30)
+            assert drive(lambda: Replica.objects.get(id=old.id).state == State.STOPPED, 30,
+                         lose_silent_nodes=True)
             assert Node.objects.get(name=NODE).state == NodeState.LOST
             assert process_alive(old.pid)
         finally:
@@ -73,7 +74,7 @@ def test_a_node_back_from_lost_stops_its_old_engine_before_it_takes_a_replica(
         assert len(api_servers("returner")) == 1
         delete_and_settle(owner_api, org, "returner")
     finally:
-        stop(node_agent)
+        stop_agent(node_agent, NODE)
 
 
 def test_a_restarted_agent_stops_the_engine_its_previous_run_left(
@@ -114,6 +115,6 @@ def test_a_restarted_agent_stops_the_engine_its_previous_run_left(
         assert wait_until(lambda: online(NODE), 30)
         delete_and_settle(owner_api, org, "leftover")
     finally:
-        stop(first)
+        stop_agent(first, NODE)
         if second is not None:
-            stop(second)
+            stop_agent(second, NODE)

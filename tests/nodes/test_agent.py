@@ -1,11 +1,10 @@
-"""The node agent's functions in this process, against engines' stand-ins."""
+"""The node agent in this process (a NodeAgent of its own per test), against engines' stand-ins."""
 
 import os
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,14 +38,14 @@ def demo_replica(node: Node, state: str) -> Replica:
 
 
 @pytest.fixture
-def engines() -> Iterator[dict[str, subprocess.Popen]]:
-    yield agent._engines
-    agent._engines.clear()
+def node_agent(cpu_node: Node) -> agent.NodeAgent:
+    """A node agent of its own for each test, as manage.py node_agent builds one."""
+    return agent.NodeAgent(name=cpu_node.name)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_heartbeat_never_waits_for_an_engine_to_stop(
-        cpu_node: Node, engines: dict[str, subprocess.Popen], settings: object,
+        cpu_node: Node, node_agent: agent.NodeAgent, settings: object,
         tmp_path: Path) -> None:
     settings.KVRUN_ENGINE_STOP_GRACE_SECONDS = 3
     settings.KVRUN_ENGINE_LOG_DIR = tmp_path
@@ -55,10 +54,10 @@ def test_a_heartbeat_never_waits_for_an_engine_to_stop(
                               start_new_session=True, stdout=subprocess.PIPE, text=True)
     worker = int(server.stdout.readline())
     server.wait(10)
-    engines[str(replica.id)] = server
+    node_agent.engines[str(replica.id)] = server
 
     started = time.monotonic()
-    assert agent.beat(name=cpu_node.name)
+    assert node_agent.beat()
     assert time.monotonic() - started < settings.KVRUN_ENGINE_STOP_GRACE_SECONDS / 2
 
     # Its devices stay held until the group is gone; then the replica fails and restarts.
@@ -70,7 +69,7 @@ def test_a_heartbeat_never_waits_for_an_engine_to_stop(
 
 @pytest.mark.django_db(transaction=True)
 def test_a_start_delivered_twice_while_starting_starts_one_engine(
-        cpu_node: Node, engines: dict[str, subprocess.Popen], monkeypatch: pytest.MonkeyPatch,
+        cpu_node: Node, node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch,
         settings: object, tmp_path: Path) -> None:
     settings.KVRUN_ENGINE_LOG_DIR = tmp_path
     replica = demo_replica(cpu_node, State.STARTING)
@@ -90,7 +89,7 @@ def test_a_start_delivered_twice_while_starting_starts_one_engine(
 
     def deliver() -> None:
         try:
-            agent.start_replica(str(replica.id))
+            node_agent.start_replica(str(replica.id))
         finally:
             connection.close()  # this thread's own
 
@@ -123,7 +122,7 @@ def test_an_agent_starting_deletes_the_kv_caches_its_replicas_left_on_disk(
 
 @pytest.mark.django_db(transaction=True)
 def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
-        cpu_node: Node, settings: object, tmp_path: Path) -> None:
+        cpu_node: Node, node_agent: agent.NodeAgent, settings: object, tmp_path: Path) -> None:
     from engine import processes
 
     settings.KVRUN_STATE_DIR = tmp_path
@@ -134,7 +133,7 @@ def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
         env={processes.OWNER_VARIABLE: agent.owner(cpu_node.name),
              processes.REPLICA_VARIABLE: str(replica.id)})
 
-    assert agent.beat(name=cpu_node.name)
+    assert node_agent.beat()
 
     assert wait_until(lambda: engine.poll() is not None, 15)
     assert wait_until(lambda: not agent.cache_dir(replica.id).exists(), 5)

@@ -9,10 +9,10 @@ from django.db import close_old_connections
 from engine import devices
 from kvrun.celery import app
 from nodes.agent import (
-    beat,
+    NodeAgent,
     do_fail_replicas_of_previous_agent,
     scrape,
-    stop_all_engines,
+    serve,
     stop_engines_left_behind,
 )
 from nodes.services import do_register_node
@@ -47,8 +47,10 @@ class Command(BaseCommand):
         failed = do_fail_replicas_of_previous_agent(node=node)
         if failed:
             self.stdout.write(f"{failed} replica(s) from this node's previous run marked failed")
+        agent = NodeAgent(name=name)
+        serve(agent)
         stop = threading.Event()
-        heartbeat = threading.Thread(target=self._beat, args=(name, resources, address, stop),
+        heartbeat = threading.Thread(target=self._beat, args=(agent, resources, address, stop),
                                      daemon=True)
         heartbeat.start()
         threading.Thread(target=self._scrape, args=(name, stop), daemon=True).start()
@@ -56,7 +58,7 @@ class Command(BaseCommand):
         # Celery's warm shutdown waits for running tasks, and a start waits for its engine:
         # stop the engines as the shutdown begins, so the starts end with them.
         def on_shutdown(**kwargs: object) -> None:
-            stop_all_engines(name=name)
+            agent.stop_all_engines()
 
         worker_shutting_down.connect(on_shutdown, weak=False)
         try:
@@ -68,16 +70,16 @@ class Command(BaseCommand):
             ).start()
         finally:
             stop.set()
-            stop_all_engines(name=name)
+            agent.stop_all_engines()
 
-    def _beat(self, name: str, resources: devices.HostResources, address: str,
+    def _beat(self, agent: NodeAgent, resources: devices.HostResources, address: str,
               stop: threading.Event) -> None:
         # A thread of its own: the heartbeat never waits behind a task or an engine's stop.
         while not stop.wait(settings.KVRUN_NODE_HEARTBEAT_SECONDS):
             try:
-                if not beat(name=name):  # row removed, or catalog type missing
-                    do_register_node(name=name, resources=resources, address=address)
-                    beat(name=name)
+                if not agent.beat():  # row removed, or catalog type missing
+                    do_register_node(name=agent.name, resources=resources, address=address)
+                    agent.beat()
             except Exception:  # a database blip must not kill the agent; the next beat retries
                 self.stderr.write("heartbeat failed; retrying at the next interval")
             finally:
