@@ -11,7 +11,7 @@ from billing.rollup import do_roll_up_usage
 from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, Node, Replica, State
-from tests.factories import usage_report
+from tests.factories import moves_to, usage_report
 
 
 def run_replica(replica: Replica, node: Node, steps: list[tuple[datetime, str]]) -> None:
@@ -19,9 +19,10 @@ def run_replica(replica: Replica, node: Node, steps: list[tuple[datetime, str]])
     state = Replica.objects.get(id=replica.id).state
     for when, to_state in steps:
         with time_machine.travel(when, tick=False):
-            assert do_transition_replica(replica_id=replica.id, from_states=[state],
-                                         to_state=to_state, message=to_state, node=node)
-        state = to_state
+            for step in moves_to(state, to_state):
+                assert do_transition_replica(replica_id=replica.id, from_states=[state],
+                                             to_state=step, message=step, node=node)
+                state = step
 
 
 def ready_for(endpoint: Endpoint, node: Node, start: datetime, hours: float) -> None:

@@ -9,7 +9,7 @@ from django.utils import timezone
 from accounts.models import Role
 from endpoints.lifecycle import backoff_until, do_transition_replica
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
-from endpoints.services import do_create_endpoint
+from endpoints.services import do_create_endpoint, do_load_catalogs
 from tests.factories import organization_with_owner
 from tests.helpers import wait_until
 
@@ -91,6 +91,7 @@ def test_restart_backoff_doubles_from_its_first_delay_up_to_five_minutes(
 ])
 def test_the_service_refuses_a_context_out_of_the_contract_whoever_calls_it(
         context_length: int, phrase: str) -> None:
+    do_load_catalogs()
     organization = organization_with_owner("Acme")
 
     with pytest.raises(ValidationError) as refused:
