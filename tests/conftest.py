@@ -1,3 +1,4 @@
+import logging
 import subprocess
 import sys
 import time
@@ -37,6 +38,10 @@ from tests.helpers import (
     stop,
     wait_until,
 )
+
+# pgserver logs at INFO from an atexit hook, after pytest has closed the stream its handler
+# writes to: each run ended with a "Logging error" traceback.
+logging.getLogger("pgserver").setLevel(logging.WARNING)
 
 # The fixtures that start a real process (a worker, a web process, a node agent and its
 # engines, a browser). A test that uses one, however indirectly, carries the mark, so that
