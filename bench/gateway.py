@@ -35,8 +35,8 @@ from django.utils import timezone  # noqa: E402
 from accounts.models import Organization  # noqa: E402
 from bench import seed  # noqa: E402
 from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
+from billing.ingestion import do_ingest_usage  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
-from billing.services import do_ingest_usage  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.metrics import engine_token_totals  # noqa: E402

@@ -10,7 +10,6 @@ from django.db.models import Q, QuerySet
 from django.http import HttpRequest
 
 from accounts.models import Organization
-from billing.invoicing import usd
 from billing.models import (
     BillingAccount,
     Budget,
@@ -25,6 +24,7 @@ from billing.models import (
     TokenPrice,
     UsageRecord,
 )
+from billing.money import usd
 from billing.rollup import do_write_down_list_prices
 from billing.selectors import RollupLag, rollup_lag
 from endpoints.models import Endpoint

@@ -24,8 +24,9 @@ from django.utils import timezone
 
 from accounts.models import Organization, Role
 from accounts.services import do_set_billing_hold, require_manager
-from billing.invoicing import cents, lines_for_month, month_of, usd
+from billing.invoicing import lines_for_month, month_of
 from billing.models import BillingAccount, Budget, BudgetAction, BudgetEvent
+from billing.money import cents, usd
 from billing.selectors import hourly_run_rate
 from endpoints.models import DesiredState
 from endpoints.selectors import endpoints_of

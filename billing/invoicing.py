@@ -20,7 +20,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from uuid import UUID
 
 from django.conf import settings
@@ -30,6 +30,7 @@ from django.utils import timezone
 
 from accounts.models import Organization
 from billing.models import Invoice, InvoiceLine, LineKind
+from billing.money import cents
 from billing.rollup import do_write_down_list_prices, lock_rollups
 from endpoints.models import BilledPhase
 
@@ -74,16 +75,6 @@ def month_label(month: date) -> str:
 
 def month_of(moment: datetime) -> date:
     return moment.astimezone(UTC).date().replace(day=1)
-
-
-def cents(dollars: Decimal) -> int:
-    return int((dollars * 100).quantize(Decimal(1), rounding=ROUND_HALF_UP))
-
-
-def usd(amount_cents: int) -> str:
-    """Cents as dollars, with the sign in front: -$1,234.50."""
-    dollars = Decimal(abs(amount_cents)) / 100
-    return f"{'-' if amount_cents < 0 else ''}${dollars:,.2f}"
 
 
 def gpu_price_at(moment: str) -> str:

@@ -22,8 +22,8 @@ from django.utils import timezone
 
 from accounts.models import Organization
 from billing.budgets import do_refresh_hold
-from billing.invoicing import usd
 from billing.models import BillingAccount, Invoice, PaymentStatus, StripeEvent
+from billing.money import usd
 
 logger = logging.getLogger(__name__)
 

@@ -5,10 +5,10 @@ from django.utils import timezone
 
 from billing import payments
 from billing.budgets import do_enforce_budgets
+from billing.ingestion import do_ingest_usage
 from billing.invoicing import do_finalize_due_invoices
 from billing.models import Invoice, PaymentStatus
 from billing.rollup import do_quote_prices_in_effect, do_roll_up_usage
-from billing.services import do_ingest_usage
 
 logger = logging.getLogger(__name__)
 

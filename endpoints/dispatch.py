@@ -1,4 +1,5 @@
-"""The one place the control plane sends work to node agents.
+"""The one place the control plane sends work: to node agents, and reconcile passes to its
+own worker.
 
 A node agent serves the Celery queue `Node.queue` with the tasks named here (nodes.tasks);
 they are sent by name because endpoints/ does not import the agent. Each is sent once the
@@ -8,7 +9,7 @@ transition that asked for it has committed, and takes only the replica's id.
 from celery import current_app
 from django.db import transaction
 
-from endpoints.models import Node, Replica
+from endpoints.models import Endpoint, Node, Replica
 
 START_REPLICA = "engine.start_replica"
 STOP_REPLICA = "engine.stop_replica"
@@ -25,3 +26,10 @@ def send_stop_after_commit(*, replica: Replica, node: Node) -> None:
 def _send_after_commit(task: str, *, replica: Replica, node: Node) -> None:
     replica_id, queue = str(replica.id), node.queue
     transaction.on_commit(lambda: current_app.send_task(task, args=[replica_id], queue=queue))
+
+
+def reconcile_after_commit(endpoint: Endpoint) -> None:
+    """A reconcile pass over `endpoint` on the control worker, once this transaction commits."""
+    from endpoints.tasks import reconcile  # the task module imports the reconciler, and it this
+
+    reconcile.delay_on_commit(str(endpoint.id))

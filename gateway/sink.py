@@ -33,7 +33,7 @@ from redis.asyncio.client import Pipeline
 from redis.exceptions import RedisError
 
 from billing import usage_stream
-from billing.services import do_record_usage
+from billing.ingestion import do_record_usage
 from gateway.exchange import Exchange
 from gateway.limits import Admission
 

@@ -3,7 +3,7 @@ dollars."""
 
 from django import template
 
-from billing.invoicing import usd
+from billing.money import usd
 from kvrun.units import duration_text
 
 register = template.Library()

@@ -18,8 +18,9 @@ from django.views.decorators.http import require_POST
 
 from billing import payments, selectors
 from billing.budgets import do_remove_budget, do_set_budget, spend_of
-from billing.invoicing import cents, month_bounds, month_label
+from billing.invoicing import month_bounds, month_label
 from billing.models import BillingAccount, Budget, BudgetEvent, LineKind
+from billing.money import cents
 from front.forms import BudgetForm
 from front.scoping import Member, membership
 from kvrun.forms import add_service_errors

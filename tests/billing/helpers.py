@@ -6,9 +6,9 @@ from datetime import datetime, timedelta
 import time_machine
 
 from accounts.models import APIKey
+from billing.ingestion import do_record_usage
 from billing.invoicing import do_finalize_due_invoices
 from billing.rollup import do_roll_up_usage
-from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, Node, Replica, State
 from tests.factories import moves_to, usage_report

@@ -11,9 +11,9 @@ from django.utils import timezone
 
 from accounts.models import APIKey, Organization
 from accounts.services import do_create_invite
+from billing.ingestion import do_record_usage
 from billing.models import GPUHour, RollupState, TokenHour, UsageRecord
 from billing.rollup import do_roll_up_usage
-from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, Replica, State
 from tests.factories import UserFactory, api_key, inference_key, ready_endpoint, usage_report

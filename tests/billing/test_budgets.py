@@ -10,8 +10,8 @@ from django.core.exceptions import PermissionDenied, ValidationError
 
 from accounts.models import Organization, Role
 from billing.budgets import do_enforce_budgets, do_set_budget, spend_of
-from billing.invoicing import cents
 from billing.models import BudgetAction, BudgetEvent
+from billing.money import cents
 from billing.rollup import do_roll_up_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import DesiredState, Endpoint, Node, Replica, State

@@ -10,8 +10,8 @@ import pytest
 
 from accounts.models import APIKey, Organization
 from billing import usage_stream
+from billing.ingestion import do_ingest_usage, do_record_usage
 from billing.models import UsageRecord
-from billing.services import do_ingest_usage, do_record_usage
 from billing.usage_stream import UsageReport
 from endpoints.models import Endpoint
 from kvrun.redis import redis_client
@@ -94,7 +94,7 @@ def test_entries_a_dead_worker_had_read_are_stored_on_the_next_run(
     client.xreadgroup(usage_stream.GROUP, socket.gethostname(), {usage_stream.STREAM: ">"},
                       count=1)
     client.xreadgroup(usage_stream.GROUP, "elsewhere", {usage_stream.STREAM: ">"}, count=1)
-    monkeypatch.setattr("billing.services.CLAIM_IDLE_MS", 0)
+    monkeypatch.setattr("billing.ingestion.CLAIM_IDLE_MS", 0)
 
     assert do_ingest_usage() == 2
 

@@ -12,6 +12,7 @@ from django.db import connection, transaction
 from django.db.models import Sum
 
 from accounts.models import APIKey, Organization
+from billing.ingestion import do_record_usage
 from billing.models import (
     MAX_ROLLUP_BATCH_HOURS,
     GPUHour,
@@ -21,7 +22,6 @@ from billing.models import (
     UsageRecord,
 )
 from billing.rollup import FIRST_KEY, TAKE, do_roll_up_usage, hour_of
-from billing.services import do_record_usage
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, Node, NodeState, Replica, State
 from endpoints.reconciler import reconcile_endpoint

@@ -22,8 +22,8 @@ from django.test import override_settings
 
 from accounts.models import Organization, Role
 from accounts.services import do_create_organization, do_revoke_api_key
+from billing.ingestion import do_ingest_usage
 from billing.models import UsageRecord
-from billing.services import do_ingest_usage
 from billing.tasks import ingest_usage
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs

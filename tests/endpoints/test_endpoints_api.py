@@ -391,7 +391,7 @@ def test_two_creates_at_once_cannot_both_take_the_last_room(
     settings.KVRUN_ORG_MAX_ENDPOINTS = 1
     checked, second_done = threading.Event(), threading.Event()
     outcomes: dict[str, str] = {}
-    hold_quota = services._hold_quota
+    hold_quota = services.hold_quota
 
     def second_waits_for_a_lock() -> bool:
         with connection.cursor() as cursor:
@@ -423,7 +423,7 @@ def test_two_creates_at_once_cannot_both_take_the_last_room(
                 second_done.set()
             connection.close()
 
-    monkeypatch.setattr(services, "_hold_quota", hold_then_let_the_second_in)
+    monkeypatch.setattr(services.deployment, "hold_quota", hold_then_let_the_second_in)
     threads = [threading.Thread(target=create, args=(name,), name=name)
                for name in ("first", "second")]
     for thread in threads:

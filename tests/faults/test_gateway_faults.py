@@ -19,8 +19,8 @@ from django.db.models import QuerySet
 from django.test import override_settings
 
 from accounts.models import Organization
+from billing.ingestion import do_ingest_usage
 from billing.models import UsageRecord
-from billing.services import do_ingest_usage
 from billing.usage_stream import INTERRUPTED_CODE
 from endpoints.models import Endpoint
 from engine.processes import free_port

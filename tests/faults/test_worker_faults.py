@@ -9,8 +9,8 @@ import pytest
 
 from accounts.models import Organization
 from billing import usage_stream
+from billing.ingestion import INGEST_LOCK_SECONDS, do_ingest_usage
 from billing.models import UsageRecord
-from billing.services import INGEST_LOCK_SECONDS, do_ingest_usage
 from billing.tasks import ingest_usage
 from endpoints.models import Endpoint
 from kvrun.redis import redis_client

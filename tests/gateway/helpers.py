@@ -14,8 +14,8 @@ from django.conf import settings
 from redis.asyncio import Redis
 
 from accounts.revocations import KEY_REVOKED_CHANNEL
+from billing.ingestion import do_ingest_usage
 from billing.models import UsageRecord
-from billing.services import do_ingest_usage
 from gateway.app import Gateway
 from gateway.directory import Upstream
 from kvrun.redis import redis_client

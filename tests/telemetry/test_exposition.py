@@ -7,9 +7,9 @@ from django.test import Client, override_settings
 from django.utils import timezone
 
 from accounts.models import Organization
+from billing.ingestion import do_record_usage
 from billing.models import StaleUsageHour
 from billing.rollup import do_roll_up_usage
-from billing.services import do_record_usage
 from engine.metrics import EngineSnapshot
 from gateway import observed
 from telemetry.services import do_record_engine_samples

@@ -1,4 +1,5 @@
-"""Writes for billing: usage records into the ledger."""
+"""Usage records into the ledger: from the gateways' Redis stream, or directly from a gateway
+while Redis is away."""
 
 import logging
 import socket

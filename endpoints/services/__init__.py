@@ -1,0 +1,40 @@
+"""Writes for catalogs, node liveness and endpoints, one module per sub-domain; importing from
+the package itself keeps working. Nodes register and heartbeat through their agent
+(nodes.services)."""
+
+from endpoints.services.catalog import CATALOG_DIR, do_import_model, do_load_catalogs
+from endpoints.services.deployment import (
+    RESERVED_NAMES,
+    context_length_refusal,
+    do_create_endpoint,
+    do_delete_endpoint,
+    do_restart_endpoint,
+    do_scale_endpoint,
+    do_start_endpoint,
+    do_stop_endpoint,
+)
+from endpoints.services.nodes import do_drain_node, do_mark_lost_nodes, do_undrain_node
+from endpoints.services.policy import (
+    ENGINE_POLICY_FIELDS,
+    ROUTING_POLICY_FIELDS,
+    do_change_endpoint_policy,
+)
+from endpoints.services.quota import hold_quota
+from endpoints.services.scaling import (
+    SCALING_FIELDS,
+    do_autoscale_endpoint,
+    do_change_endpoint_scaling,
+    do_scale_endpoint_to_zero,
+    do_wake_endpoint,
+    idle_time_refusal,
+)
+
+__all__ = [
+    "CATALOG_DIR", "ENGINE_POLICY_FIELDS", "RESERVED_NAMES", "ROUTING_POLICY_FIELDS",
+    "SCALING_FIELDS", "context_length_refusal", "do_autoscale_endpoint",
+    "do_change_endpoint_policy", "do_change_endpoint_scaling", "do_create_endpoint",
+    "do_delete_endpoint", "do_drain_node", "do_import_model", "do_load_catalogs",
+    "do_mark_lost_nodes", "do_restart_endpoint", "do_scale_endpoint",
+    "do_scale_endpoint_to_zero", "do_start_endpoint", "do_stop_endpoint", "do_undrain_node",
+    "do_wake_endpoint", "hold_quota", "idle_time_refusal",
+]

@@ -1,0 +1,198 @@
+"""An endpoint's deployment: create it, scale it by hand, stop, start, restart and delete it."""
+
+
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from accounts.models import Organization, User
+from accounts.services import require_manager
+from endpoints.dispatch import reconcile_after_commit
+from endpoints.lifecycle import do_stop_replica
+from endpoints.models import (
+    DEFAULT_IDLE_SECONDS,
+    MIN_CONTEXT_LENGTH,
+    CacheIsolation,
+    DesiredState,
+    Endpoint,
+    EndpointEvent,
+    GPUType,
+    ModelSpec,
+    Replica,
+    ScalingMetric,
+    State,
+    validate_endpoint_name,
+)
+from endpoints.planning import plan
+from endpoints.services.quota import hold_quota
+from endpoints.services.scaling import scaling_errors
+from endpoints.states import ASKED_FOR
+
+# Names the dashboard's URLs use beside endpoint names (/orgs/<slug>/endpoints/new/).
+RESERVED_NAMES = frozenset({"new"})
+
+
+def context_length_refusal(*, model: ModelSpec, context_length: int) -> str | None:
+    """Why `context_length` cannot be asked of `model`, in words a person can act on; None
+    when it can."""
+    if context_length < MIN_CONTEXT_LENGTH:
+        return f"Ask for at least {MIN_CONTEXT_LENGTH} tokens of context."
+    if context_length > model.max_context:
+        return (f"{model.name} supports at most {model.max_context:,} tokens of context; "
+                f"ask for {model.max_context:,} or fewer.")
+    return None
+
+
+def do_create_endpoint(
+    *, organization: Organization, actor_role: str | None, created_by: User | None, name: str,
+    model: ModelSpec, context_length: int, concurrency: int, gpu_type: GPUType | None = None,
+    gpu_count: int | None = None, min_replicas: int = 1, max_replicas: int | None = None,
+    kv_cache_dtype: str = "auto", prefix_caching: bool = True, host_tier_gib: int = 0,
+    disk_tier_gib: int = 0, cache_isolation: str = CacheIsolation.ORGANIZATION,
+    prefix_affinity: bool = True, scale_to_zero_after_seconds: int = DEFAULT_IDLE_SECONDS,
+    scaling_metric: str = ScalingMetric.IN_FLIGHT, scaling_target: float | None = None,
+    scale_up_window_seconds: int = 60, scale_down_window_seconds: int = 300,
+) -> Endpoint:
+    """Size and create an endpoint that should run; the reconciler starts its replicas, one
+    at least (min_replicas 0 lets it scale to zero once idle).
+
+    Raises ValidationError naming the field to change: a name that does not start with a
+    letter, a context above the model's maximum, scaling settings out of range (as
+    do_change_endpoint_scaling), a duplicate name, or a request that fits no GPU (saying
+    what does, or a KV tier the hardware's vLLM cannot use, saying why); and one naming the
+    quota when the organisation's endpoints, GPUs or replicas would pass it. The
+    organisation row is held while its quota is checked, so that two creates at once cannot
+    both take its last room.
+    """
+    require_manager(actor_role, "create endpoints")
+    max_replicas = max(1, min_replicas) if max_replicas is None else max_replicas
+    errors: dict[str, list[str]] = {}
+    try:
+        validate_endpoint_name(name)
+    except ValidationError as exc:
+        errors["name"] = exc.messages
+    if name in RESERVED_NAMES:
+        errors["name"] = [f"{name!r} is reserved; choose another name."]
+    if refusal := context_length_refusal(model=model, context_length=context_length):
+        errors["context_length"] = [refusal]
+    scaling = dict(min_replicas=min_replicas, max_replicas=max_replicas,
+                   scale_to_zero_after_seconds=scale_to_zero_after_seconds,
+                   scaling_metric=scaling_metric, scaling_target=scaling_target,
+                   scale_up_window_seconds=scale_up_window_seconds,
+                   scale_down_window_seconds=scale_down_window_seconds)
+    errors.update(scaling_errors(scaling))
+    if errors:
+        raise ValidationError(errors)
+    decided = plan(model=model, context_length=context_length, concurrency=concurrency,
+                   kv_cache_dtype=kv_cache_dtype, gpu_type=gpu_type, gpu_count=gpu_count,
+                   host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib)
+    try:
+        with transaction.atomic():
+            hold_quota(organization_id=organization.id, new_endpoint=True,
+                        gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
+                        replicas=max_replicas)
+            endpoint = Endpoint.objects.create(
+                organization=organization, name=name, model=model,
+                context_length=context_length, concurrency=concurrency,
+                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
+                kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
+                host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib,
+                cache_isolation=cache_isolation, prefix_affinity=prefix_affinity,
+                **scaling,
+                # One replica to begin with, even where the endpoint may scale to zero: it
+                # was created to be used.
+                desired_replicas=max(1, min_replicas), sizing=decided.summary,
+                hourly_price_usd=decided.gpu_type.hourly_price_usd * decided.gpu_count,
+                created_by=created_by,
+            )
+            EndpointEvent.objects.create(endpoint=endpoint, state=State.PENDING,
+                                         message=f"created: {decided.summary['explanation']}")
+    except IntegrityError:
+        raise ValidationError(
+            {"name": [f"An endpoint named {name!r} already exists in this organisation; "
+                      "choose another name."]}) from None
+    reconcile_after_commit(endpoint)
+    return endpoint
+
+
+def do_scale_endpoint(*, endpoint: Endpoint, actor_role: str | None, replicas: int) -> Endpoint:
+    require_manager(actor_role, "scale endpoints")
+    fewest = max(1, endpoint.min_replicas)
+    if not fewest <= replicas <= endpoint.max_replicas:
+        # Below min_replicas nothing would bring it back up but load: the range is the
+        # autoscaler's, and it is changed with the scaling settings.
+        raise ValidationError({"replicas": [
+            f"Choose between {fewest} and {endpoint.max_replicas}, the most replicas "
+            "(max_replicas); to run fewer, lower the fewest replicas (min_replicas), or stop "
+            "the endpoint."]})
+    # A change by hand is the last change: the autoscaler leaves it a window before judging.
+    Endpoint.objects.filter(id=endpoint.id).update(desired_replicas=replicas,
+                                                   last_scaled_at=timezone.now())
+    EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
+                                 message=f"scaled to {replicas} replica(s)")
+    reconcile_after_commit(endpoint)
+    endpoint.desired_replicas = replicas
+    return endpoint
+
+
+def do_stop_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint:
+    require_manager(actor_role, "stop endpoints")
+    Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.STOPPED)
+    reconcile_after_commit(endpoint)
+    endpoint.desired_state = DesiredState.STOPPED
+    return endpoint
+
+
+def do_start_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint:
+    """Run a stopped or failed endpoint again, with a fresh failure count.
+
+    Raises ValidationError naming the quota when the organisation's other running endpoints
+    and this one would pass its GPU or replica quota (a stopped endpoint holds neither).
+    """
+    require_manager(actor_role, "start endpoints")
+    with transaction.atomic():
+        hold_quota(organization_id=endpoint.organization_id, excluding=endpoint.id,
+                    gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count,
+                    replicas=endpoint.max_replicas)
+        Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.RUNNING,
+                                                       state=State.PENDING, failure_reason="")
+        Replica.objects.filter(endpoint=endpoint, state=State.FAILED).update(
+            state=State.STOPPED, stopped_at=timezone.now())
+        EndpointEvent.objects.create(endpoint=endpoint, state=State.PENDING, message="started")
+    reconcile_after_commit(endpoint)
+    endpoint.refresh_from_db()
+    return endpoint
+
+
+def do_restart_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> int:
+    """Replace every replica of an endpoint with a fresh one, and start it if it was stopped or
+    failed (with a fresh failure count, as do_start_endpoint does).
+
+    Its live replicas are stopped as the reconciler stops them (engines get their stop once
+    this commits); the reconciler then starts new ones. Returns how many replicas it stopped.
+    Raises ValidationError for a deleted endpoint.
+    """
+    require_manager(actor_role, "restart endpoints")
+    with transaction.atomic():
+        # Held like a reconciler pass holds it, so no pass adds a replica this would miss.
+        locked = Endpoint.objects.select_for_update().filter(
+            id=endpoint.id, deleted_at=None).first()
+        if locked is None:
+            raise ValidationError(f"The endpoint {endpoint.name!r} is deleted; it cannot restart.")
+        replicas = list(locked.replicas.filter(state__in=ASKED_FOR).select_related("node"))
+        EndpointEvent.objects.create(endpoint=locked, state=locked.state,
+                                     message=f"restarting: replacing {len(replicas)} replica(s)")
+        stopped = sum(
+            do_stop_replica(replica=replica, reason="restarting: a fresh replica replaces it")
+            for replica in replicas)
+        do_start_endpoint(endpoint=endpoint, actor_role=actor_role)
+    return stopped
+
+
+def do_delete_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> None:
+    """Stop the endpoint and hide it; its rows stay for usage and billing. The name is free
+    again."""
+    require_manager(actor_role, "delete endpoints")
+    Endpoint.objects.filter(id=endpoint.id, deleted_at=None).update(
+        deleted_at=timezone.now(), desired_state=DesiredState.STOPPED)
+    reconcile_after_commit(endpoint)

@@ -1,0 +1,73 @@
+"""An endpoint's KV policy, changed on its hardware."""
+
+from typing import Any
+
+from django.core.exceptions import ValidationError
+from django.db import transaction
+
+from accounts.services import require_manager
+from endpoints.dispatch import reconcile_after_commit
+from endpoints.models import Endpoint, EndpointEvent
+from endpoints.planning import plan
+from endpoints.services.deployment import context_length_refusal
+
+# What an engine starts with: a change replaces the replicas. The rest is the gateway's.
+ENGINE_POLICY_FIELDS = ("context_length", "concurrency", "kv_cache_dtype", "prefix_caching",
+                        "host_tier_gib", "disk_tier_gib")
+
+
+ROUTING_POLICY_FIELDS = ("cache_isolation", "prefix_affinity")
+
+
+def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
+                              changes: dict[str, Any]) -> str:
+    """Change an endpoint's KV policy on its hardware, and say what happens next.
+
+    The new policy is admitted as a new endpoint's is (planning.plan on the endpoint's GPU
+    type and count): one that does not fit raises ValidationError naming the field and what
+    would fit, and changes nothing. A change to what engines start with raises the policy
+    version, and the reconciler replaces the replicas one at a time (_roll_to_new_policy);
+    routing and isolation apply within the gateway's route cache, with no restart.
+    """
+    require_manager(actor_role, "change endpoints")
+    with transaction.atomic():
+        # Held while the change is admitted: two changes at once are judged one after the
+        # other, each against the policy the other left.
+        locked = Endpoint.objects.select_for_update().select_related("model", "gpu_type").get(
+            id=endpoint.id)
+        policy = {name: changes.get(name, getattr(locked, name))
+                  for name in ENGINE_POLICY_FIELDS + ROUTING_POLICY_FIELDS}
+        if refusal := context_length_refusal(model=locked.model,
+                                             context_length=policy["context_length"]):
+            raise ValidationError({"context_length": [refusal]})
+        decided = plan(model=locked.model, context_length=policy["context_length"],
+                       concurrency=policy["concurrency"],
+                       kv_cache_dtype=policy["kv_cache_dtype"], gpu_type=locked.gpu_type,
+                       gpu_count=locked.gpu_count, host_tier_gib=policy["host_tier_gib"],
+                       disk_tier_gib=policy["disk_tier_gib"])
+        changed = [name for name, value in policy.items() if value != getattr(locked, name)]
+        if not changed:
+            return "Nothing changed."
+        restarts = [name for name in changed if name in ENGINE_POLICY_FIELDS]
+        for name in changed:
+            setattr(locked, name, policy[name])
+        if restarts:
+            locked.policy_version += 1
+            locked.sizing = decided.summary
+        locked.save(update_fields=[*changed, "policy_version", "sizing"])
+        if not restarts:
+            outcome = "It applies to new requests within seconds; no replica restarts."
+        elif locked.desired_replicas > 1:
+            outcome = (f"Its {locked.desired_replicas} replicas restart one at a time, each "
+                       "once the others are ready: the endpoint serves throughout.")
+        else:
+            outcome = ("Its one replica restarts: requests get 503 until the new engine is "
+                       "ready. Scale to two replicas first to change it without a break.")
+        EndpointEvent.objects.create(
+            endpoint=locked, state=locked.state,
+            message=f"policy changed ({', '.join(f'{name} {policy[name]}' for name in changed)})"
+                    f": {outcome}")
+    if restarts:
+        reconcile_after_commit(endpoint)
+    endpoint.refresh_from_db()
+    return outcome
