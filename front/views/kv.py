@@ -14,7 +14,7 @@ from endpoints import services
 from endpoints.models import Endpoint
 from front.forms import PolicyForm
 from front.scoping import Member, endpoint_of, membership
-from front.views.endpoints import change_endpoint, change_settings
+from front.views.shared import change_endpoint, change_settings
 from telemetry import selectors
 from telemetry.models import Advice
 from telemetry.services import do_apply_advice

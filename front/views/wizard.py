@@ -23,6 +23,7 @@ from endpoints.models import (
     ModelSpec,
 )
 from endpoints.selectors import median_start_seconds, model_catalog
+from front import presenters
 from front.forms import EndpointForm, SizingForm
 from front.scoping import Member, membership
 from kvrun.forms import add_service_errors
@@ -156,7 +157,7 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
         "monthly_price_scaled_to_zero": monthly * (1 - IDLE_SHARE),
         "wake_seconds": median_start_seconds(model_id=model.id,
                                              gpu_type_id=decided.gpu_type.id),
-        "memory": memory_bar(summary, device),
+        "memory": presenters.memory_bar(summary, device),
         "device_bytes": device,
         "other_dtype": other_dtype,
         "other_dtype_concurrency": planning.largest_concurrency_on(
@@ -171,17 +172,6 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
 # the time.
 HOURS_PER_MONTH = 730
 IDLE_SHARE = Decimal("0.5")
-
-
-def memory_bar(summary: dict, device: int) -> list[dict[str, object]]:
-    """One GPU's memory as bar segments: weights, the KV cache asked for, runtime, headroom."""
-    weights = summary["weight_bytes_per_gpu"]
-    kv = summary["kv_needed_bytes_per_gpu"]
-    overhead = summary["runtime_overhead_bytes_per_gpu"]
-    headroom = max(0, device - weights - kv - overhead)
-    return [{"name": name, "bytes": value, "percent": round(100 * value / device, 1)}
-            for name, value in (("weights", weights), ("KV cache", kv),
-                                ("runtime", overhead), ("headroom", headroom))]
 
 
 def _alternatives(rows: list[dict]) -> list[dict[str, object]]:

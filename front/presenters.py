@@ -1,0 +1,88 @@
+"""What the dashboard's pages show, as plain data: an endpoint's live status (progress, ETA,
+replicas, events, its engine's last log lines), the wait of a request at zero, a GPU's memory
+as bar segments, and the snippets that call an endpoint. Views and templates render these;
+nothing here renders or reads a request."""
+
+import json
+
+from django.utils import timezone
+
+from endpoints import selectors
+from endpoints.models import Endpoint
+from endpoints.states import COMING_UP, ENDPOINT_AT_REST, State
+
+LOG_LINES = 15
+EVENTS_SHOWN = 20
+SNIPPET_MAX_TOKENS = 64
+
+
+def wake_seconds(endpoint: Endpoint) -> float | None:
+    """For an endpoint scaled to zero: how long its next request will wait, from this model's
+    recent starts on this kind of node; None otherwise or with no start to go by."""
+    if endpoint.state != State.IDLE:
+        return None
+    return selectors.median_start_seconds(model_id=endpoint.model_id,
+                                          gpu_type_id=endpoint.gpu_type_id)
+
+
+def endpoint_status(endpoint: Endpoint) -> dict[str, object]:
+    """State, progress, ETA, replicas, events and the leading engine's last log lines."""
+    replicas = list(endpoint.replicas.all())
+    progress = selectors.progress_of(endpoint=endpoint, replicas=replicas)
+    starting = [replica for replica in replicas
+                if replica.state in COMING_UP]
+    leader = max(starting, key=lambda replica: replica.progress_percent, default=None)
+    status: dict[str, object] = {
+        "progress": progress, "replicas": [r for r in replicas if r.state != State.STOPPED][:20],
+        "ready": sum(replica.state == State.READY for replica in replicas),
+        "events": list(endpoint.events.order_by("-at", "-id")[:EVENTS_SHOWN]),
+        "settled": endpoint.state in ENDPOINT_AT_REST,
+        "kv_cache_tokens": next((replica.kv_cache_tokens for replica in replicas
+                                 if replica.kv_cache_tokens), None),
+        "wake_seconds": wake_seconds(endpoint),
+    }
+    if status["kv_cache_tokens"]:
+        status["kv_cache_requests"] = status["kv_cache_tokens"] // endpoint.context_length
+    logged = leader or next((replica for replica in replicas if replica.log_tail), None)
+    if logged is not None:
+        status["log_lines"] = "\n".join(logged.log_tail.splitlines()[-LOG_LINES:])
+    if leader is not None:
+        elapsed = (timezone.now() - leader.created_at).total_seconds()
+        median = (selectors.median_start_seconds(model_id=endpoint.model_id,
+                                                 gpu_type_id=endpoint.gpu_type_id))
+        status.update(elapsed_seconds=round(elapsed), median_seconds=median)
+        if median:
+            status["eta_seconds"] = max(0, round(median - elapsed))
+            # Between stage changes the bar moves with time, capped below the next stage.
+            by_time = min(95, round(100 * elapsed / median))
+            status["progress"] = {**progress, "percent": max(progress["percent"], by_time)}
+    return status
+
+
+def snippets(name: str, gateway: str) -> dict[str, str]:
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}],
+                       "max_tokens": SNIPPET_MAX_TOKENS})
+    return {
+        "curl": (f"curl {gateway}/v1/chat/completions \\\n"
+                 f"  -H \"Authorization: Bearer $KVRUN_API_KEY\" \\\n"
+                 f"  -H 'Content-Type: application/json' \\\n"
+                 f"  -d '{body}'"),
+        "python": ("import os\n\nfrom openai import OpenAI\n\n"
+                   f"client = OpenAI(base_url=\"{gateway}/v1\", "
+                   "api_key=os.environ[\"KVRUN_API_KEY\"])\n"
+                   f"answer = client.chat.completions.create(\n    model=\"{name}\",\n"
+                   "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}],\n"
+                   f"    max_tokens={SNIPPET_MAX_TOKENS},\n)\n"
+                   "print(answer.choices[0].message.content)\n"),
+    }
+
+
+def memory_bar(summary: dict, device: int) -> list[dict[str, object]]:
+    """One GPU's memory as bar segments: weights, the KV cache asked for, runtime, headroom."""
+    weights = summary["weight_bytes_per_gpu"]
+    kv = summary["kv_needed_bytes_per_gpu"]
+    overhead = summary["runtime_overhead_bytes_per_gpu"]
+    headroom = max(0, device - weights - kv - overhead)
+    return [{"name": name, "bytes": value, "percent": round(100 * value / device, 1)}
+            for name, value in (("weights", weights), ("KV cache", kv),
+                                ("runtime", overhead), ("headroom", headroom))]
