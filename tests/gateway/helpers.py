@@ -4,6 +4,8 @@ transport."""
 
 import asyncio
 import gc
+import hashlib
+import hmac
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Future
 from typing import Any
@@ -13,11 +15,13 @@ import orjson
 from django.conf import settings
 from redis.asyncio import Redis
 
+from accounts.models import Organization
 from accounts.revocations import KEY_REVOKED_CHANNEL
 from billing.ingestion import do_ingest_usage
 from billing.models import UsageRecord
 from gateway.app import Gateway
 from gateway.directory import Upstream
+from gateway.limits import in_flight_name
 from kvrun.redis import redis_client
 from tests.helpers import wait_until
 
@@ -100,3 +104,77 @@ async def with_redis(work: Callable[[Redis], Awaitable[Any]]) -> Any:
         return await work(redis)
     finally:
         await redis.aclose()
+
+
+def events(response: httpx.Response) -> list[str]:
+    return [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def engine_received(port: int, count: int) -> Callable[[], Awaitable[bool]]:
+    """Whether the stand-in engine on `port` has been sent `count` requests (for raw_client's
+    leave_when)."""
+    async def reached() -> bool:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as stub:
+            return len((await stub.get("/_requests")).json()) >= count
+    return reached
+
+
+async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
+                     after_frames: int | None = None,
+                     leave_when: Callable[[], Awaitable[bool]] | None = None,
+                     reading_seconds: float = 0.0, upload_seconds: float = 0.0,
+                     headers: dict[str, str] | None = None,
+                     on_frame: Callable[[dict], Awaitable[None]] | None = None) -> list[bytes]:
+    """Call the app as a client that takes `upload_seconds` to send its body, disconnects
+    after `after_frames` body frames or once `leave_when()` is true, and takes
+    `reading_seconds` to read each frame (a server's send blocks while its client does not
+    read), calling `on_frame` with each message as it arrives; returns the body frames it
+    got. httpx's transport can do none of it."""
+    gone = asyncio.Event()
+    frames: list[bytes] = []
+    request = [{"type": "http.request", "body": orjson.dumps(body), "more_body": False}]
+
+    async def receive() -> dict:
+        if request:
+            await asyncio.sleep(upload_seconds)
+            return request.pop()
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if gone.is_set():
+            return  # as a server does: nothing reaches a client that has left
+        if on_frame is not None:
+            await on_frame(message)
+        if message["type"] == "http.response.body" and message.get("body"):
+            await asyncio.sleep(reading_seconds)
+            frames.append(message["body"])
+            if after_frames is not None and len(frames) >= after_frames:
+                gone.set()
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+             "headers": [(b"authorization", f"Bearer {secret}".encode()),
+                         *((name.encode(), value.encode())
+                           for name, value in (headers or {}).items())]}
+    call = asyncio.ensure_future(gateway.app(scope, receive, send))
+    if leave_when is not None:
+        while not await leave_when():
+            await asyncio.sleep(0.01)
+        gone.set()
+    await call
+    return frames
+
+
+def documented_cache_salt(organization_id: object, key_id: object = None) -> str:
+    """kvrun.digests' formula, worked out here apart from it: the first 32 hex digits of
+    HMAC-SHA256(pepper, "cache-salt:<organisation id>"), with ":key:<key id>" after it where
+    an endpoint keeps keys apart."""
+    message = (f"cache-salt:{organization_id}" + (f":key:{key_id}" if key_id else "")).encode()
+    return hmac.new(settings.KVRUN_KEY_PEPPER.encode(), message, hashlib.sha256).hexdigest()[:32]
+
+
+def nothing_held(gateway: InProcessGateway, organization: Organization) -> bool:
+    """No request of the organisation still counts as in flight, in Redis or in the
+    gateway's own count per replica (call once the gateway has stopped)."""
+    held = redis_client().zcard(in_flight_name(organization.id))
+    return held == 0 and not any(gateway.upstreams_in_flight(organization.id).values())
