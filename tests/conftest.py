@@ -204,7 +204,8 @@ def stubs(stub_ports: list[int]) -> Iterator[list[httpx.Client]]:
 
 
 @pytest.fixture
-def endpoint(org: Organization, stub_ports: list[int]) -> Endpoint:
+def stub_endpoint(org: Organization, stub_ports: list[int]) -> Endpoint:
+    """A ready endpoint "chat" whose one replica is the first stand-in engine."""
     return ready_endpoint(org, "chat", stub_ports[:1])
 
 

@@ -31,7 +31,7 @@ def operator(client: Client) -> Client:
 
 
 @pytest.fixture
-def endpoint(org: Organization) -> Endpoint:
+def ready_chat(org: Organization) -> Endpoint:
     return ready_endpoint(org, "chat", ports=[9001])
 
 
@@ -52,8 +52,8 @@ def test_it_sends_anonymous_visitors_to_the_admin_login(client: Client) -> None:
 
 
 def test_it_gives_signed_in_users_who_are_not_staff_no_access(client: Client,
-                                                              endpoint: Endpoint) -> None:
-    usage = record(endpoint)
+                                                              ready_chat: Endpoint) -> None:
+    usage = record(ready_chat)
     client.force_login(UserFactory())
 
     for url in [LIST, f"{LIST}{usage.id}/change/"]:
@@ -63,9 +63,9 @@ def test_it_gives_signed_in_users_who_are_not_staff_no_access(client: Client,
 
 
 def test_it_lists_usage_with_masked_keys_and_never_a_secret_or_digest(
-        operator: Client, endpoint: Endpoint) -> None:
-    key, secret = api_key(endpoint.organization)
-    usage = record(endpoint, key, request_id="req_visible")
+        operator: Client, ready_chat: Endpoint) -> None:
+    key, secret = api_key(ready_chat.organization)
+    usage = record(ready_chat, key, request_id="req_visible")
 
     pages = [operator.get(LIST), operator.get(f"{LIST}{usage.id}/change/")]
 
@@ -78,8 +78,8 @@ def test_it_lists_usage_with_masked_keys_and_never_a_secret_or_digest(
 
 
 def test_the_ledger_cannot_be_added_changed_or_deleted(operator: Client,
-                                                       endpoint: Endpoint) -> None:
-    usage = record(endpoint)
+                                                       ready_chat: Endpoint) -> None:
+    usage = record(ready_chat)
     model_admin = admin.site._registry[UsageRecord]
     request = operator.get(LIST).wsgi_request
 
@@ -95,8 +95,8 @@ def test_the_ledger_cannot_be_added_changed_or_deleted(operator: Client,
 
 
 def test_it_finds_usage_by_request_organisation_or_endpoint_exactly(
-        operator: Client, endpoint: Endpoint, other_org: Organization) -> None:
-    record(endpoint, request_id="req_acme")
+        operator: Client, ready_chat: Endpoint, other_org: Organization) -> None:
+    record(ready_chat, request_id="req_acme")
     record(ready_endpoint(other_org, "globex-chat", ports=[9002]), request_id="req_globex")
 
     def found(term: str) -> set[str]:
@@ -119,13 +119,13 @@ def test_it_finds_usage_by_request_organisation_or_endpoint_exactly(
     ({"started_at__gte": str(timezone.now() - timedelta(days=1))},
      {"req_failed", "req_gone", "req_plain"}),
 ])
-def test_it_filters_usage(operator: Client, endpoint: Endpoint, params: dict,
+def test_it_filters_usage(operator: Client, ready_chat: Endpoint, params: dict,
                           expected: set[str]) -> None:
-    record(endpoint, request_id="req_failed", status_code=502, error_code="engine_error")
-    record(endpoint, request_id="req_gone", status_code=499, stream=True,
+    record(ready_chat, request_id="req_failed", status_code=502, error_code="engine_error")
+    record(ready_chat, request_id="req_gone", status_code=499, stream=True,
            client_disconnected=True)
-    record(endpoint, request_id="req_plain", operation="completions")
-    record(endpoint, request_id="req_last_year", started_at=timezone.now() - timedelta(days=400))
+    record(ready_chat, request_id="req_plain", operation="completions")
+    record(ready_chat, request_id="req_last_year", started_at=timezone.now() - timedelta(days=400))
 
     response = operator.get(LIST, params)
 
@@ -136,8 +136,8 @@ def test_it_filters_usage(operator: Client, endpoint: Endpoint, params: dict,
 
 
 def test_the_list_runs_no_query_per_row_and_never_counts_the_whole_ledger(
-        operator: Client, endpoint: Endpoint) -> None:
-    key, _ = api_key(endpoint.organization)
+        operator: Client, ready_chat: Endpoint) -> None:
+    key, _ = api_key(ready_chat.organization)
 
     def queries_for_the_list() -> list[str]:
         with CaptureQueriesContext(connection) as captured:
@@ -145,10 +145,10 @@ def test_the_list_runs_no_query_per_row_and_never_counts_the_whole_ledger(
         return [query["sql"] for query in captured.captured_queries]
 
     for _ in range(3):
-        record(endpoint, key)
+        record(ready_chat, key)
     few = queries_for_the_list()
     for _ in range(5):
-        record(endpoint, key)
+        record(ready_chat, key)
     many = queries_for_the_list()
 
     assert len(many) == len(few)
@@ -157,13 +157,13 @@ def test_the_list_runs_no_query_per_row_and_never_counts_the_whole_ledger(
 
 
 def test_no_console_page_shows_a_key_or_invite_digest(operator: Client,
-                                                      endpoint: Endpoint) -> None:
-    org = endpoint.organization
+                                                      ready_chat: Endpoint) -> None:
+    org = ready_chat.organization
     key, secret = api_key(org)
     invite, token = do_create_invite(organization=org, actor_role="owner", created_by=None)
-    usage = record(endpoint, key)
+    usage = record(ready_chat, key)
     secrets = [secret, token, key.digest, invite.token_digest]
-    rows = {APIKey: key, UsageRecord: usage, type(invite): invite, Endpoint: endpoint,
+    rows = {APIKey: key, UsageRecord: usage, type(invite): invite, Endpoint: ready_chat,
             type(org): org}
 
     for model in admin.site._registry:
@@ -178,12 +178,12 @@ def test_no_console_page_shows_a_key_or_invite_digest(operator: Client,
 
 
 @pytest.mark.parametrize("model", [TokenHour, GPUHour])
-def test_hourly_lines_are_listed_and_cannot_be_changed(operator: Client, endpoint: Endpoint,
+def test_hourly_lines_are_listed_and_cannot_be_changed(operator: Client, ready_chat: Endpoint,
                                                        model: type) -> None:
-    key, _ = inference_key(endpoint.organization)
-    do_record_usage(payloads=[usage_report(endpoint, key, started_at=timezone.now()).encode()])
-    Replica.objects.filter(endpoint=endpoint).update(state=State.PENDING)
-    do_transition_replica(replica_id=endpoint.replicas.get().id, from_states=[State.PENDING],
+    key, _ = inference_key(ready_chat.organization)
+    do_record_usage(payloads=[usage_report(ready_chat, key, started_at=timezone.now()).encode()])
+    Replica.objects.filter(endpoint=ready_chat).update(state=State.PENDING)
+    do_transition_replica(replica_id=ready_chat.replicas.get().id, from_states=[State.PENDING],
                           to_state=State.SCHEDULING, message="placed")
     do_roll_up_usage(now=timezone.now() + timedelta(minutes=1))
     line = model.objects.get()
@@ -198,10 +198,10 @@ def test_hourly_lines_are_listed_and_cannot_be_changed(operator: Client, endpoin
 
 
 def test_the_console_shows_how_far_the_rollup_lags_and_why_it_last_gave_up(
-        operator: Client, endpoint: Endpoint) -> None:
-    key, _ = inference_key(endpoint.organization)
+        operator: Client, ready_chat: Endpoint) -> None:
+    key, _ = inference_key(ready_chat.organization)
     hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=5)
-    do_record_usage(payloads=[usage_report(endpoint, key, started_at=hour + timedelta(hours=n)
+    do_record_usage(payloads=[usage_report(ready_chat, key, started_at=hour + timedelta(hours=n)
                                            ).encode() for n in range(3)])
     RollupState.objects.create(id=1, batch_hours=2_500, timed_out_at=timezone.now(),
                                timeout_reason="A batch of up to 5,000 stale hours ran past "

@@ -21,7 +21,7 @@ from tests.factories import usage_report as record
 
 
 @pytest.fixture
-def endpoint(org: Organization) -> Endpoint:
+def ready_chat(org: Organization) -> Endpoint:
     return ready_endpoint(org, "chat", [41000])
 
 
@@ -53,9 +53,9 @@ def test_a_report_comes_back_from_the_stream_exactly_as_it_was_sent() -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_it_stores_each_record_and_empties_the_stream(endpoint: Endpoint, key: APIKey) -> None:
-    first = record(endpoint, key)
-    second = record(endpoint, key, stream=True, time_to_first_token_ms=5)
+def test_it_stores_each_record_and_empties_the_stream(ready_chat: Endpoint, key: APIKey) -> None:
+    first = record(ready_chat, key)
+    second = record(ready_chat, key, stream=True, time_to_first_token_ms=5)
     append(first, second)
 
     assert do_ingest_usage() == 2
@@ -71,8 +71,8 @@ def test_it_stores_each_record_and_empties_the_stream(endpoint: Endpoint, key: A
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_batch_delivered_twice_is_stored_once(endpoint: Endpoint, key: APIKey) -> None:
-    one = record(endpoint, key).encode()
+def test_a_batch_delivered_twice_is_stored_once(ready_chat: Endpoint, key: APIKey) -> None:
+    one = record(ready_chat, key).encode()
 
     assert do_record_usage(payloads=[one]) == []
     assert do_record_usage(payloads=[one, one]) == []
@@ -82,11 +82,11 @@ def test_a_batch_delivered_twice_is_stored_once(endpoint: Endpoint, key: APIKey)
 
 @pytest.mark.django_db(transaction=True)
 def test_entries_a_dead_worker_had_read_are_stored_on_the_next_run(
-    endpoint: Endpoint, key: APIKey, monkeypatch: pytest.MonkeyPatch
+    ready_chat: Endpoint, key: APIKey, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import socket
 
-    append(record(endpoint, key), record(endpoint, key))
+    append(record(ready_chat, key), record(ready_chat, key))
     do_ingest_usage(max_batches=0)  # creates the consumer group, reads nothing
     client = redis_client()
     # One worker read an entry under this host's name and died before acknowledging it;
@@ -104,10 +104,10 @@ def test_entries_a_dead_worker_had_read_are_stored_on_the_next_run(
 
 @pytest.mark.django_db(transaction=True)
 def test_a_record_that_cannot_be_stored_goes_to_dead_letters_and_holds_back_nothing(
-    endpoint: Endpoint, key: APIKey
+    ready_chat: Endpoint, key: APIKey
 ) -> None:
-    good = record(endpoint, key)
-    orphan = record(endpoint, key, endpoint_id=str(uuid4()))  # no such endpoint
+    good = record(ready_chat, key)
+    orphan = record(ready_chat, key, endpoint_id=str(uuid4()))  # no such endpoint
     append(good, orphan)
     redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: b"not json"})
     redis_client().xadd(usage_stream.STREAM, {usage_stream.FIELD: b'{"request_id": "req_x"}'})
@@ -121,10 +121,10 @@ def test_a_record_that_cannot_be_stored_goes_to_dead_letters_and_holds_back_noth
 
 
 @pytest.mark.django_db(transaction=True)
-def test_last_used_at_never_moves_backwards(endpoint: Endpoint, key: APIKey) -> None:
+def test_last_used_at_never_moves_backwards(ready_chat: Endpoint, key: APIKey) -> None:
     later = STARTED + timedelta(minutes=5)
     APIKey.objects.filter(id=key.id).update(last_used_at=later)
-    append(record(endpoint, key))
+    append(record(ready_chat, key))
 
     do_ingest_usage()
 
@@ -132,19 +132,19 @@ def test_last_used_at_never_moves_backwards(endpoint: Endpoint, key: APIKey) -> 
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_record_no_column_takes_is_set_aside_and_ingestion_goes_on(endpoint: Endpoint,
+def test_a_record_no_column_takes_is_set_aside_and_ingestion_goes_on(ready_chat: Endpoint,
                                                                       key: APIKey) -> None:
     # Before, one such value (DataError) stopped ingestion for every organisation: the batch
     # was never acknowledged and every later run read it again first.
-    before = record(endpoint, key)
-    poison = record(endpoint, key, gateway_overhead_ms=Decimal("10000000000000.000"))
-    after = record(endpoint, key)
-    longest = record(endpoint, key, duration_ms=2**31 - 1,
+    before = record(ready_chat, key)
+    poison = record(ready_chat, key, gateway_overhead_ms=Decimal("10000000000000.000"))
+    after = record(ready_chat, key)
+    longest = record(ready_chat, key, duration_ms=2**31 - 1,
                      gateway_overhead_ms=Decimal("2147483647.000"))
     append(before, poison, after, longest)
 
     assert do_ingest_usage() == 4
-    append(later := record(endpoint, key))
+    append(later := record(ready_chat, key))
     assert do_ingest_usage() == 1
 
     stored = set(UsageRecord.objects.values_list("request_id", flat=True))
@@ -170,13 +170,13 @@ def trace(report: UsageReport, *, seen_ms: int) -> None:
 
 
 @pytest.mark.django_db(transaction=True)
-def test_a_request_whose_gateway_died_is_stored_as_interrupted(endpoint: Endpoint,
+def test_a_request_whose_gateway_died_is_stored_as_interrupted(ready_chat: Endpoint,
                                                                key: APIKey) -> None:
     now_ms = time.time_ns() // 1_000_000
-    interrupted = record(endpoint, key, status_code=usage_stream.INTERRUPTED_STATUS,
+    interrupted = record(ready_chat, key, status_code=usage_stream.INTERRUPTED_STATUS,
                          error_code=usage_stream.INTERRUPTED_CODE, prompt_tokens=9,
                          completion_tokens=0)
-    running = record(endpoint, key, status_code=usage_stream.INTERRUPTED_STATUS,
+    running = record(ready_chat, key, status_code=usage_stream.INTERRUPTED_STATUS,
                      error_code=usage_stream.INTERRUPTED_CODE)
     trace(interrupted, seen_ms=now_ms - usage_stream.lease_ms() - 1_000)
     trace(running, seen_ms=now_ms)
@@ -195,10 +195,10 @@ def test_a_request_whose_gateway_died_is_stored_as_interrupted(endpoint: Endpoin
 
 @pytest.mark.django_db(transaction=True)
 def test_a_request_already_recorded_is_not_recorded_again_as_interrupted(
-    endpoint: Endpoint, key: APIKey
+    ready_chat: Endpoint, key: APIKey
 ) -> None:
     # Its gateway wrote the record to PostgreSQL while Redis was away, so the trace stayed.
-    finished = record(endpoint, key)
+    finished = record(ready_chat, key)
     do_record_usage(payloads=[finished.encode()])
     trace(dataclasses.replace(finished, status_code=502, error_code="gateway_interrupted"),
           seen_ms=time.time_ns() // 1_000_000 - usage_stream.lease_ms() - 1)

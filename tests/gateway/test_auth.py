@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_it_refuses_missing_wrong_and_misused_keys(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, other_org: Organization,
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, other_org: Organization,
     secret: str, stubs: list[httpx.Client]
 ) -> None:
     body = {"model": "chat", "prompt": "hello"}
@@ -59,7 +59,7 @@ def test_it_refuses_missing_wrong_and_misused_keys(
 
 @override_settings(KVRUN_TRUSTED_PROXIES=1)
 def test_an_address_that_keeps_sending_unknown_keys_is_refused_before_they_are_looked_up(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     body = {"model": "chat", "prompt": "hello"}
     flooder = {"X-Forwarded-For": "203.0.113.9"}
@@ -83,7 +83,7 @@ def test_an_address_that_keeps_sending_unknown_keys_is_refused_before_they_are_l
 
 
 def test_messages_or_a_prompt_of_the_wrong_type_are_a_400(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     for body, param in (({"model": "chat", "messages": 1}, "messages"),
                         ({"model": "chat", "prompt": {"text": "hi"}}, "prompt")):
@@ -94,7 +94,7 @@ def test_messages_or_a_prompt_of_the_wrong_type_are_a_400(
 
 
 def test_a_request_is_admitted_when_its_body_has_arrived_not_when_it_began(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     admitted_at: list[float] = []
 
@@ -112,7 +112,7 @@ def test_a_request_is_admitted_when_its_body_has_arrived_not_when_it_began(
 
 
 def test_it_refuses_bad_input_without_reaching_an_engine(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     auth = {"Authorization": f"Bearer {secret}"}
     cases = {
@@ -142,7 +142,7 @@ def test_it_refuses_bad_input_without_reaching_an_engine(
 
 
 def test_a_key_revoked_through_kvrun_is_refused_at_once(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, owner_api: object
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, owner_api: object
 ) -> None:
     key, secret = inference_key(org)
     assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200
@@ -156,7 +156,7 @@ def test_a_key_revoked_through_kvrun_is_refused_at_once(
 
 
 def test_a_key_revoked_behind_kvrun_s_back_is_refused_within_the_cache_ttl(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization
 ) -> None:
     key, secret = inference_key(org)
     assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200
@@ -171,7 +171,7 @@ def test_a_key_revoked_behind_kvrun_s_back_is_refused_within_the_cache_ttl(
 
 
 def test_an_organisation_held_by_its_budget_is_refused_with_the_budget_s_message(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization
 ) -> None:
     _, secret = inference_key(org)
     assert gateway.post(secret, {"model": "chat", "prompt": "hello"}).status_code == 200

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_a_client_that_reads_slowly_is_not_the_gateway_s_overhead(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     frames = gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "hello",
                                                       "stream": True}, reading_seconds=0.3))
@@ -46,7 +46,7 @@ def test_a_client_that_reads_slowly_is_not_the_gateway_s_overhead(
 
 @override_settings(KVRUN_GATEWAY_TRACE_LAG_TOKENS=3)
 def test_a_stream_s_trace_holds_what_its_client_has_received_before_it_has_it(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     seen = []  # at each event with a token: tokens received, tokens traced, whether the last
 
@@ -75,7 +75,7 @@ def test_a_stream_s_trace_holds_what_its_client_has_received_before_it_has_it(
 
 @override_settings(KVRUN_GATEWAY_GATHER_SECONDS=5)  # the record is written 5 s later
 def test_an_answer_is_in_its_trace_before_its_client_has_it(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "hello"})
 
@@ -88,7 +88,7 @@ def test_an_answer_is_in_its_trace_before_its_client_has_it(
 
 
 def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     frames = gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "slow",
                                                        "stream": True}, after_frames=3))
@@ -103,7 +103,7 @@ def test_a_client_that_leaves_mid_stream_is_recorded_with_what_it_got(
 
 
 def test_a_client_that_leaves_before_any_usage_is_billed_for_its_prompt(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str,
     stub_ports: list[int], stubs: list[httpx.Client]
 ) -> None:
     frames = gateway.run(raw_client(gateway, secret, {"model": "chat", "prompt": "slow"},

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_a_repeated_idempotency_key_does_not_run_again(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     body = {"model": "chat", "prompt": "hello"}
     first = gateway.post(secret, body, **{"Idempotency-Key": "order-1"})
@@ -56,7 +56,7 @@ def test_a_repeated_idempotency_key_does_not_run_again(
 
 
 def test_an_idempotency_key_in_use_or_streamed_is_a_conflict(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     key = {"Idempotency-Key": "job-7"}
     slow = gateway.submit(gateway.send(secret, {"model": "chat", "prompt": "slow"}, **key))
@@ -80,7 +80,7 @@ def test_an_idempotency_key_in_use_or_streamed_is_a_conflict(
 
 
 def test_an_idempotency_key_belongs_to_the_api_key_and_the_endpoint_it_was_sent_with(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str,
     stub_ports: list[int], stubs: list[httpx.Client]
 ) -> None:
     ready_endpoint(org, "second", stub_ports[1:])
@@ -98,7 +98,7 @@ def test_an_idempotency_key_belongs_to_the_api_key_and_the_endpoint_it_was_sent_
 
 
 def test_an_idempotency_key_sent_again_with_another_body_is_refused(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     key = {"Idempotency-Key": "order-1"}
     first = gateway.post(secret, {"model": "chat", "prompt": "hello"}, **key)
@@ -113,7 +113,7 @@ def test_an_idempotency_key_sent_again_with_another_body_is_refused(
 
 
 def test_a_request_refused_by_a_limit_or_left_by_its_client_frees_its_idempotency_key(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, stub_ports: list[int],
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, stub_ports: list[int],
     stubs: list[httpx.Client]
 ) -> None:
     _, secret = inference_key(org, requests_per_minute=1)
@@ -133,7 +133,7 @@ def test_a_request_refused_by_a_limit_or_left_by_its_client_frees_its_idempotenc
 
 
 def test_a_request_the_engine_failed_frees_its_idempotency_key_for_the_retry(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     body, key = {"model": "chat", "prompt": "crash"}, {"Idempotency-Key": "order-1"}
 
@@ -147,12 +147,12 @@ def test_a_request_the_engine_failed_frees_its_idempotency_key_for_the_retry(
 
 @override_settings(KVRUN_GATEWAY_LEASE_SECONDS=0.5)
 def test_the_idempotency_key_of_a_request_whose_gateway_died_is_free_within_its_lease(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     key = APIKey.objects.get(organization=org)
     body = orjson.dumps({"model": "chat", "prompt": "hello"})
     # What a gateway killed in the middle of the request left behind.
-    claim = Claim.of(api_key_id=key.id, endpoint_id=str(endpoint.id), key="order-1",
+    claim = Claim.of(api_key_id=key.id, endpoint_id=str(stub_endpoint.id), key="order-1",
                      body=body, request_id="req_dead")
     redis_client().set(claim.name, claim.running(), px=500)
 

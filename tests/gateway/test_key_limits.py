@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_a_key_has_a_request_limit_per_minute(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization
 ) -> None:
     _, secret = inference_key(org, requests_per_minute=2)
 
@@ -44,7 +44,7 @@ def test_a_key_has_a_request_limit_per_minute(
 
 
 def test_limits_hold_across_two_gateways_under_concurrent_requests(
-    gateway: InProcessGateway, gateway_loop: asyncio.AbstractEventLoop, endpoint: Endpoint,
+    gateway: InProcessGateway, gateway_loop: asyncio.AbstractEventLoop, stub_endpoint: Endpoint,
     org: Organization, stubs: list[httpx.Client]
 ) -> None:
     _, secret = inference_key(org, requests_per_minute=10)
@@ -64,7 +64,7 @@ def test_limits_hold_across_two_gateways_under_concurrent_requests(
 
 
 def test_a_key_has_a_token_limit_per_minute(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization
 ) -> None:
     _, secret = inference_key(org, tokens_per_minute=10)
 
@@ -81,7 +81,7 @@ def test_a_key_has_a_token_limit_per_minute(
 
 
 def test_streams_that_are_still_running_count_against_the_token_limit(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
 ) -> None:
     _, secret = inference_key(org, tokens_per_minute=50)
     body = {"model": "chat", "prompt": "slow", "stream": True, "max_tokens": 20}
@@ -99,7 +99,7 @@ def test_streams_that_are_still_running_count_against_the_token_limit(
 
 @override_settings(KVRUN_GATEWAY_LEASE_SECONDS=0.6)  # renewed every 0.1 s
 def test_a_running_request_s_trace_is_renewed_with_its_usage_and_cleared_at_its_end(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     gateway.post(secret, {"model": "chat", "prompt": "hello"})  # the sink now renews often
     running = gateway.submit(gateway.send(secret, {"model": "chat", "prompt": "slow",
@@ -123,7 +123,7 @@ def test_a_running_request_s_trace_is_renewed_with_its_usage_and_cleared_at_its_
 
 
 def test_an_organisation_has_a_limit_on_requests_in_flight(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, stubs: list[httpx.Client]
 ) -> None:
     Organization.objects.filter(id=org.id).update(max_concurrent_requests=1)
     _, secret = inference_key(org)

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_it_proxies_a_completion_and_records_its_usage(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str,
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str,
     stubs: list[httpx.Client]
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "hello", "max_tokens": 4})
@@ -38,14 +38,14 @@ def test_it_proxies_a_completion_and_records_its_usage(
     assert response.headers["x-ratelimit-limit-requests"] == str(
         settings.KVRUN_KEY_REQUESTS_PER_MINUTE)
     [sent] = received(stubs[0])
-    replica = endpoint.replicas.get()
+    replica = stub_endpoint.replicas.get()
     assert sent["body"]["cache_salt"] == documented_cache_salt(org.id)
     assert sent["authorization"] == f"Bearer {engine_api_key(replica.id)}"
 
     assert stored(1)
     record = UsageRecord.objects.get()
     assert (record.request_id, record.organization_id, record.endpoint_id, record.replica_id) == (
-        request_id, org.id, endpoint.id, replica.id)
+        request_id, org.id, stub_endpoint.id, replica.id)
     assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (7, 4, 3)
     assert (record.status_code, record.operation, record.stream) == (200, "completions", False)
     assert not record.client_disconnected
@@ -53,7 +53,7 @@ def test_it_proxies_a_completion_and_records_its_usage(
 
 
 def test_the_engine_s_time_is_not_the_gateway_s_overhead(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "slow"})  # a second's work
 
@@ -65,7 +65,7 @@ def test_the_engine_s_time_is_not_the_gateway_s_overhead(
 
 
 def test_a_chat_completion_goes_to_the_engine_s_chat_path(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "messages": [
         {"role": "user", "content": "hello"}]}, path="/v1/chat/completions")
@@ -77,7 +77,7 @@ def test_a_chat_completion_goes_to_the_engine_s_chat_path(
 
 
 def test_a_stream_shows_usage_only_as_the_client_asked(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
 ) -> None:
     body = {"model": "chat", "prompt": "hello", "stream": True}
     plain = gateway.post(secret, body)
@@ -107,7 +107,7 @@ def test_a_stream_shows_usage_only_as_the_client_asked(
 
 
 def test_a_stream_that_breaks_ends_with_an_error_frame_and_done(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "drop", "stream": True})
 
@@ -124,7 +124,7 @@ def test_a_stream_that_breaks_ends_with_an_error_frame_and_done(
 
 @override_settings(KVRUN_GATEWAY_MAX_ANSWER_BYTES=256 * 1024)
 def test_an_answer_over_the_limit_is_a_502_with_its_prompt_recorded(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "huge"})
 
@@ -141,7 +141,7 @@ def test_an_answer_over_the_limit_is_a_502_with_its_prompt_recorded(
 
 @override_settings(KVRUN_GATEWAY_MAX_ANSWER_BYTES=64 * 1024)
 def test_a_stream_event_over_the_limit_ends_the_stream_with_an_error_frame(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "long", "stream": True})
 
@@ -156,7 +156,7 @@ def test_a_stream_event_over_the_limit_ends_the_stream_with_an_error_frame(
 
 
 def test_stream_events_longer_than_aiohttp_s_line_limit_are_relayed_whole(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "long", "stream": True})
 
@@ -171,7 +171,7 @@ def test_stream_events_longer_than_aiohttp_s_line_limit_are_relayed_whole(
 
 
 def test_engine_errors_reach_the_client_in_openai_shape(
-    gateway: InProcessGateway, endpoint: Endpoint, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
     response = gateway.post(secret, {"model": "chat", "prompt": "context"})
 
@@ -184,7 +184,7 @@ def test_engine_errors_reach_the_client_in_openai_shape(
 
 
 def test_models_lists_the_ready_endpoints_a_key_may_call(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, secret: str
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, secret: str
 ) -> None:
     ready_endpoint(org, "second", [free_port()])
     restricted = inference_key(org, endpoint_names=["chat"])[1]
@@ -198,6 +198,6 @@ def test_models_lists_the_ready_endpoints_a_key_may_call(
     assert [model["id"] for model in listed.json()["data"]] == ["chat", "second"]
     assert [model["id"] for model in only.json()["data"]] == ["chat"]
     assert one.json() == {"id": "chat", "object": "model", "owned_by": org.slug,
-                          "created": int(endpoint.created_at.timestamp())}
+                          "created": int(stub_endpoint.created_at.timestamp())}
     assert missing.status_code == 404
     assert posted.status_code == 405 and posted.headers["allow"] == "GET"

@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
 def test_a_client_cannot_choose_its_cache_salt(
-    gateway: InProcessGateway, endpoint: Endpoint, org: Organization, other_org: Organization,
+    gateway: InProcessGateway, stub_endpoint: Endpoint, org: Organization, other_org: Organization,
     secret: str, stub_ports: list[int], stubs: list[httpx.Client]
 ) -> None:
     ready_endpoint(other_org, "chat", stub_ports[:1])

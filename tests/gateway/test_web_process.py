@@ -24,7 +24,7 @@ def call(base: str, secret: str, body: object) -> httpx.Response:
 
 
 def test_only_v1_reaches_the_gateway_and_no_engine_path_is_exposed(
-    web: str, endpoint: Endpoint, secret: str
+    web: str, stub_endpoint: Endpoint, secret: str
 ) -> None:
     auth = {"Authorization": f"Bearer {secret}"}
 
@@ -36,7 +36,7 @@ def test_only_v1_reaches_the_gateway_and_no_engine_path_is_exposed(
 
 
 def test_usage_survives_a_web_process_told_to_stop(
-    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], ingested: Callable[..., bool]
+    stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client], ingested: Callable[..., bool]
 ) -> None:
     # Records wait 3 s in memory for others to join their write: only the flush at shutdown
     # can store those of the requests that end while the process stops.

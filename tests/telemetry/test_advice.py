@@ -28,7 +28,7 @@ def snapshot(*, usage: float = 0.2, preemptions: int = 0, requests: int = 0,
 
 
 @pytest.fixture
-def endpoint(org: Organization) -> Endpoint:
+def llama_on_h100(org: Organization) -> Endpoint:
     """Llama 3.1 8B on one H100 with 32k of context: where the advice has numbers to give."""
     do_load_catalogs()
     endpoint = do_create_endpoint(
@@ -49,38 +49,38 @@ def record(endpoint: Endpoint, samples: list[tuple[int, EngineSnapshot]]) -> Non
 
 
 def test_a_sustained_full_cache_is_cache_bound_advice_with_what_each_change_gives(
-        endpoint: Endpoint) -> None:
-    record(endpoint, [(ago, snapshot(usage=0.95, preemptions=60 - ago // 10,
+        llama_on_h100: Endpoint) -> None:
+    record(llama_on_h100, [(ago, snapshot(usage=0.95, preemptions=60 - ago // 10,
                                      queries=1000 * (600 - ago), hits=100 * (600 - ago)))
                       for ago in range(5, 300, 5)])
 
-    [advice] = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+    [advice] = do_advise_endpoint(endpoint=llama_on_h100, now=timezone.now())
 
     assert advice.kind == AdviceKind.CACHE_BOUND
     assert advice.figures["kv_cache_high_share"] == 1.0 and advice.figures["preemptions"] > 0
     assert "at least 90 % full in 100% of the last 10 minutes' samples" in advice.message
-    held = endpoint.sizing["max_concurrency_at_context"]
-    fp8 = largest_concurrency_on(model=endpoint.model, context_length=32768,
-                                 kv_cache_dtype="fp8", gpu_type=endpoint.gpu_type, gpu_count=1)
+    held = llama_on_h100.sizing["max_concurrency_at_context"]
+    fp8 = largest_concurrency_on(model=llama_on_h100.model, context_length=32768,
+                                 kv_cache_dtype="fp8", gpu_type=llama_on_h100.gpu_type, gpu_count=1)
     assert fp8 >= 2 * held
     assert f"fp8 KV cache: room for {fp8:,} requests of 32,768 tokens at once per replica " \
            f"instead of {held:,}" in advice.message
     assert f"another replica: {2 * held:,} at once in all, for $4.50/h more" in advice.message
     assert "a 64 GiB host tier: 524,288 more tokens" in advice.message  # hit rate 10 %
     assert advice.change == {"kv_cache_dtype": "fp8"}
-    assert EndpointEvent.objects.filter(endpoint=endpoint,
+    assert EndpointEvent.objects.filter(endpoint=llama_on_h100,
                                         message__startswith="advice: Cache-bound").count() == 1
 
 
-def test_advice_opens_once_and_resolves_when_the_figures_recover(endpoint: Endpoint) -> None:
-    record(endpoint, [(ago, snapshot(usage=0.97)) for ago in range(400, 600, 5)])
+def test_advice_opens_once_and_resolves_when_the_figures_recover(llama_on_h100: Endpoint) -> None:
+    record(llama_on_h100, [(ago, snapshot(usage=0.97)) for ago in range(400, 600, 5)])
     first_pass = timezone.now() - timedelta(seconds=200)
 
-    do_advise_endpoint(endpoint=endpoint, now=first_pass)
-    do_advise_endpoint(endpoint=endpoint, now=first_pass)  # again: the same single advice
+    do_advise_endpoint(endpoint=llama_on_h100, now=first_pass)
+    do_advise_endpoint(endpoint=llama_on_h100, now=first_pass)  # again: the same single advice
     assert Advice.objects.filter(resolved_at=None).count() == 1
-    record(endpoint, [(ago, snapshot(usage=0.3)) for ago in range(5, 300, 5)])
-    assert do_advise_endpoint(endpoint=endpoint, now=timezone.now()) == []
+    record(llama_on_h100, [(ago, snapshot(usage=0.3)) for ago in range(5, 300, 5)])
+    assert do_advise_endpoint(endpoint=llama_on_h100, now=timezone.now()) == []
 
     assert Advice.objects.get().resolved_at is not None
     assert EndpointEvent.objects.filter(message__startswith="advice:").count() == 1
@@ -92,14 +92,14 @@ PROMPTS_AFTER = {"500": 300.0, "1000": 398.0, "2000": 400.0, "+Inf": 400.0}
 
 
 def test_a_context_budget_far_above_the_requests_advises_a_smaller_one(
-        endpoint: Endpoint) -> None:
+        llama_on_h100: Endpoint) -> None:
     # ... each asking at most 500 tokens of answer.
     answers_after = {"100": 200.0, "500": 400.0, "+Inf": 400.0}
-    record(endpoint, [(80_000, snapshot(prompts=PROMPTS_BEFORE, max_tokens={})),
+    record(llama_on_h100, [(80_000, snapshot(prompts=PROMPTS_BEFORE, max_tokens={})),
                       (60, snapshot(requests=400, prompts=PROMPTS_AFTER,
                                     max_tokens=answers_after))])
 
-    [advice] = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+    [advice] = do_advise_endpoint(endpoint=llama_on_h100, now=timezone.now())
 
     assert advice.kind == AdviceKind.CONTEXT_OVERSIZED
     # The 99th percentiles within their buckets: 500 + 500 × 96 / 98, 100 + 400 × 196 / 200.
@@ -117,20 +117,20 @@ def test_a_context_budget_far_above_the_requests_advises_a_smaller_one(
     (None, []),  # an engine that does not report max_tokens
 ])
 def test_no_smaller_context_is_advised_that_would_refuse_the_answers_asked_for(
-        endpoint: Endpoint, answers_after: dict | None, changes: list) -> None:
-    record(endpoint, [(80_000, snapshot(prompts=PROMPTS_BEFORE, max_tokens={})),
+        llama_on_h100: Endpoint, answers_after: dict | None, changes: list) -> None:
+    record(llama_on_h100, [(80_000, snapshot(prompts=PROMPTS_BEFORE, max_tokens={})),
                       (60, snapshot(requests=400, prompts=PROMPTS_AFTER,
                                     max_tokens=answers_after))])
 
-    advice = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+    advice = do_advise_endpoint(endpoint=llama_on_h100, now=timezone.now())
 
     assert [item.change for item in advice] == changes
 
 
 def test_applying_advice_changes_the_policy_and_needs_a_one_click_change(
-        endpoint: Endpoint, owner_api: APIClient, org: Organization) -> None:
-    record(endpoint, [(ago, snapshot(usage=0.95)) for ago in range(5, 300, 5)])
-    [advice] = do_advise_endpoint(endpoint=endpoint, now=timezone.now())
+        llama_on_h100: Endpoint, owner_api: APIClient, org: Organization) -> None:
+    record(llama_on_h100, [(ago, snapshot(usage=0.95)) for ago in range(5, 300, 5)])
+    [advice] = do_advise_endpoint(endpoint=llama_on_h100, now=timezone.now())
     url = f"/api/v1/organizations/{org.slug}/endpoints/chat/advice/"
 
     listed = owner_api.get(url)
@@ -139,8 +139,8 @@ def test_applying_advice_changes_the_policy_and_needs_a_one_click_change(
     assert listed.status_code == 200 and listed.json()[0]["kind"] == "cache_bound"
     assert applied.status_code == 200, applied.content
     assert "Its one replica restarts" in applied.json()["rollout"]
-    endpoint.refresh_from_db()
-    assert (endpoint.kv_cache_dtype, endpoint.policy_version) == ("fp8", 2)
+    llama_on_h100.refresh_from_db()
+    assert (llama_on_h100.kv_cache_dtype, llama_on_h100.policy_version) == ("fp8", 2)
     assert Advice.objects.get().resolved_at is not None
     assert owner_api.post(f"{url}{advice.id}/apply/", format="json").status_code == 400
     with pytest.raises(ValidationError):

@@ -25,7 +25,7 @@ def shot(*, queries: int = 0, hits: int = 0, prompt: int = 0, usage: float = 0.1
 
 
 @pytest.fixture
-def endpoint(org: Organization) -> Endpoint:
+def endpoint_of_two_replicas(org: Organization) -> Endpoint:
     return ready_endpoint(org, "chat", [41001, 41002])
 
 
@@ -34,15 +34,15 @@ def record(replica: Replica, at: datetime, snapshot: EngineSnapshot) -> None:
 
 
 def test_hit_rates_are_hits_over_lookups_in_each_step_never_lifetime_totals(
-        endpoint: Endpoint) -> None:
-    replica = endpoint.replicas.first()
+        endpoint_of_two_replicas: Endpoint) -> None:
+    replica = endpoint_of_two_replicas.replicas.first()
     # A lifetime of misses, then a minute in which every lookup hits.
     record(replica, T0, shot(queries=100_000, hits=0, prompt=100_000))
     record(replica, T0 + timedelta(seconds=30), shot(queries=100_000, hits=0, prompt=100_000))
     record(replica, T0 + timedelta(seconds=60), shot(queries=101_000, hits=1_000,
                                                      prompt=101_000))
 
-    step, points = series(endpoint_id=endpoint.id, since=T0,
+    step, points = series(endpoint_id=endpoint_of_two_replicas.id, since=T0,
                           until=T0 + timedelta(seconds=600))
 
     assert step == 5
@@ -54,13 +54,14 @@ def test_hit_rates_are_hits_over_lookups_in_each_step_never_lifetime_totals(
 
 
 def test_a_chart_s_steps_hold_as_many_samples_and_end_before_the_step_still_filling(
-        endpoint: Endpoint) -> None:
-    replica = endpoint.replicas.first()
+        endpoint_of_two_replicas: Endpoint) -> None:
+    replica = endpoint_of_two_replicas.replicas.first()
     now = timezone.now()
     for n in range(180):  # the last 15 minutes, one sample every 5 s, 100 prompt tokens each
         record(replica, now - timedelta(seconds=900 - 5 * n), shot(prompt=100 * n))
 
-    step, points = series(endpoint_id=endpoint.id, since=now - timedelta(minutes=15), until=now)
+    step, points = series(endpoint_id=endpoint_of_two_replicas.id,
+                          since=now - timedelta(minutes=15), until=now)
 
     assert step == 10  # two scrape periods: a 7.5 s step would hold one sample, then two
     assert {point["prompt_tokens_per_s"] for point in points[1:]} == {20.0}
@@ -68,8 +69,8 @@ def test_a_chart_s_steps_hold_as_many_samples_and_end_before_the_step_still_fill
 
 
 def test_steps_sum_replicas_and_a_restarted_engine_s_counters_count_from_zero(
-        endpoint: Endpoint) -> None:
-    first, second = endpoint.replicas.all()
+        endpoint_of_two_replicas: Endpoint) -> None:
+    first, second = endpoint_of_two_replicas.replicas.all()
     record(first, T0, shot(queries=500, hits=100, usage=0.2, running=2))
     record(second, T0 + timedelta(seconds=1), shot(queries=50, hits=0, usage=0.7, running=1))
     # Within one step: the first engine restarted (counters from zero), the second moved on.
@@ -77,19 +78,20 @@ def test_steps_sum_replicas_and_a_restarted_engine_s_counters_count_from_zero(
     record(second, T0 + timedelta(seconds=62), shot(queries=110, hits=60, usage=0.4,
                                                    running=4))
 
-    _, points = series(endpoint_id=endpoint.id, since=T0, until=T0 + timedelta(minutes=10))
+    _, points = series(endpoint_id=endpoint_of_two_replicas.id, since=T0,
+                       until=T0 + timedelta(minutes=10))
 
     step = next(point for point in points if point["at"] == T0 + timedelta(seconds=65))
     assert step["prefix_hit_rate"] == (30 + 60) / (40 + 60)
     assert (step["kv_cache_usage"], step["running"]) == (0.4, 5)
-    _, only_second = series(endpoint_id=endpoint.id, since=T0,
+    _, only_second = series(endpoint_id=endpoint_of_two_replicas.id, since=T0,
                             until=T0 + timedelta(minutes=10), replica_id=second.id)
     assert [point["prefix_hit_rate"] for point in only_second] == [None, 1.0]
 
 
 def test_the_requests_a_day_count_an_engine_restarted_under_its_replica(
-        endpoint: Endpoint) -> None:
-    first, second = endpoint.replicas.all()
+        endpoint_of_two_replicas: Endpoint) -> None:
+    first, second = endpoint_of_two_replicas.replicas.all()
     # 2,000 served, a crash, and the restarted engine's 60,000; the other replica's 300.
     for at, served in ((T0, 50_000), (T0 + timedelta(hours=1), 52_000),
                        (T0 + timedelta(hours=2), 5), (T0 + timedelta(hours=3), 60_000)):
@@ -97,27 +99,28 @@ def test_the_requests_a_day_count_an_engine_restarted_under_its_replica(
     for at, served in ((T0, 100), (T0 + timedelta(hours=3), 400)):
         record(second, at, shot(requests=served))
 
-    requests, _, _ = served_over(endpoint_id=endpoint.id, since=T0,
+    requests, _, _ = served_over(endpoint_id=endpoint_of_two_replicas.id, since=T0,
                                  until=T0 + timedelta(days=1))
 
     assert requests == 2_000 + 60_000 + 300
 
 
 def test_latency_percentiles_come_from_the_buckets_increase_in_the_step(
-        endpoint: Endpoint) -> None:
-    replica = endpoint.replicas.first()
+        endpoint_of_two_replicas: Endpoint) -> None:
+    replica = endpoint_of_two_replicas.replicas.first()
     record(replica, T0, shot(ttft={"0.1": 1000.0, "1.0": 1000.0, "+Inf": 1000.0}))
     record(replica, T0 + timedelta(seconds=4),
            shot(ttft={"0.1": 1000.0, "1.0": 1010.0, "+Inf": 1010.0}))
 
-    _, points = series(endpoint_id=endpoint.id, since=T0, until=T0 + timedelta(minutes=10))
+    _, points = series(endpoint_id=endpoint_of_two_replicas.id, since=T0,
+                       until=T0 + timedelta(minutes=10))
 
     # Ten slow first tokens in the step; the thousand fast ones before it do not count.
     assert points[0]["ttft_p50_s"] == pytest.approx(0.1 + 0.9 * 0.5)
 
 
-def test_a_sample_recorded_twice_is_stored_once(endpoint: Endpoint) -> None:
-    replica = endpoint.replicas.first()
+def test_a_sample_recorded_twice_is_stored_once(endpoint_of_two_replicas: Endpoint) -> None:
+    replica = endpoint_of_two_replicas.replicas.first()
 
     record(replica, T0, shot(queries=1))
     record(replica, T0, shot(queries=2))
@@ -126,13 +129,13 @@ def test_a_sample_recorded_twice_is_stored_once(endpoint: Endpoint) -> None:
 
 
 def test_old_samples_thin_to_one_a_minute_with_their_peak_and_exact_counters(
-        endpoint: Endpoint) -> None:
-    replica = endpoint.replicas.first()
+        endpoint_of_two_replicas: Endpoint) -> None:
+    replica = endpoint_of_two_replicas.replicas.first()
     start = timezone.now().replace(second=0, microsecond=0) - timedelta(hours=3)
     for n in range(24):  # two minutes at one sample every 5 s
         record(replica, start + timedelta(seconds=5 * n),
                shot(queries=100 * n, hits=50 * n, prompt=100 * n, usage=0.9 if n == 3 else 0.1))
-    raw_step, before = series(endpoint_id=endpoint.id, since=start,
+    raw_step, before = series(endpoint_id=endpoint_of_two_replicas.id, since=start,
                               until=start + timedelta(minutes=2))
     second_minute = [point["prompt_tokens_per_s"] for point in before
                      if point["at"] > start + timedelta(seconds=60)]
@@ -144,7 +147,7 @@ def test_old_samples_thin_to_one_a_minute_with_their_peak_and_exact_counters(
         "at", "resolution_seconds", "kv_cache_usage", "prefix_queries"))
     assert kept == [(start + timedelta(seconds=55), 60, 0.9, 1100),
                     (start + timedelta(seconds=115), 60, 0.1, 2300)]
-    minute_step, after = series(endpoint_id=endpoint.id, since=start,
+    minute_step, after = series(endpoint_id=endpoint_of_two_replicas.id, since=start,
                                 until=start + timedelta(minutes=2))
     # The second minute's prompt tokens, whether read from twelve samples or from one; steps
     # of whole minutes once the samples stand for one each.
@@ -153,23 +156,23 @@ def test_old_samples_thin_to_one_a_minute_with_their_peak_and_exact_counters(
     assert sum(second_minute) * raw_step == 1200
 
 
-def test_a_week_of_hourly_samples_charts_an_even_rate(endpoint: Endpoint) -> None:
-    replica = endpoint.replicas.first()
+def test_a_week_of_hourly_samples_charts_an_even_rate(endpoint_of_two_replicas: Endpoint) -> None:
+    replica = endpoint_of_two_replicas.replicas.first()
     start = T0 - timedelta(days=7)
     for hour in range(7 * 24):  # thinned to one an hour, one token a second throughout
         record(replica, start + timedelta(hours=hour, minutes=59, seconds=55),
                shot(prompt=3600 * hour))
     EngineSample.objects.update(resolution_seconds=3600)
 
-    step, points = series(endpoint_id=endpoint.id, since=start, until=T0)
+    step, points = series(endpoint_id=endpoint_of_two_replicas.id, since=start, until=T0)
 
     # Steps of whole hours: 84-minute ones held one sample or two, and the rate saw-toothed.
     assert step % 3600 == 0
     assert {point["prompt_tokens_per_s"] for point in points[1:]} == {1.0}
 
 
-def test_samples_past_their_retention_are_deleted(endpoint: Endpoint) -> None:
-    replica = endpoint.replicas.first()
+def test_samples_past_their_retention_are_deleted(endpoint_of_two_replicas: Endpoint) -> None:
+    replica = endpoint_of_two_replicas.replicas.first()
     record(replica, timezone.now() - timedelta(days=91), shot())
     record(replica, timezone.now() - timedelta(days=89), shot())
 
@@ -179,9 +182,9 @@ def test_samples_past_their_retention_are_deleted(endpoint: Endpoint) -> None:
 
 
 def test_the_api_gives_members_the_series_and_hides_other_organisations(
-        endpoint: Endpoint, org: Organization, other_org: Organization,
+        endpoint_of_two_replicas: Endpoint, org: Organization, other_org: Organization,
         owner_api: APIClient) -> None:
-    replica = endpoint.replicas.first()
+    replica = endpoint_of_two_replicas.replicas.first()
     now = timezone.now()
     record(replica, now - timedelta(seconds=20), shot(queries=0, hits=0))
     record(replica, now - timedelta(seconds=10), shot(queries=200, hits=150))
