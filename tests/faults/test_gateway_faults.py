@@ -119,7 +119,7 @@ def every_admitted_request_recorded(stub: httpx.Client, load: Load, figures: Cal
 
 
 def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request(
-    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
+    stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
 ) -> None:
     port = free_port()
     web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS),
@@ -161,7 +161,7 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
 
 
 def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
-    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
+    stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
 ) -> None:
     """The client has the stream's last token, and its web process dies at once, before the
     request's record would have left it: the trace already holds every token."""
@@ -197,7 +197,7 @@ def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
 
 
 def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(
-    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], own_redis: RestartableRedis,
+    stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client], own_redis: RestartableRedis,
     figures: Callable[..., None]
 ) -> None:
     port = free_port()
@@ -230,7 +230,7 @@ def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(
 
 
 def test_a_restart_of_postgresql_under_load_fails_no_request_and_loses_no_record(
-    endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
+    stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client], figures: Callable[..., None]
 ) -> None:
     port = free_port()
     web = start_web(port)

@@ -287,21 +287,24 @@ def test_tests_and_benchmarks_keep_their_redis_data_apart_from_make_run_s(
 ) -> None:
     # The tests empty kvrun's keys: in make run's Redis, its usage not yet in PostgreSQL.
     monkeypatch.setattr(launcher, "STATE_DIR", tmp_path)
-    given: list[Path] = []
-    monkeypatch.setattr(launcher.Services, "start", lambda self, *, redis_password, redis_dir: (
-        given.append(redis_dir), {})[1])
+    monkeypatch.delenv("REDIS_URL")  # DATABASE_URL stays: only Redis is started
     environment = dict(os.environ)
+    folders: dict[bool, Path] = {}
     try:
         for own_redis in (False, True):
-            services, _ = launcher.prepare_environment(own_redis=own_redis)
-            assert given[-1].is_dir() == own_redis
-            services.stop()
+            services, env = launcher.prepare_environment(own_redis=own_redis)
+            try:
+                # Where the Redis that started keeps its data, as it says itself.
+                folders[own_redis] = Path(
+                    redis.Redis.from_url(env["REDIS_URL"]).config_get("dir")["dir"])
+            finally:
+                services.stop()
     finally:
         os.environ.clear()
         os.environ.update(environment)
 
-    kept, own = given
-    assert kept == tmp_path / "redis"
+    kept, own = folders[False], folders[True]
+    assert kept == tmp_path / "redis" and kept.is_dir()
     assert own.parent == tmp_path and own != kept and not own.exists()  # deleted after
 
 

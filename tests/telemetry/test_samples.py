@@ -7,7 +7,7 @@ from rest_framework.test import APIClient
 from accounts.models import Organization
 from endpoints.models import Endpoint, Replica
 from engine.metrics import EngineSnapshot
-from telemetry.models import EngineSample
+from telemetry.models import MINUTE_KEPT, EngineSample
 from telemetry.selectors import series, served_over
 from telemetry.services import do_downsample_samples, do_record_engine_samples
 from tests.factories import ready_endpoint
@@ -156,16 +156,21 @@ def test_old_samples_thin_to_one_a_minute_with_their_peak_and_exact_counters(
     assert sum(second_minute) * raw_step == 1200
 
 
-def test_a_week_of_hourly_samples_charts_an_even_rate(endpoint_of_two_replicas: Endpoint) -> None:
+def test_a_week_of_samples_thinned_to_hours_charts_an_even_rate(
+        endpoint_of_two_replicas: Endpoint) -> None:
     replica = endpoint_of_two_replicas.replicas.first()
     start = T0 - timedelta(days=7)
-    for hour in range(7 * 24):  # thinned to one an hour, one token a second throughout
-        record(replica, start + timedelta(hours=hour, minutes=59, seconds=55),
-               shot(prompt=3600 * hour))
-    EngineSample.objects.update(resolution_seconds=3600)
+    for quarter in range(7 * 24 * 4):  # a sample every 15 minutes, one token a second throughout
+        at = start + timedelta(minutes=15 * quarter + 14, seconds=55)
+        record(replica, at, shot(prompt=round((at - start).total_seconds())))
 
+    assert do_downsample_samples(now=T0)
+
+    # Thinned by the code that thins them: one an hour past three days, one a minute before.
+    past_three_days = EngineSample.objects.filter(at__lt=T0 - MINUTE_KEPT)
+    assert set(past_three_days.values_list("resolution_seconds", flat=True)) == {3600}
+    assert past_three_days.count() == 4 * 24
     step, points = series(endpoint_id=endpoint_of_two_replicas.id, since=start, until=T0)
-
     # Steps of whole hours: 84-minute ones held one sample or two, and the rate saw-toothed.
     assert step % 3600 == 0
     assert {point["prompt_tokens_per_s"] for point in points[1:]} == {1.0}
