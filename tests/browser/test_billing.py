@@ -9,10 +9,10 @@ import pytest
 from django.utils import timezone
 from playwright.sync_api import Page, expect
 
-from accounts.models import Organization
+from accounts.models import Organization, User
 from billing.invoicing import lines_for_month, month_bounds, month_of
 from billing.models import GPUPrice
-from billing.rollup import do_roll_up_usage
+from billing.rollup import do_roll_up_usage, mark_stale_hours
 from endpoints.models import Node, Replica, State
 from front.templatetags.units import cents
 from tests.billing.helpers import finalize_at, ready_for, run_replica
@@ -82,3 +82,22 @@ def test_the_billing_pages_show_the_month_its_invoices_and_the_rows_behind_a_lin
     expect(page.locator("#daily-charts canvas")).to_have_count(2)
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     shot("billing-phone")
+
+
+def test_an_operator_sees_the_rollup_s_lag_in_the_console(
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
+    endpoint = demo_endpoint(Organization.objects.get())
+    hour = timezone.now().replace(minute=0, second=0, microsecond=0) - timedelta(hours=3)
+    mark_stale_hours(records=[(endpoint.id, hour), (endpoint.id, hour + timedelta(hours=1))])
+    User.objects.create_superuser(email="operator@example.com", password="console 2026 pass")
+    page.goto(f"{live_server.url}/admin/login/?next=/admin/billing/rollupstate/")
+    page.get_by_label("Email").fill("operator@example.com")
+    page.get_by_label("Password").fill("console 2026 pass")
+    page.get_by_role("button", name="Log in").click()
+
+    row = page.locator("#result_list tbody tr")
+    expect(row).to_have_count(1)
+    expect(page.get_by_role("table")).to_contain_text(f"{hour:%Y-%m-%d %H:00} UTC")
+    expect(row.locator("td.field-stale_hours")).to_have_text("2")
+    expect(row.locator("td.field-batches")).to_have_text("10,000 stale hours")
+    shot("console-rollup-state")
