@@ -292,6 +292,7 @@ def test_tests_and_benchmarks_keep_their_redis_data_apart_from_make_run_s(
     folders: dict[bool, Path] = {}
     try:
         for own_redis in (False, True):
+            os.environ.pop("REDIS_URL", None)  # the last one's, which prepare_environment set
             services, env = launcher.prepare_environment(own_redis=own_redis)
             try:
                 # Where the Redis that started keeps its data, as it says itself.
