@@ -40,12 +40,6 @@ from gateway.limits import Admission
 logger = logging.getLogger(__name__)
 
 RETRY_SECONDS = 1.0
-# How long a request waits for its trace to be written at most (normally well under a
-# millisecond): past it, Redis is struggling, and the request goes on unguarded rather than
-# holding its client.
-WRITE_AHEAD_WAIT_SECONDS = 0.5
-
-
 def _store_directly(payloads: list[bytes]) -> list[tuple[bytes, str]]:
     close_old_connections()
     return do_record_usage(payloads=payloads)
@@ -95,7 +89,10 @@ class UsageSink:
         that lag the trace joins the next gathered write, without waiting: a stream slower
         than the gathering waits only at its end. At once while Redis is unreachable
         (records then go to PostgreSQL, and traces are written again when it returns), or
-        once the sink has closed."""
+        once the sink has closed. The wait is the write's: Redis's own timeout
+        (KVRUN_REDIS_TIMEOUT_SECONDS) bounds it, and a write that times out marks Redis
+        unreachable. A shorter wait of its own would send untraced tokens whenever the
+        gateway is starved of CPU for longer than it."""
         traced, now = exchange.traced, exchange.traced_usage()
         behind, lag = now[1] - traced[1], settings.KVRUN_GATEWAY_TRACE_LAG_TOKENS
         if now == traced or exchange.request_id not in self._running:
@@ -113,13 +110,8 @@ class UsageSink:
             self._written = asyncio.get_running_loop().create_future()
         written = self._written
         self._wake.set()
-        try:
-            # Shared by every waiter of the write: one that is cancelled must not cancel it.
-            async with asyncio.timeout(WRITE_AHEAD_WAIT_SECONDS):
-                await asyncio.shield(written)
-        except TimeoutError:
-            logger.warning("the trace of %s was not written within %.1f s; its answer goes on",
-                           exchange.request_id, WRITE_AHEAD_WAIT_SECONDS)
+        # Shared by every waiter of the write: one that is cancelled must not cancel it.
+        await asyncio.shield(written)
 
     def _gather(self) -> None:
         """Have what is queued written once the first of it has waited a few milliseconds

@@ -31,7 +31,15 @@ from engine.metrics import engine_token_totals, totals
 from engine.processes import free_port
 from kvrun.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
-from tests.helpers import api_servers, drive, records_for, start_web, stop, wait_until
+from tests.helpers import (
+    PATIENT_REDIS,
+    api_servers,
+    drive,
+    records_for,
+    start_web,
+    stop,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -319,7 +327,7 @@ def test_a_web_process_killed_mid_stream_bills_each_stream_what_its_client_recei
         served: Served) -> None:
     _, secret = inference_key(served.first)
     port = free_port()
-    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT_REDIS)
     got: dict[str, int] = {}
 
     def kill_at_half(tokens: int, last: bool) -> None:
@@ -353,7 +361,7 @@ def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
     got: dict[str, int] = {}
     for _ in range(3):
         port = free_port()
-        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT_REDIS)
 
         def kill_at_the_end(tokens: int, last: bool, web: subprocess.Popen = web) -> None:
             if last:
