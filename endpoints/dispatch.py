@@ -30,6 +30,7 @@ def _send_after_commit(task: str, *, replica: Replica, node: Node) -> None:
 
 def reconcile_after_commit(endpoint: Endpoint) -> None:
     """A reconcile pass over `endpoint` on the control worker, once this transaction commits."""
-    from endpoints.tasks import reconcile  # the task module imports the reconciler, and it this
+    # Here, not at the top: endpoints.tasks imports the reconciler, which imports this module.
+    from endpoints.tasks import reconcile
 
     reconcile.delay_on_commit(str(endpoint.id))

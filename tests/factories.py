@@ -8,9 +8,10 @@ import time_machine
 from django.contrib.auth.hashers import make_password
 from django.utils import timezone
 
-from accounts.models import APIKey, Organization, Role, Scope, User
-from accounts.services import do_create_api_key, do_create_organization
-from bench.seed import ready_endpoint  # noqa: F401  the shape the tests share with bench/
+from accounts.models import APIKey, Organization, Scope, User
+from accounts.services import do_create_organization
+from bench import seed
+from bench.seed import ready_endpoint  # the shape the tests share with bench/
 from billing.usage_stream import UsageReport
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
@@ -40,15 +41,13 @@ def organization_with_owner(name: str = "Acme", owner: User | None = None) -> Or
 
 def api_key(organization: Organization, *, scope: str = Scope.MANAGE,
             expires_at: datetime | None = None, name: str = "test key") -> tuple[APIKey, str]:
-    return do_create_api_key(organization=organization, name=name, scope=scope,
-                             actor_role=Role.OWNER, created_by=None, expires_at=expires_at)
+    return seed.key(organization, scope=scope, name=name, expires_at=expires_at)
 
 
 def inference_key(organization: Organization, **limits: object) -> tuple[APIKey, str]:
     """An inference key; `limits` may set requests_per_minute, tokens_per_minute,
     endpoint_names and expires_at."""
-    return do_create_api_key(organization=organization, name="inference", scope=Scope.INFERENCE,
-                             actor_role=Role.OWNER, created_by=None, **limits)
+    return seed.key(organization, name="inference", **limits)
 
 
 def endpoint_at_zero(organization: Organization, name: str, *, start_seconds: float,
