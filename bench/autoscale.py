@@ -31,6 +31,7 @@ from bench import seed  # noqa: E402
 from bench.provision import CONCURRENCY, CONTEXT_LENGTH, bare_start, start_processes, start_web  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import do_create_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model  # noqa: E402
 from kvrun.celery import app  # noqa: E402
@@ -118,8 +119,9 @@ def main() -> int:
         _, secret = seed.key(organization)
         endpoint = do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name="sleepy",
-            model=model, context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY, min_replicas=0,
-            scale_to_zero_after_seconds=IDLE_SECONDS)
+            model=model,
+            policy=EndpointPolicy(context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY),
+            scaling=EndpointScaling(min_replicas=0, scale_to_zero_after_seconds=IDLE_SECONDS))
         for number in range(ROUNDS):
             at_zero(endpoint)
             bare.append(bare_start(model_dir, logs / f"autoscale-bare-{number}.log",

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import django
 
@@ -34,11 +35,12 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from accounts.models import Role  # noqa: E402
+from accounts.models import Organization, Role  # noqa: E402
 from bench import seed  # noqa: E402
 from bench.provision import start_processes, start_web  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
+from endpoints.policies import EndpointPolicy, EndpointScaling  # noqa: E402
 from endpoints.services import (  # noqa: E402
     do_change_endpoint_policy,
     do_create_endpoint,
@@ -94,10 +96,13 @@ def ask(web: str, secret: str, body: dict) -> tuple[float, int, int]:
     return first or 0.0, usage["prompt_tokens"], details.get("cached_tokens") or 0
 
 
-def create(organization: object, name: str, **policy: object) -> Endpoint:
-    return do_create_endpoint(organization=organization, actor_role=Role.OWNER, created_by=None,
-                              name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-                              context_length=CONTEXT, concurrency=CONCURRENCY, **policy)
+def create(organization: Organization, name: str, *, replicas: int = 1,
+           **policy: Any) -> Endpoint:
+    return do_create_endpoint(
+        organization=organization, actor_role=Role.OWNER, created_by=None, name=name,
+        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        policy=EndpointPolicy(context_length=CONTEXT, concurrency=CONCURRENCY, **policy),
+        scaling=EndpointScaling(min_replicas=replicas, max_replicas=replicas))
 
 
 def wait_ready(endpoint: Endpoint, replicas: int) -> None:
@@ -183,7 +188,7 @@ def main() -> int:
         delete(on)
         delete(off)
 
-        pair = create(organization, "pair", min_replicas=2, cache_isolation="key",
+        pair = create(organization, "pair", replicas=2, cache_isolation="key",
                       prefix_affinity=False)
         wait_ready(pair, 2)
         secrets = [seed.key(organization, name=f"tenant {n}")[1] for n in range(TENANTS)]

@@ -29,6 +29,7 @@ from accounts.services import do_create_organization  # noqa: E402
 from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State  # noqa: E402
 from endpoints.planning import plan  # noqa: E402
+from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
@@ -82,9 +83,9 @@ def bare_start(model_dir: str, log: Path, *, kv_cache_bytes: int) -> float:
 def kvrun_start(organization: object, model: ModelSpec, name: str) -> tuple[float, float, int]:
     """(create → ready seconds, of which the engine's own start, KV tokens logged)."""
     started = time.monotonic()
-    endpoint = do_create_endpoint(organization=organization, actor_role=Role.OWNER,
-                                  created_by=None, name=name, model=model,
-                                  context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY)
+    endpoint = do_create_endpoint(
+        organization=organization, actor_role=Role.OWNER, created_by=None, name=name, model=model,
+        policy=EndpointPolicy(context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY))
     while Endpoint.objects.filter(id=endpoint.id).values_list("state", flat=True).get() not in (
             State.READY, State.FAILED):
         time.sleep(0.05)

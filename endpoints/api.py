@@ -11,6 +11,7 @@ from accounts.scoping import OrganizationScoped
 from endpoints import selectors, services
 from endpoints.models import Endpoint, GPUType, ModelSpec
 from endpoints.planning import plan
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.serializers import (
     EndpointInput,
     EndpointSerializer,
@@ -85,7 +86,10 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
         data = validated(EndpointInput, request)
         endpoint = services.do_create_endpoint(
             organization=self.organization, actor_role=self.actor_role,
-            created_by=request.user if isinstance(request.user, User) else None, **data)
+            created_by=request.user if isinstance(request.user, User) else None,
+            name=data["name"], model=data["model"], gpu_type=data.get("gpu_type"),
+            gpu_count=data.get("gpu_count"), policy=EndpointPolicy.from_values(data),
+            scaling=EndpointScaling.from_values(data))
         return Response(self.get_serializer(self._fresh(endpoint)).data,
                         status=status.HTTP_201_CREATED)
 

@@ -29,6 +29,7 @@ MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well n
 # The autoscaler judges a window by the engines' samples: one needs a few scrapes to say
 # anything, and the samples are kept as read for two hours (telemetry.models.RAW_KEPT).
 SHORTEST_WINDOW_SECONDS, LONGEST_WINDOW_SECONDS = 15, 7200
+DEFAULT_SCALE_UP_WINDOW_SECONDS, DEFAULT_SCALE_DOWN_WINDOW_SECONDS = 60, 300
 
 # Engines get the name as --served-model-name, so one that starts with "-" would be read as
 # another flag (such as --trust-remote-code): a name starts with a letter.
@@ -211,11 +212,11 @@ class Endpoint(models.Model):
                                          "endpoint's concurrency, 1 waiting, or 90 % of the KV "
                                          "cache.")
     scale_up_window_seconds = models.PositiveIntegerField(
-        default=60, help_text="How long the metric stays above target before a replica is "
-                              "added.")
+        default=DEFAULT_SCALE_UP_WINDOW_SECONDS,
+        help_text="How long the metric stays above target before a replica is added.")
     scale_down_window_seconds = models.PositiveIntegerField(
-        default=300, help_text="How long the load would fit on one replica fewer before one "
-                               "is removed.")
+        default=DEFAULT_SCALE_DOWN_WINDOW_SECONDS,
+        help_text="How long the load would fit on one replica fewer before one is removed.")
     last_scaled_at = models.DateTimeField(
         null=True, blank=True, help_text="The autoscaler's last change: the next one waits a "
                                          "window from it.")
@@ -252,6 +253,7 @@ class Endpoint(models.Model):
 
     @property
     def kv_policy(self) -> KVPolicy:
+        """What its engines are told of their KV cache."""
         return KVPolicy(kv_cache_dtype=self.kv_cache_dtype, prefix_caching=self.prefix_caching,
                         host_tier_gib=self.host_tier_gib, disk_tier_gib=self.disk_tier_gib)
 

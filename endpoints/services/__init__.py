@@ -14,14 +14,9 @@ from endpoints.services.deployment import (
     do_stop_endpoint,
 )
 from endpoints.services.nodes import do_drain_node, do_mark_lost_nodes, do_undrain_node
-from endpoints.services.policy import (
-    ENGINE_POLICY_FIELDS,
-    ROUTING_POLICY_FIELDS,
-    do_change_endpoint_policy,
-)
+from endpoints.services.policy import do_change_endpoint_policy
 from endpoints.services.quota import hold_quota
 from endpoints.services.scaling import (
-    SCALING_FIELDS,
     do_autoscale_endpoint,
     do_change_endpoint_scaling,
     do_scale_endpoint_to_zero,
@@ -30,8 +25,7 @@ from endpoints.services.scaling import (
 )
 
 __all__ = [
-    "CATALOG_DIR", "ENGINE_POLICY_FIELDS", "RESERVED_NAMES", "ROUTING_POLICY_FIELDS",
-    "SCALING_FIELDS", "context_length_refusal", "do_autoscale_endpoint",
+    "CATALOG_DIR", "RESERVED_NAMES", "context_length_refusal", "do_autoscale_endpoint",
     "do_change_endpoint_policy", "do_change_endpoint_scaling", "do_create_endpoint",
     "do_delete_endpoint", "do_drain_node", "do_import_model", "do_load_catalogs",
     "do_mark_lost_nodes", "do_restart_endpoint", "do_scale_endpoint",

@@ -10,20 +10,18 @@ from accounts.services import require_manager
 from endpoints.dispatch import reconcile_after_commit
 from endpoints.lifecycle import do_stop_replica
 from endpoints.models import (
-    DEFAULT_IDLE_SECONDS,
     MIN_CONTEXT_LENGTH,
-    CacheIsolation,
     DesiredState,
     Endpoint,
     EndpointEvent,
     GPUType,
     ModelSpec,
     Replica,
-    ScalingMetric,
     State,
     validate_endpoint_name,
 )
 from endpoints.planning import plan
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services.quota import hold_quota
 from endpoints.services.scaling import scaling_errors
 from endpoints.states import ASKED_FOR
@@ -45,16 +43,12 @@ def context_length_refusal(*, model: ModelSpec, context_length: int) -> str | No
 
 def do_create_endpoint(
     *, organization: Organization, actor_role: str | None, created_by: User | None, name: str,
-    model: ModelSpec, context_length: int, concurrency: int, gpu_type: GPUType | None = None,
-    gpu_count: int | None = None, min_replicas: int = 1, max_replicas: int | None = None,
-    kv_cache_dtype: str = "auto", prefix_caching: bool = True, host_tier_gib: int = 0,
-    disk_tier_gib: int = 0, cache_isolation: str = CacheIsolation.ORGANIZATION,
-    prefix_affinity: bool = True, scale_to_zero_after_seconds: int = DEFAULT_IDLE_SECONDS,
-    scaling_metric: str = ScalingMetric.IN_FLIGHT, scaling_target: float | None = None,
-    scale_up_window_seconds: int = 60, scale_down_window_seconds: int = 300,
+    model: ModelSpec, policy: EndpointPolicy, scaling: EndpointScaling | None = None,
+    gpu_type: GPUType | None = None, gpu_count: int | None = None,
 ) -> Endpoint:
     """Size and create an endpoint that should run; the reconciler starts its replicas, one
-    at least (min_replicas 0 lets it scale to zero once idle).
+    at least (a fewest of 0 lets it scale to zero once idle). Without `scaling`, one replica
+    always.
 
     Raises ValidationError naming the field to change: a name that does not start with a
     letter, a context above the model's maximum, scaling settings out of range (as
@@ -65,7 +59,7 @@ def do_create_endpoint(
     both take its last room.
     """
     require_manager(actor_role, "create endpoints")
-    max_replicas = max(1, min_replicas) if max_replicas is None else max_replicas
+    scaling = scaling or EndpointScaling()
     errors: dict[str, list[str]] = {}
     try:
         validate_endpoint_name(name)
@@ -73,35 +67,27 @@ def do_create_endpoint(
         errors["name"] = exc.messages
     if name in RESERVED_NAMES:
         errors["name"] = [f"{name!r} is reserved; choose another name."]
-    if refusal := context_length_refusal(model=model, context_length=context_length):
+    if refusal := context_length_refusal(model=model, context_length=policy.context_length):
         errors["context_length"] = [refusal]
-    scaling = dict(min_replicas=min_replicas, max_replicas=max_replicas,
-                   scale_to_zero_after_seconds=scale_to_zero_after_seconds,
-                   scaling_metric=scaling_metric, scaling_target=scaling_target,
-                   scale_up_window_seconds=scale_up_window_seconds,
-                   scale_down_window_seconds=scale_down_window_seconds)
     errors.update(scaling_errors(scaling))
     if errors:
         raise ValidationError(errors)
-    decided = plan(model=model, context_length=context_length, concurrency=concurrency,
-                   kv_cache_dtype=kv_cache_dtype, gpu_type=gpu_type, gpu_count=gpu_count,
-                   host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib)
+    decided = plan(model=model, context_length=policy.context_length,
+                   concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
+                   gpu_type=gpu_type, gpu_count=gpu_count, host_tier_gib=policy.host_tier_gib,
+                   disk_tier_gib=policy.disk_tier_gib)
     try:
         with transaction.atomic():
             hold_quota(organization_id=organization.id, new_endpoint=True,
                         gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
-                        replicas=max_replicas)
+                        replicas=scaling.max_replicas)
             endpoint = Endpoint.objects.create(
                 organization=organization, name=name, model=model,
-                context_length=context_length, concurrency=concurrency,
                 gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
-                kv_cache_dtype=kv_cache_dtype, prefix_caching=prefix_caching,
-                host_tier_gib=host_tier_gib, disk_tier_gib=disk_tier_gib,
-                cache_isolation=cache_isolation, prefix_affinity=prefix_affinity,
-                **scaling,
+                **policy.as_fields(), **scaling.as_fields(),
                 # One replica to begin with, even where the endpoint may scale to zero: it
                 # was created to be used.
-                desired_replicas=max(1, min_replicas), sizing=decided.summary,
+                desired_replicas=max(1, scaling.min_replicas), sizing=decided.summary,
                 hourly_price_usd=decided.gpu_type.hourly_price_usd * decided.gpu_count,
                 created_by=created_by,
             )

@@ -1,5 +1,6 @@
 """An endpoint's KV policy, changed on its hardware."""
 
+from collections.abc import Mapping
 from typing import Any
 
 from django.core.exceptions import ValidationError
@@ -9,19 +10,16 @@ from accounts.services import require_manager
 from endpoints.dispatch import reconcile_after_commit
 from endpoints.models import Endpoint, EndpointEvent
 from endpoints.planning import plan
+from endpoints.policies import EndpointPolicy
 from endpoints.services.deployment import context_length_refusal
-
-# What an engine starts with: a change replaces the replicas. The rest is the gateway's.
-ENGINE_POLICY_FIELDS = ("context_length", "concurrency", "kv_cache_dtype", "prefix_caching",
-                        "host_tier_gib", "disk_tier_gib")
-
-
-ROUTING_POLICY_FIELDS = ("cache_isolation", "prefix_affinity")
 
 
 def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
-                              changes: dict[str, Any]) -> str:
+                              changes: Mapping[str, Any]) -> str:
     """Change an endpoint's KV policy on its hardware, and say what happens next.
+
+    `changes` names EndpointPolicy's fields, only those that change; the policy they make
+    with the rest of the endpoint's is judged whole.
 
     The new policy is admitted as a new endpoint's is (planning.plan on the endpoint's GPU
     type and count): one that does not fit raises ValidationError naming the field and what
@@ -35,22 +33,21 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
         # other, each against the policy the other left.
         locked = Endpoint.objects.select_for_update().select_related("model", "gpu_type").get(
             id=endpoint.id)
-        policy = {name: changes.get(name, getattr(locked, name))
-                  for name in ENGINE_POLICY_FIELDS + ROUTING_POLICY_FIELDS}
+        policy = EndpointPolicy.of(locked).changed(changes)
         if refusal := context_length_refusal(model=locked.model,
-                                             context_length=policy["context_length"]):
+                                             context_length=policy.context_length):
             raise ValidationError({"context_length": [refusal]})
-        decided = plan(model=locked.model, context_length=policy["context_length"],
-                       concurrency=policy["concurrency"],
-                       kv_cache_dtype=policy["kv_cache_dtype"], gpu_type=locked.gpu_type,
-                       gpu_count=locked.gpu_count, host_tier_gib=policy["host_tier_gib"],
-                       disk_tier_gib=policy["disk_tier_gib"])
-        changed = [name for name, value in policy.items() if value != getattr(locked, name)]
+        decided = plan(model=locked.model, context_length=policy.context_length,
+                       concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
+                       gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
+                       host_tier_gib=policy.host_tier_gib, disk_tier_gib=policy.disk_tier_gib)
+        wanted = policy.as_fields()
+        changed = [name for name, value in wanted.items() if value != getattr(locked, name)]
         if not changed:
             return "Nothing changed."
-        restarts = [name for name in changed if name in ENGINE_POLICY_FIELDS]
+        restarts = [name for name in changed if name in EndpointPolicy.ENGINE_FIELDS]
         for name in changed:
-            setattr(locked, name, policy[name])
+            setattr(locked, name, wanted[name])
         if restarts:
             locked.policy_version += 1
             locked.sizing = decided.summary
@@ -65,7 +62,7 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
                        "ready. Scale to two replicas first to change it without a break.")
         EndpointEvent.objects.create(
             endpoint=locked, state=locked.state,
-            message=f"policy changed ({', '.join(f'{name} {policy[name]}' for name in changed)})"
+            message=f"policy changed ({', '.join(f'{name} {wanted[name]}' for name in changed)})"
                     f": {outcome}")
     if restarts:
         reconcile_after_commit(endpoint)

@@ -1,6 +1,7 @@
 """How an endpoint scales: its settings, and the moves the autoscaler and the gateway ask
 for (up, down, to zero, woken)."""
 
+from collections.abc import Mapping
 from typing import Any
 from uuid import UUID
 
@@ -24,15 +25,13 @@ from endpoints.models import (
     Replica,
     State,
 )
+from endpoints.policies import EndpointScaling
 from endpoints.services.quota import hold_quota
-
-SCALING_FIELDS = ("min_replicas", "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
-                  "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds")
 
 
 def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
-                               changes: dict[str, Any]) -> Endpoint:
-    """Change how an endpoint scales (SCALING_FIELDS; only those in `changes`).
+                               changes: Mapping[str, Any]) -> Endpoint:
+    """Change how an endpoint scales (EndpointScaling's fields; only those in `changes`).
 
     Raises ValidationError naming the field: replicas out of range, an idle time under
     KVRUN_SCALE_TO_ZERO_MIN_SECONDS, a target not above zero, a window out of range; and
@@ -41,20 +40,21 @@ def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
     require_manager(actor_role, "change endpoints")
     with transaction.atomic():
         locked = Endpoint.objects.select_for_update().get(id=endpoint.id)
-        new = {name: changes.get(name, getattr(locked, name)) for name in SCALING_FIELDS}
+        new = EndpointScaling.of(locked).changed(changes)
         errors = scaling_errors(new)
         if errors:
             raise ValidationError(errors)
-        if new["max_replicas"] > locked.max_replicas and (
+        if new.max_replicas > locked.max_replicas and (
                 locked.desired_state == DesiredState.RUNNING):
             hold_quota(organization_id=locked.organization_id, excluding=locked.id,
                         gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
-                        replicas=new["max_replicas"])
+                        replicas=new.max_replicas)
         # At zero it stays there while zero is allowed; a minimum of one or more starts them.
-        desired = min(new["max_replicas"], max(new["min_replicas"], locked.desired_replicas))
-        Endpoint.objects.filter(id=locked.id).update(desired_replicas=desired, **new)
+        desired = min(new.max_replicas, max(new.min_replicas, locked.desired_replicas))
+        fields = new.as_fields()
+        Endpoint.objects.filter(id=locked.id).update(desired_replicas=desired, **fields)
         said = ", ".join(f"{name.replace('_', ' ')} {_shown(value)}"
-                         for name, value in new.items() if value != getattr(locked, name))
+                         for name, value in fields.items() if value != getattr(locked, name))
         EndpointEvent.objects.create(endpoint=locked, state=locked.state,
                                      message=f"scaling changed: {said or 'nothing'}"
                                              + (f"; {desired} replica(s) now"
@@ -79,22 +79,24 @@ def idle_time_refusal(seconds: int) -> str | None:
     return None
 
 
-def scaling_errors(new: dict[str, Any]) -> dict[str, list[str]]:
+def scaling_errors(scaling: EndpointScaling) -> dict[str, list[str]]:
+    """What is out of range in `scaling`, by field, in words a person can act on."""
     errors: dict[str, list[str]] = {}
-    if new["min_replicas"] < 0:
+    fewest = max(1, scaling.min_replicas)
+    if scaling.min_replicas < 0:
         errors["min_replicas"] = ["Run at least 0 replicas (0 scales to zero while idle)."]
-    if not max(1, new["min_replicas"]) <= new["max_replicas"] <= MAX_REPLICAS_PER_ENDPOINT:
+    if not fewest <= scaling.max_replicas <= MAX_REPLICAS_PER_ENDPOINT:
         errors["max_replicas"] = [
-            f"Choose between {max(1, new['min_replicas'])} (at least 1, and no fewer than the "
-            f"fewest replicas, min_replicas) and {MAX_REPLICAS_PER_ENDPOINT}; for more, create "
-            "another endpoint."]
-    idle = idle_time_refusal(new["scale_to_zero_after_seconds"])
+            f"Choose between {fewest} (at least 1, and no fewer than the fewest replicas, "
+            f"min_replicas) and {MAX_REPLICAS_PER_ENDPOINT}; for more, create another "
+            "endpoint."]
+    idle = idle_time_refusal(scaling.scale_to_zero_after_seconds)
     if idle:
         errors["scale_to_zero_after_seconds"] = [idle]
-    if new["scaling_target"] is not None and new["scaling_target"] <= 0:
+    if scaling.scaling_target is not None and scaling.scaling_target <= 0:
         errors["scaling_target"] = ["Set a target above 0, or none for the metric's default."]
     for name in ("scale_up_window_seconds", "scale_down_window_seconds"):
-        if not SHORTEST_WINDOW_SECONDS <= new[name] <= LONGEST_WINDOW_SECONDS:
+        if not SHORTEST_WINDOW_SECONDS <= getattr(scaling, name) <= LONGEST_WINDOW_SECONDS:
             errors[name] = [f"Choose between {SHORTEST_WINDOW_SECONDS} s and "
                             f"{LONGEST_WINDOW_SECONDS} s."]
     return errors

@@ -22,6 +22,7 @@ from endpoints.models import (
     GPUType,
     ModelSpec,
 )
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.selectors import median_start_seconds, model_catalog
 from front import presenters
 from front.forms import EndpointForm, SizingForm
@@ -47,17 +48,11 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
     if not form.is_valid():
         return _page(request, member, form, status=400)
     data = form.cleaned_data
-    idle = data["scale_to_zero_after_seconds"]
     try:
         endpoint = services.do_create_endpoint(
             organization=member.organization, actor_role=member.role, created_by=request.user,
-            name=data["name"], model=data["model"], context_length=data["context_length"],
-            concurrency=data["concurrency"], gpu_type=data["gpu_type"],
-            kv_cache_dtype=data["kv_cache_dtype"], prefix_caching=data["prefix_caching"],
-            host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
-            cache_isolation=data["cache_isolation"], prefix_affinity=data["prefix_affinity"],
-            min_replicas=data["min_replicas"], max_replicas=data["max_replicas"],
-            **({"scale_to_zero_after_seconds": idle} if idle is not None else {}))
+            name=data["name"], model=data["model"], gpu_type=data["gpu_type"],
+            policy=EndpointPolicy.from_values(data), scaling=EndpointScaling.from_values(data))
     except ValidationError as exc:  # Unfit included: the sizing panel shows its advice
         add_service_errors(form, exc)
         return _page(request, member, form, status=400)

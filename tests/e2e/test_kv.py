@@ -21,6 +21,7 @@ from django.core.management import call_command
 from accounts.models import Organization, Role
 from accounts.services import do_create_organization
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import (
     do_change_endpoint_policy,
     do_create_endpoint,
@@ -74,8 +75,9 @@ def pair(django_db_blocker: object, agent: object, web: str) -> Iterator[Pair]:
         organization = do_create_organization(user=UserFactory(), name="Hooli")
         endpoint = do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name="pair",
-            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-            concurrency=2, min_replicas=2)
+            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            policy=EndpointPolicy(context_length=2048, concurrency=2),
+            scaling=EndpointScaling(min_replicas=2))
         assert drive(lambda: Replica.objects.filter(endpoint=endpoint,
                                                     state=State.READY).count() == 2, 240), (
             story_of(endpoint.id))

@@ -15,6 +15,7 @@ from django.utils import timezone
 
 from accounts.models import Organization, Role
 from endpoints.models import Endpoint, EndpointEvent, ModelSpec, Node, Replica, State
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import do_create_endpoint, do_delete_endpoint
 from endpoints.tasks import reconcile
 from scaling.tasks import autoscale
@@ -49,8 +50,9 @@ def test_an_idle_endpoint_scales_to_zero_and_a_burst_at_zero_is_served_by_one_st
     with override_settings(KVRUN_SCALE_TO_ZERO_MIN_SECONDS=1):
         endpoint = do_create_endpoint(
             organization=org, actor_role=Role.OWNER, created_by=None, name="sleepy",
-            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-            concurrency=4, min_replicas=0, scale_to_zero_after_seconds=IDLE_SECONDS)
+            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            policy=EndpointPolicy(context_length=2048, concurrency=4),
+            scaling=EndpointScaling(min_replicas=0, scale_to_zero_after_seconds=IDLE_SECONDS))
     secret = inference_key(org)[1]
     assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 240)
 
@@ -98,9 +100,11 @@ def test_a_sustained_load_scales_up_to_max_and_after_it_down_with_no_request_fai
 ) -> None:
     endpoint = do_create_endpoint(
         organization=org, actor_role=Role.OWNER, created_by=None, name="elastic",
-        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-        concurrency=4, min_replicas=1, max_replicas=2, scaling_target=0.25,
-        scale_up_window_seconds=15, scale_down_window_seconds=15)
+        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        policy=EndpointPolicy(context_length=2048, concurrency=4),
+        scaling=EndpointScaling(
+            min_replicas=1, max_replicas=2, scaling_target=0.25, scale_up_window_seconds=15,
+            scale_down_window_seconds=15))
     secret = inference_key(org)[1]
     assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 240)
 

@@ -15,6 +15,7 @@ from endpoints.models import (
     ReplicaInterval,
     State,
 )
+from endpoints.policies import EndpointPolicy
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.scheduling import do_place_replica
 from endpoints.services import (
@@ -68,8 +69,8 @@ def endpoint_on(node: Node, org: Organization, name: str = "chat") -> Endpoint:
     """A running endpoint with one replica placed on `node`."""
     endpoint = do_create_endpoint(
         organization=org, actor_role=Role.OWNER, created_by=None, name=name,
-        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), context_length=8192,
-        concurrency=8, gpu_type=node.gpu_type, gpu_count=2)
+        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), gpu_type=node.gpu_type,
+        gpu_count=2, policy=EndpointPolicy(context_length=8192, concurrency=8))
     reconcile_endpoint(endpoint_id=endpoint.id)
     Replica.objects.filter(endpoint=endpoint).update(state=State.READY, port=8001, pid=4242,
                                                      ready_at=timezone.now())

@@ -17,6 +17,7 @@ from endpoints.models import (
     Replica,
     State,
 )
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import do_create_endpoint, do_load_catalogs
 from tests.factories import UserFactory, api_key
 from tests.helpers import wait_until
@@ -308,10 +309,11 @@ def test_a_disk_tier_without_a_host_tier_is_refused_saying_what_to_set(
 def test_the_service_caps_replicas_per_endpoint_whatever_the_caller(org: Organization,
                                                                     cpu_node: Node) -> None:
     with pytest.raises(ValidationError) as refused:
-        do_create_endpoint(organization=org, actor_role=Role.OWNER, created_by=None,
-                           name="wide", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-                           context_length=2048, concurrency=4, min_replicas=1,
-                           max_replicas=32767)
+        do_create_endpoint(
+            organization=org, actor_role=Role.OWNER, created_by=None, name="wide",
+            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            policy=EndpointPolicy(context_length=2048, concurrency=4),
+            scaling=EndpointScaling(min_replicas=1, max_replicas=32767))
 
     assert "Choose between 1 (at least 1, and no fewer than the fewest replicas, min_replicas) " \
            "and 16" in " ".join(
@@ -412,9 +414,10 @@ def test_two_creates_at_once_cannot_both_take_the_last_room(
         if name == "second":
             checked.wait(timeout=10)
         try:
-            do_create_endpoint(organization=org, actor_role=Role.OWNER, created_by=None,
-                               name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-                               context_length=2048, concurrency=4)
+            do_create_endpoint(
+                organization=org, actor_role=Role.OWNER, created_by=None, name=name,
+                model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+                policy=EndpointPolicy(context_length=2048, concurrency=4))
             outcomes[name] = "created"
         except ValidationError as exc:
             outcomes[name] = " ".join(exc.messages)
@@ -440,8 +443,9 @@ def test_a_policy_past_the_endpoint_s_hardware_names_the_largest_fit(org: Organi
     do_load_catalogs()
     endpoint = do_create_endpoint(
         organization=org, actor_role=Role.OWNER, created_by=None, name="big",
-        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), context_length=8192,
-        concurrency=2, gpu_type=GPUType.objects.get(slug="l4"), gpu_count=1)
+        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"),
+        gpu_type=GPUType.objects.get(slug="l4"), gpu_count=1,
+        policy=EndpointPolicy(context_length=8192, concurrency=2))
 
     with pytest.raises(ValidationError) as refused:
         services.do_change_endpoint_policy(endpoint=endpoint, actor_role=Role.OWNER,

@@ -9,6 +9,7 @@ from django.utils import timezone
 from accounts.models import Role
 from endpoints.lifecycle import backoff_until, do_transition_replica
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
+from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint, do_load_catalogs
 from tests.factories import organization_with_owner
 from tests.helpers import wait_until
@@ -25,8 +26,8 @@ def waiting_on_a_lock() -> bool:
 def test_an_agent_s_transition_and_a_reconciler_pass_never_deadlock(cpu_node: Node) -> None:
     endpoint = do_create_endpoint(
         organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
-        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-        concurrency=4)
+        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        policy=EndpointPolicy(context_length=2048, concurrency=4))
     replica = Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.LOADING)
     holding, go_on = threading.Event(), threading.Event()
     errors: list[Exception] = []
@@ -95,9 +96,10 @@ def test_the_service_refuses_a_context_out_of_the_contract_whoever_calls_it(
     organization = organization_with_owner("Acme")
 
     with pytest.raises(ValidationError) as refused:
-        do_create_endpoint(organization=organization, actor_role=Role.OWNER, created_by=None,
-                           name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-                           context_length=context_length, concurrency=4)
+        do_create_endpoint(
+            organization=organization, actor_role=Role.OWNER, created_by=None, name="chat",
+            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            policy=EndpointPolicy(context_length=context_length, concurrency=4))
 
     assert phrase in " ".join(refused.value.message_dict["context_length"])
     assert not Endpoint.objects.filter(organization=organization).exists()

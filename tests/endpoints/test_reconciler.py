@@ -15,6 +15,7 @@ from endpoints.models import (
     Replica,
     State,
 )
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.reconciler import QUIET_MARGIN_SECONDS, reconcile_endpoint
 from endpoints.scheduling import free_devices
 from endpoints.services import do_create_endpoint, do_load_catalogs
@@ -52,9 +53,9 @@ def make_endpoint(gpu_type: GPUType, *, name: str = "chat", gpu_count: int = 2,
     _orgs["org"] = org
     return do_create_endpoint(
         organization=org, actor_role=Role.OWNER, created_by=None, name=name,
-        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), context_length=8192,
-        concurrency=8, gpu_type=gpu_type, gpu_count=gpu_count, min_replicas=replicas,
-        max_replicas=replicas)
+        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), gpu_type=gpu_type,
+        gpu_count=gpu_count, policy=EndpointPolicy(context_length=8192, concurrency=8),
+        scaling=EndpointScaling(min_replicas=replicas, max_replicas=replicas))
 
 
 @pytest.fixture(autouse=True)

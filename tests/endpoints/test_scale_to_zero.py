@@ -1,6 +1,8 @@
 """An endpoint at zero: created to scale there, summarised as idle, woken once however many
 requests ask at once."""
 
+from typing import Any
+
 import pytest
 from django.core.exceptions import ValidationError
 from django.test import override_settings
@@ -8,6 +10,7 @@ from django.test import override_settings
 from accounts.models import Organization, Role
 from endpoints.lifecycle import summarise
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, ModelSpec, State
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import (
     do_create_endpoint,
     do_load_catalogs,
@@ -19,11 +22,13 @@ from tests.factories import ready_endpoint
 from tests.helpers import at_once
 
 
-def create(org: Organization, **scaling: object) -> Endpoint:
+def create(org: Organization, **scaling: Any) -> Endpoint:
     do_load_catalogs()
-    return do_create_endpoint(organization=org, actor_role=Role.OWNER, created_by=None,
-                              name="sleepy", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-                              context_length=2048, concurrency=2, **scaling)
+    return do_create_endpoint(
+        organization=org, actor_role=Role.OWNER, created_by=None, name="sleepy",
+        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        policy=EndpointPolicy(context_length=2048, concurrency=2),
+        scaling=EndpointScaling(**scaling))
 
 
 @pytest.mark.django_db

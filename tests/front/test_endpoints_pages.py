@@ -11,6 +11,7 @@ from django.utils import timezone
 from accounts.models import Organization
 from billing.models import UsageRecord
 from endpoints.models import DesiredState, Endpoint, Node, Replica, State
+from endpoints.policies import EndpointPolicy
 from tests.factories import ready_endpoint
 
 pytestmark = pytest.mark.django_db
@@ -183,8 +184,8 @@ def test_the_endpoint_page_shows_its_memory_and_the_kv_cache_the_engine_reports(
 
     endpoint = do_create_endpoint(
         organization=org, actor_role="owner", created_by=None, name="chat",
-        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-        concurrency=8)
+        model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        policy=EndpointPolicy(context_length=2048, concurrency=8))
     Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.READY,
                            kv_cache_tokens=2_097_152)
 

@@ -12,6 +12,7 @@ from django.db import connection
 
 from accounts.models import Role
 from endpoints.models import ModelSpec, Node, Replica, State
+from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint
 from nodes import agent
 from tests.factories import organization_with_owner
@@ -32,8 +33,8 @@ def demo_replica(node: Node, state: str) -> Replica:
     """A replica of an endpoint of the demo model on `node`, in `state`."""
     endpoint = do_create_endpoint(
         organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
-        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"), context_length=2048,
-        concurrency=4)
+        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        policy=EndpointPolicy(context_length=2048, concurrency=4))
     return Replica.objects.create(endpoint=endpoint, node=node, state=state)
 
 

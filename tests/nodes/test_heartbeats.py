@@ -4,6 +4,7 @@ import pytest
 
 from accounts.models import Role
 from endpoints.models import Endpoint, ModelSpec, Node, NodeState, Replica, State
+from endpoints.policies import EndpointPolicy
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.services import do_create_endpoint, do_load_catalogs, do_mark_lost_nodes
 from engine.devices import Device, HostResources
@@ -27,7 +28,8 @@ def placed_endpoint(node: Node) -> Endpoint:
     endpoint = do_create_endpoint(
         organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
         name="chat", model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"),
-        context_length=8192, concurrency=8, gpu_type=node.gpu_type, gpu_count=2)
+        gpu_type=node.gpu_type, gpu_count=2,
+        policy=EndpointPolicy(context_length=8192, concurrency=8))
     reconcile_endpoint(endpoint_id=endpoint.id)
     return endpoint
 

@@ -8,6 +8,7 @@ from rest_framework.test import APIClient
 from accounts.models import Organization, Role
 from endpoints.models import Endpoint, EndpointEvent, GPUType, ModelSpec, Replica, State
 from endpoints.planning import largest_concurrency_on
+from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import do_create_endpoint, do_load_catalogs
 from engine.metrics import EngineSnapshot
 from telemetry.advice import do_advise_endpoint
@@ -33,9 +34,10 @@ def llama_on_h100(org: Organization) -> Endpoint:
     do_load_catalogs()
     endpoint = do_create_endpoint(
         organization=org, actor_role=Role.OWNER, created_by=None, name="chat",
-        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), context_length=32768,
-        concurrency=8, gpu_type=GPUType.objects.get(slug="h100-80gb"), gpu_count=1,
-        min_replicas=1, max_replicas=2)
+        model=ModelSpec.objects.get(slug="llama-3.1-8b-instruct"),
+        gpu_type=GPUType.objects.get(slug="h100-80gb"), gpu_count=1,
+        policy=EndpointPolicy(context_length=32768, concurrency=8),
+        scaling=EndpointScaling(min_replicas=1, max_replicas=2))
     Replica.objects.create(endpoint=endpoint, state=State.READY)
     return endpoint
 
