@@ -19,6 +19,8 @@ from tests.factories import USAGE_STARTED as STARTED
 from tests.factories import inference_key, ready_endpoint
 from tests.factories import usage_report as record
 
+pytestmark = pytest.mark.usefixtures("usage_stream")
+
 
 @pytest.fixture
 def ready_chat(org: Organization) -> Endpoint:

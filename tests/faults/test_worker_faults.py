@@ -17,7 +17,8 @@ from kvrun.redis import redis_client
 from tests.factories import inference_key, usage_report
 from tests.helpers import start_worker, stop, wait_until
 
-pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True),
+              pytest.mark.usefixtures("usage_stream")]
 
 RECORDS = 20_000  # enough that the kill lands mid-ingest on a busy machine too
 

@@ -27,7 +27,8 @@ from tests.gateway.helpers import (
 )
 
 # e2e: the stand-in engines are processes of their own.
-pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True),
+              pytest.mark.usefixtures("usage_stream")]
 
 
 def test_a_client_that_reads_slowly_is_not_the_gateway_s_overhead(

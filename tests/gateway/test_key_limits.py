@@ -21,7 +21,8 @@ from tests.gateway.helpers import InProcessGateway, received, stored
 from tests.helpers import wait_until
 
 # e2e: the stand-in engines are processes of their own.
-pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True),
+              pytest.mark.usefixtures("usage_stream")]
 
 
 def test_a_key_has_a_request_limit_per_minute(
