@@ -98,7 +98,7 @@ def test_streams_that_are_still_running_count_against_the_token_limit(
     assert len(received(stubs[0])) == 2
 
 
-@override_settings(KVRUN_GATEWAY_LEASE_SECONDS=0.6)  # renewed every 0.1 s
+@override_settings(KVRUN_GATEWAY_LEASE_SECONDS=3.0)  # renewed every 0.5 s
 def test_a_running_request_s_trace_is_renewed_with_its_usage_and_cleared_at_its_end(
     gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
