@@ -22,7 +22,7 @@ from endpoints.planning import shape_of
 from engine.processes import port_is_free
 from engine.sizing import kv_cache_tokens
 from kvrun.digests import engine_api_key
-from tests.helpers import api_servers, drive, process_alive, start_agent, stop_agent, wait_until
+from tests.helpers import api_servers, drive, process_alive, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -175,29 +175,3 @@ def test_an_engine_that_cannot_start_fails_the_endpoint_with_a_reason(
     assert not api_servers("broken")
     detail = owner_api.get(f"/api/v1/organizations/{org.slug}/endpoints/broken/").json()
     assert detail["state"] == "failed" and detail["failure_reason"] == endpoint.failure_reason
-
-
-def test_a_lost_node_s_replica_moves_to_another_node(
-    ready_node: Node, owner_api: APIClient, org: Organization, engine_logs: Path
-) -> None:
-    second = start_agent("e2e-0", engine_logs)
-    try:
-        assert wait_until(lambda: Node.objects.filter(name="e2e-0", gpu_type__isnull=False)
-                          .exists(), 60)
-        # Equally idle CPU nodes are taken in name order: the replica lands on e2e-0.
-        create(owner_api, org, "mover")
-        assert drive(lambda: state_of("mover") == State.READY, RESTART_WITHIN)
-        first = ready_replica("mover")
-        assert first.node.name == "e2e-0"
-        second.kill()
-        second.wait()
-        assert wait_until(lambda: not process_alive(first.pid), 15), "engine outlived its agent"
-
-        assert drive(lambda: Node.objects.get(name="e2e-0").state == "lost", 30,
-                     lose_silent_nodes=True)
-        assert drive(lambda: Replica.objects.filter(endpoint__name="mover", state=State.READY,
-                                                    node__name="e2e-a").exists(), RESTART_WITHIN)
-        assert Replica.objects.get(id=first.id).state == State.STOPPED
-        delete_and_settle(owner_api, org, "mover")
-    finally:
-        stop_agent(second, "e2e-0")

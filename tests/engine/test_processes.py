@@ -12,7 +12,7 @@ from engine.processes import (
     stop_group,
     stop_groups,
 )
-from tests.helpers import process_alive
+from tests.helpers import process_alive, wait_until
 
 
 def test_stop_group_ends_a_process_that_ignores_sigterm() -> None:
@@ -57,3 +57,23 @@ def test_engines_are_found_by_their_owner_s_marker_not_by_a_pid() -> None:
         for process in (ours, theirs):
             process.kill()
             process.wait()
+
+
+def test_an_engine_started_in_its_own_group_ends_when_its_agent_is_killed() -> None:
+    # The agent, killed outright (SIGKILL: no clean-up of its own runs), with one engine.
+    agent = subprocess.Popen(
+        [sys.executable, "-c",
+         "import subprocess, sys\n"
+         "from engine.processes import own_group_dying_with_parent\n"
+         "engine = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+         "                          preexec_fn=own_group_dying_with_parent)\n"
+         "print(engine.pid, flush=True)\n"
+         "engine.wait()\n"],
+        stdout=subprocess.PIPE, text=True)
+    engine = int(agent.stdout.readline())
+    assert process_alive(engine)
+
+    agent.kill()
+    agent.wait()
+
+    assert wait_until(lambda: not process_alive(engine), 15), "the engine outlived its agent"
