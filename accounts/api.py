@@ -14,7 +14,7 @@ from accounts.models import APIKey, Invite, Membership, Organization, User
 from accounts.permissions import SignedInUser
 from accounts.principals import KeyPrincipal
 from accounts.scoping import OrganizationScoped
-from kvrun.api import AddressRateThrottle, BooleanFilter, validated
+from kvrun.common.api import AddressRateThrottle, BooleanFilter, validated
 
 
 def _creator(request: Request) -> User | None:

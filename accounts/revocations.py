@@ -1,7 +1,7 @@
 """A revoked key reaches every gateway at once: its digest is published on a Redis channel,
 and each gateway drops the key from its memory when it hears it."""
 
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 
 KEY_REVOKED_CHANNEL = "kvrun:apikey-revoked"
 

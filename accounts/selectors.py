@@ -12,7 +12,7 @@ from django.utils import timezone
 from accounts import tokens
 from accounts.models import APIKey, Invite, KeyPurpose, Membership, Organization, Role, User
 from accounts.principals import KeyIdentity, KeyPrincipal
-from kvrun.digests import secret_digest
+from kvrun.common.digests import secret_digest
 
 Principal = User | KeyPrincipal
 

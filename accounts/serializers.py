@@ -10,7 +10,7 @@ from accounts.models import (
     Scope,
     User,
 )
-from kvrun.api import StrictSerializer
+from kvrun.common.api import StrictSerializer
 
 
 class UserSerializer(serializers.ModelSerializer):

@@ -34,7 +34,7 @@ from accounts.models import (
 )
 from accounts.revocations import announce_key_revoked
 from accounts.selectors import key_cache_name
-from kvrun.digests import playground_secret, secret_digest
+from kvrun.common.digests import playground_secret, secret_digest
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def do_issue_playground_key(*, organization: Organization, user: User, endpoint_
                             lifetime: timedelta) -> APIKey:
     """A short-lived inference key for one member's playground on one endpoint, so that what
     the playground spends is recorded against a key of its own, never another's. Any member
-    may have one. Its secret is `kvrun.digests.playground_secret(key.id)`: derived, never
+    may have one. Its secret is `kvrun.common.digests.playground_secret(key.id)`: derived, never
     stored, never shown."""
     key = APIKey(organization=organization, name=f"playground: {user.email}"[:100],
                  scope=Scope.INFERENCE, purpose=KeyPurpose.PLAYGROUND,

@@ -1,5 +1,5 @@
 """Secrets shown once: API keys and invite tokens. Only their digests are stored
-(kvrun.digests.secret_digest)."""
+(kvrun.common.digests.secret_digest)."""
 
 import secrets
 import string

@@ -18,9 +18,9 @@ from accounts import services
 from accounts.api import SignUpThrottle
 from accounts.forms import SignUpForm
 from accounts.models import Invite
-from kvrun.clients import client_address
-from kvrun.digests import secret_digest
-from kvrun.forms import add_service_errors
+from kvrun.common.clients import client_address
+from kvrun.common.digests import secret_digest
+from kvrun.common.forms import add_service_errors
 
 PASSWORD_RESETS_PER_HOUR = 5
 

@@ -41,7 +41,7 @@ from endpoints.services import do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.metrics import engine_token_totals  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
-from kvrun.digests import engine_api_key  # noqa: E402
+from kvrun.common.digests import engine_api_key  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 
 SECONDS = int(os.environ.get("BENCH_SECONDS", "10"))

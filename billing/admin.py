@@ -28,7 +28,7 @@ from billing.money import usd
 from billing.rollup import do_write_down_list_prices
 from billing.selectors import RollupLag, rollup_lag
 from endpoints.models import Endpoint
-from kvrun.paginators import BoundedCountPaginator
+from kvrun.common.paginators import BoundedCountPaginator
 
 
 class LedgerAdmin(admin.ModelAdmin):

@@ -18,7 +18,7 @@ from accounts.services import do_touch_api_key
 from billing import usage_stream
 from billing.models import UsageRecord
 from billing.rollup import mark_stale_hours
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from endpoints.services import (
 )
 from endpoints.states import ON_NODE
 from engine.sizing import GIB
-from kvrun.paginators import BoundedCountPaginator
+from kvrun.common.paginators import BoundedCountPaginator
 
 
 def age(moment: datetime) -> str:

@@ -23,7 +23,7 @@ from endpoints.serializers import (
     ScalingInput,
     SizingInput,
 )
-from kvrun.api import validated
+from kvrun.common.api import validated
 
 
 class ModelCatalogViewSet(viewsets.ReadOnlyModelViewSet):

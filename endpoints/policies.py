@@ -1,7 +1,8 @@
 """What a person sets for an endpoint, as values the services take: its KV policy (what its
 engines start with, and how the gateway routes to them) and how it scales.
 
-Defaults are the model's (endpoints.models); the services judge the values.
+Defaults are a new endpoint's (endpoints.models names its bounds and defaults); the services
+judge the values.
 """
 
 from __future__ import annotations

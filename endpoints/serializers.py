@@ -19,7 +19,7 @@ from endpoints.models import (
     State,
 )
 from endpoints.selectors import progress_of
-from kvrun.api import StrictSerializer
+from kvrun.common.api import StrictSerializer
 
 
 class ModelSpecSerializer(serializers.ModelSerializer):

@@ -54,7 +54,7 @@ from gateway.protocol import (
 )
 from gateway.proxy import Proxy
 from gateway.sink import UsageSink
-from kvrun.clients import client_address_from
+from kvrun.common.clients import client_address_from
 
 logger = logging.getLogger(__name__)
 

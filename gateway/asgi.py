@@ -11,7 +11,7 @@ from django.conf import settings
 
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
-from kvrun.middleware import body_too_large_message
+from kvrun.common.middleware import body_too_large_message
 
 ASGIScope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]

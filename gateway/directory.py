@@ -28,7 +28,7 @@ from endpoints.selectors import endpoints_for_gateway, median_start_seconds, pro
 from endpoints.states import COMING_UP
 from gateway.affinity import Ring
 from gateway.errors import GatewayError
-from kvrun.digests import engine_api_key, secret_digest
+from kvrun.common.digests import engine_api_key, secret_digest
 
 logger = logging.getLogger(__name__)
 

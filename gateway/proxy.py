@@ -26,7 +26,7 @@ from gateway.errors import GatewayError, engine_message, from_engine
 from gateway.exchange import Exchange
 from gateway.protocol import ENGINE_PATHS
 from gateway.sink import UsageSink
-from kvrun.digests import cache_salt
+from kvrun.common.digests import cache_salt
 
 logger = logging.getLogger(__name__)
 

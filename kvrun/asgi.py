@@ -8,7 +8,7 @@ import os
 
 from django.core.asgi import get_asgi_application
 
-from kvrun.middleware import limit_body
+from kvrun.common.middleware import limit_body
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
 

@@ -20,7 +20,7 @@ SECRET_KEY = env.str("SECRET_KEY")
 KVRUN_KEY_PEPPER = env.str("KVRUN_KEY_PEPPER")
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
-DEFAULT_EXCEPTION_REPORTER_FILTER = "kvrun.debug.SettingsFilter"
+DEFAULT_EXCEPTION_REPORTER_FILTER = "kvrun.common.debug.SettingsFilter"
 CSRF_TRUSTED_ORIGINS = env.list("CSRF_TRUSTED_ORIGINS", default=[])
 KVRUN_BASE_URL = env.str("KVRUN_BASE_URL", default="http://127.0.0.1:8000")
 # Where clients reach the OpenAI-compatible gateway: shown in the dashboard's snippets and
@@ -53,7 +53,7 @@ INSTALLED_APPS = [
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
-    "kvrun.middleware.BodySizeLimitMiddleware",
+    "kvrun.common.middleware.BodySizeLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -110,7 +110,7 @@ CACHES = {
         "KEY_PREFIX": "kvrun",
         # 2: JSON since; entries an older kvrun pickled are never read.
         "VERSION": 2,
-        "OPTIONS": {**REDIS_OPTIONS, "serializer": "kvrun.cache.JSONSerializer"},
+        "OPTIONS": {**REDIS_OPTIONS, "serializer": "kvrun.common.cache.JSONSerializer"},
     }
 }
 
@@ -147,7 +147,8 @@ EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="kvrun <noreply@localhost>")
 
 # Reverse proxies in front of the web processes, each appending to X-Forwarded-For; every
-# throttle and lockout keys on the client address this implies (kvrun.clients). 0: REMOTE_ADDR.
+# throttle and lockout keys on the client address this implies (kvrun.common.clients).
+# 0: REMOTE_ADDR.
 KVRUN_TRUSTED_PROXIES = env.int("KVRUN_TRUSTED_PROXIES", default=0)
 
 # Failed sign-ins lock the account for the address they came from, never the account from
@@ -160,7 +161,7 @@ AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 AXES_USERNAME_FORM_FIELD = "username"
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "accounts.views.lockout"
-AXES_CLIENT_IP_CALLABLE = "kvrun.clients.client_address"
+AXES_CLIENT_IP_CALLABLE = "kvrun.common.clients.client_address"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -172,7 +173,7 @@ STATIC_ROOT = env.path("STATIC_ROOT", default=BASE_DIR / ".kvrun" / "static")
 STATICFILES_DIRS = [BASE_DIR / "static"]
 WHITENOISE_USE_FINDERS = DEBUG
 
-# Request bodies above this are refused with 413 (kvrun.middleware).
+# Request bodies above this are refused with 413 (kvrun.common.middleware).
 DATA_UPLOAD_MAX_MEMORY_SIZE = env.int("KVRUN_MAX_BODY_BYTES", default=1024 * 1024)
 
 # How long a verified API key may be served from the cache; revocation also
@@ -296,15 +297,15 @@ REST_FRAMEWORK = {
         "rest_framework.permissions.IsAuthenticated",
         "accounts.permissions.ManageScopeForKeys",
     ],
-    "DEFAULT_PAGINATION_CLASS": "kvrun.api.Pagination",
+    "DEFAULT_PAGINATION_CLASS": "kvrun.common.api.Pagination",
     # The API takes JSON only, and its schema says so.
-    "DEFAULT_PARSER_CLASSES": ["kvrun.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["kvrun.common.parsers.JSONParser"],
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
     ],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
-    "EXCEPTION_HANDLER": "kvrun.api.exception_handler",
+    "EXCEPTION_HANDLER": "kvrun.common.api.exception_handler",
     "DEFAULT_RENDERER_CLASSES": [
         "rest_framework.renderers.JSONRenderer",
         "rest_framework.renderers.BrowsableAPIRenderer",
@@ -324,7 +325,7 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
     "POSTPROCESSING_HOOKS": ["drf_spectacular.hooks.postprocess_schema_enums",
-                             "kvrun.schema.document_errors"],
+                             "kvrun.common.schema.document_errors"],
 }
 
 CELERY_BROKER_URL = env.str("CELERY_BROKER_URL", default=REDIS_URL)

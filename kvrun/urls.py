@@ -5,10 +5,10 @@ from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from billing.views import stripe_webhook
-from kvrun import health
+from kvrun.common import health
 from telemetry import views as telemetry_views
 
-handler404 = "kvrun.api.not_found"
+handler404 = "kvrun.common.api.not_found"
 
 admin.site.site_header = admin.site.site_title = "kvrun console"
 admin.site.index_title = "Nodes, endpoints, usage and accounts"

@@ -38,7 +38,7 @@ from endpoints.lifecycle import (
 from endpoints.models import Node, Replica, State
 from engine import demo_model, kv_policy, metrics, offload_check, processes, supervisor
 from engine.sizing import CPU, GIB, GPU
-from kvrun.digests import engine_api_key
+from kvrun.common.digests import engine_api_key
 from nodes.services import do_record_node_heartbeat
 from telemetry.services import do_record_engine_samples
 

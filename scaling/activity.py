@@ -15,7 +15,7 @@ from uuid import UUID
 
 from django.conf import settings
 
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 
 # The last request's time outlives any idle time a user sets; an endpoint deleted leaves its
 # keys to expire.

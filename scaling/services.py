@@ -12,7 +12,7 @@ from django.db.models.functions import Greatest
 from endpoints.models import DesiredState, Endpoint, ScalingMetric, State
 from endpoints.selectors import unended_replicas
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint_to_zero
-from kvrun.units import duration_text
+from kvrun.common.units import duration_text
 from scaling.activity import activity_of, record_in_flight
 from scaling.selectors import replica_to_remove, signal_over
 

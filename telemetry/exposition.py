@@ -20,7 +20,7 @@ from redis.exceptions import RedisError
 
 from billing.selectors import rollup_lag
 from billing.usage_stream import STREAM
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 
 FRESH = timedelta(minutes=2)
 COUNTERS = {"prefix_queries": "prefix_cache_queries", "prefix_hits": "prefix_cache_hits",

@@ -129,7 +129,7 @@ def _clear_django_cache() -> None:
 def _no_task_of_an_earlier_test(request: pytest.FixtureRequest) -> None:
     """A test with the worker never inherits the tasks an earlier one left queued: the
     worker would run them during this test, against rows that are gone, or reconcile this
-    test's endpoints at a moment it did not choose."""
+    test's endpoints at a moment it did not choose. (One the worker is running goes on.)"""
     if "celery_worker" in request.fixturenames:
         celery_app.control.purge()
 

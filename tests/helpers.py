@@ -130,7 +130,10 @@ def start_worker(queue: str, **env: str) -> subprocess.Popen:
     name = f"test-{queue}-{os.getpid()}@{socket.gethostname()}"
     process = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q", queue, "-n", name,
-         "--pool", "solo", "--loglevel", "WARNING"], cwd=ROOT, env=process_env(**env))
+         "--pool", "solo", "--loglevel", "WARNING",
+         # Holds no task beyond the one it runs: a test's purge of the queue then leaves it
+         # none of an earlier test's (tests/conftest.py).
+         "--prefetch-multiplier", "1"], cwd=ROOT, env=process_env(**env))
     deadline = time.monotonic() + 60
     while not app.control.ping(destination=[name], timeout=1.0):
         assert process.poll() is None, "the Celery worker exited during start-up"
@@ -157,7 +160,7 @@ def drive(predicate: Callable[[], bool], timeout: float, *,
     a check run by every test lost ready nodes at random. A test that stops an agent marks
     its node lost itself (stop_agent)."""
     from endpoints.tasks import mark_lost_nodes, reconcile
-    from kvrun.redis import redis_client
+    from kvrun.common.redis import redis_client
 
     broker = redis_client()
 

@@ -4,7 +4,7 @@ dollars."""
 from django import template
 
 from billing.money import usd
-from kvrun.units import duration_text
+from kvrun.common.units import duration_text
 
 register = template.Library()
 

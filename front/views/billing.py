@@ -23,7 +23,7 @@ from billing.models import BillingAccount, Budget, BudgetEvent, LineKind
 from billing.money import cents
 from front.forms import BudgetForm
 from front.scoping import Member, membership
-from kvrun.forms import add_service_errors
+from kvrun.common.forms import add_service_errors
 
 ROWS_SHOWN = 200
 

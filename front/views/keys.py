@@ -14,7 +14,7 @@ from accounts import selectors, services
 from endpoints.selectors import endpoints_of
 from front.forms import APIKeyForm
 from front.scoping import Member, membership
-from kvrun.forms import add_service_errors
+from kvrun.common.forms import add_service_errors
 
 
 def _key_form(member: Member, data: object = None) -> APIKeyForm:

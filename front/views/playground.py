@@ -2,7 +2,7 @@
 
 The browser never holds a key. The page posts to `chat`, which calls the gateway with a
 short-lived inference key of the signed-in person, restricted to this endpoint, whose secret
-is derived from the key's id under the pepper for each message (kvrun.digests): nothing
+is derived from the key's id under the pepper for each message (kvrun.common.digests): nothing
 stores it. What the playground spends is recorded against that key, never another's.
 """
 
@@ -23,7 +23,7 @@ from accounts.selectors import playground_key_of
 from accounts.services import do_issue_playground_key
 from endpoints.models import Endpoint
 from front.scoping import Member, endpoint_of, membership
-from kvrun.digests import playground_secret
+from kvrun.common.digests import playground_secret
 
 KEY_LIFETIME = timedelta(hours=1)
 # A key with less life than this left is replaced before a message, not during one.

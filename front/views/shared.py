@@ -17,7 +17,7 @@ from endpoints.planning import accelerator_of
 from front import presenters
 from front.forms import PolicyForm, ScalingForm
 from front.scoping import Member, endpoint_of, membership
-from kvrun.forms import add_service_errors
+from kvrun.common.forms import add_service_errors
 from telemetry.models import Advice
 
 SettingsForm = ScalingForm | PolicyForm

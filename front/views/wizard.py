@@ -27,7 +27,7 @@ from endpoints.selectors import median_start_seconds, model_catalog
 from front import presenters
 from front.forms import EndpointForm, SizingForm
 from front.scoping import Member, membership
-from kvrun.forms import add_service_errors
+from kvrun.common.forms import add_service_errors
 
 # Catalog filters: parameter-count bands and minimum contexts a person can pick.
 SIZES = {"small": (0, 4e9), "medium": (4e9, 16e9), "large": (16e9, 100e9), "huge": (100e9, 1e15)}

@@ -11,8 +11,8 @@ from rest_framework.test import APIClient
 
 from accounts.models import APIKey, Organization, Scope, User
 from accounts.selectors import get_key_identity, key_cache_name
-from kvrun.digests import secret_digest
-from kvrun.redis import redis_client
+from kvrun.common.digests import secret_digest
+from kvrun.common.redis import redis_client
 from tests.factories import api_key
 from tests.helpers import wait_until
 

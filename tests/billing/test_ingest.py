@@ -14,7 +14,7 @@ from billing.ingestion import do_ingest_usage, do_record_usage
 from billing.models import UsageRecord
 from billing.usage_stream import UsageReport
 from endpoints.models import Endpoint
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from tests.factories import USAGE_STARTED as STARTED
 from tests.factories import inference_key, ready_endpoint
 from tests.factories import usage_report as record

@@ -30,7 +30,7 @@ from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
 from engine.metrics import engine_token_totals, totals
 from engine.processes import free_port
-from kvrun.digests import engine_api_key
+from kvrun.common.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
 from tests.helpers import (
     PATIENT_REDIS,

@@ -31,7 +31,7 @@ from endpoints.services import (
 from engine.metrics import totals
 from gateway.affinity import Ring, prefix_key
 from gateway.directory import Upstream
-from kvrun.digests import cache_salt, engine_api_key
+from kvrun.common.digests import cache_salt, engine_api_key
 from telemetry.models import EngineSample
 from tests.factories import UserFactory, api_key, inference_key
 from tests.helpers import WEB_METRICS_TOKEN, api_servers, drive, records_for, story_of, wait_until
@@ -77,7 +77,7 @@ def pair(django_db_blocker: object, agent: object, web: str) -> Iterator[Pair]:
             organization=organization, actor_role=Role.OWNER, created_by=None, name="pair",
             model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
             policy=EndpointPolicy(context_length=2048, concurrency=2),
-            scaling=EndpointScaling(min_replicas=2))
+            scaling=EndpointScaling(min_replicas=2, max_replicas=2))
         assert drive(lambda: Replica.objects.filter(endpoint=endpoint,
                                                     state=State.READY).count() == 2, 240), (
             story_of(endpoint.id))

@@ -21,7 +21,7 @@ from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.planning import shape_of
 from engine.processes import port_is_free
 from engine.sizing import kv_cache_tokens
-from kvrun.digests import engine_api_key
+from kvrun.common.digests import engine_api_key
 from tests.helpers import api_servers, drive, process_alive, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]

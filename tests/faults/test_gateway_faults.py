@@ -24,7 +24,7 @@ from billing.models import UsageRecord
 from billing.usage_stream import INTERRUPTED_CODE
 from endpoints.models import Endpoint
 from engine.processes import free_port
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from tests.factories import endpoint_at_zero
 from tests.gateway.helpers import received
 from tests.helpers import PATIENT_REDIS, RestartableRedis, start_web, stop, wait_until

@@ -12,7 +12,7 @@ from rest_framework.test import APIClient
 
 from accounts.models import Organization
 from endpoints.models import Node, NodeState, Replica, State
-from endpoints.services import do_load_catalogs
+from endpoints.services import do_drain_node, do_load_catalogs, do_undrain_node
 from tests.e2e.test_provisioning import (
     RESTART_WITHIN,
     create,
@@ -63,6 +63,8 @@ def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_firs
             assert drive(lambda: Replica.objects.filter(
                 endpoint__name="returner", state=State.READY, node=ready_node).exists(),
                 RESTART_WITHIN), story_of(old.endpoint_id)
+            # That node drains: the replica's one place to go is the lost node, once back.
+            do_drain_node(node_id=ready_node.id)
         finally:
             os.kill(node_agent.pid, signal.SIGCONT)
 
@@ -74,11 +76,13 @@ def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_firs
             return not alive
 
         assert drive(old_engine_gone, 60), "the returning node kept its old engine"
-        assert wait_until(lambda: online(NODE), 60)
-        assert state_of("returner") == State.READY
+        assert drive(lambda: Replica.objects.filter(
+            endpoint__name="returner", state=State.READY, node__name=NODE).exists(),
+            RESTART_WITHIN), story_of(old.endpoint_id)
         assert len(api_servers("returner")) == 1
         delete_and_settle(owner_api, org, "returner")
     finally:
+        do_undrain_node(node_id=ready_node.id)
         stop_agent(node_agent, NODE)
 
 

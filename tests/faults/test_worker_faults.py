@@ -13,7 +13,7 @@ from billing.ingestion import INGEST_LOCK_SECONDS
 from billing.models import UsageRecord
 from billing.tasks import ingest_usage
 from endpoints.models import Endpoint
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from tests.factories import inference_key, usage_report
 from tests.helpers import start_worker, stop, wait_until
 

@@ -8,7 +8,7 @@ from django.test import Client
 
 from accounts.models import APIKey, KeyPurpose, Organization, Scope, User
 from accounts.selectors import get_key_identity
-from kvrun.digests import playground_secret
+from kvrun.common.digests import playground_secret
 from tests.factories import ready_endpoint
 
 pytestmark = pytest.mark.django_db

@@ -22,7 +22,7 @@ from billing.models import UsageRecord
 from gateway.app import Gateway
 from gateway.directory import Upstream
 from gateway.limits import in_flight_name
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from tests.helpers import wait_until
 
 
@@ -166,7 +166,7 @@ async def raw_client(gateway: InProcessGateway, secret: str, body: dict, *,
 
 
 def documented_cache_salt(organization_id: object, key_id: object = None) -> str:
-    """kvrun.digests' formula, worked out here apart from it: the first 32 hex digits of
+    """kvrun.common.digests' formula, worked out here apart from it: the first 32 hex digits of
     HMAC-SHA256(pepper, "cache-salt:<organisation id>"), with ":key:<key id>" after it where
     an endpoint keeps keys apart."""
     message = (f"cache-salt:{organization_id}" + (f":key:{key_id}" if key_id else "")).encode()

@@ -16,7 +16,7 @@ from accounts.models import Organization
 from billing import usage_stream
 from billing.models import UsageRecord
 from endpoints.models import Endpoint
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from tests.gateway.helpers import (
     InProcessGateway,
     engine_received,

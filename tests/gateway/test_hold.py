@@ -14,7 +14,7 @@ from django.utils import timezone
 from accounts.models import Organization
 from billing.models import UsageRecord
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from scaling.activity import in_flight_name
 from tests.factories import endpoint_at_zero, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, raw_client, stored
@@ -90,11 +90,11 @@ def test_held_requests_are_served_once_the_replica_is_ready(
     plain = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
     assert wait_until(lambda: redis_client().zcard(in_flight_name(endpoint.id)) == 2, 10,
                       interval=0.05)
-    held_since = time.monotonic()
-    time.sleep(1.0)  # a wait long enough to tell apart from the gateway's own time
+    # Both are admitted, and about to be held if not yet: two seconds later, each has been
+    # held for more than one whatever the machine's pace.
+    time.sleep(2.0)
     assert not stream.done() and not plain.done()
     Replica.objects.filter(id=replica.id).update(state=State.READY, ready_at=timezone.now())
-    held_ms = int((time.monotonic() - held_since) * 1000)
     streamed, answered = stream.result(30), plain.result(30)
 
     assert streamed.status_code == answered.status_code == 200
@@ -104,9 +104,9 @@ def test_held_requests_are_served_once_the_replica_is_ready(
            "kind of node is known yet to tell how long" in lines
     assert any(line.startswith(": kvrun: ready after ") for line in lines)
     assert "data: [DONE]" in lines
-    assert int(answered.headers["x-kvrun-cold-start-ms"]) >= held_ms
+    assert int(answered.headers["x-kvrun-cold-start-ms"]) >= 1000
     # The wait is not the gateway's overhead.
-    assert float(answered.headers["x-kvrun-overhead-ms"]) < held_ms
+    assert float(answered.headers["x-kvrun-overhead-ms"]) < 1000
     assert stored(2)
     assert set(UsageRecord.objects.values_list("replica_id", flat=True)) == {replica.id}
 

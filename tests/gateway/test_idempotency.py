@@ -18,7 +18,7 @@ from billing.usage_stream import lease_ms
 from endpoints.models import Endpoint
 from gateway.errors import GatewayError
 from gateway.idempotency import MAX_KEPT_BYTES, Claim, Idempotency
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from tests.factories import inference_key, ready_endpoint
 from tests.gateway.helpers import (
     InProcessGateway,

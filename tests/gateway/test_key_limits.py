@@ -15,7 +15,7 @@ from accounts.models import Organization
 from billing import usage_stream
 from billing.models import UsageRecord
 from endpoints.models import Endpoint
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from tests.factories import inference_key
 from tests.gateway.helpers import InProcessGateway, received, stored
 from tests.helpers import wait_until

@@ -20,7 +20,7 @@ from gateway.limits import (
     in_flight_name,
     seconds_until_room,
 )
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from scaling import activity
 from tests.gateway.helpers import with_redis
 

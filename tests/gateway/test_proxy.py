@@ -16,7 +16,7 @@ from accounts.models import APIKey, Organization
 from billing.models import UsageRecord
 from endpoints.models import Endpoint
 from engine.processes import free_port
-from kvrun.digests import engine_api_key
+from kvrun.common.digests import engine_api_key
 from tests.factories import inference_key, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, documented_cache_salt, events, received, stored
 from tests.stub_upstream import LONG_EVENT_TEXT_BYTES

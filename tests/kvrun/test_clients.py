@@ -1,7 +1,7 @@
 import pytest
 from django.test import RequestFactory
 
-from kvrun.clients import client_address
+from kvrun.common.clients import client_address
 
 
 @pytest.mark.parametrize(

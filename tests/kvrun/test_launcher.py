@@ -328,7 +328,7 @@ def test_a_management_command_beside_make_run_uses_its_services(state_dir: Path)
     redis_port = re.search(r"Redis \(embedded\) at 127\.0\.0\.1:(\d+)", output)[1]
     log = state_dir / "redis" / "redis.log"
 
-    beside = manage(state_dir, "shell", "-c", REDIS_PORT_OF_MANAGE + "; from kvrun.redis "
+    beside = manage(state_dir, "shell", "-c", REDIS_PORT_OF_MANAGE + "; from kvrun.common.redis "
                     "import redis_client; redis_client().set('kvrun:test:manage', 'beside')")
     second = Launch(state_dir, free_port())
     refused = second.process.wait(60)

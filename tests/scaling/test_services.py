@@ -17,7 +17,7 @@ from endpoints.models import (
     State,
 )
 from endpoints.services import do_autoscale_endpoint, do_scale_endpoint
-from kvrun.redis import redis_client
+from kvrun.common.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.selectors import replica_to_remove
 from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero

@@ -17,4 +17,4 @@ class BoundedCountPaginator(Paginator):
     @cached_property
     def count(self) -> int:
         # A sliced queryset counts in a subquery: SELECT COUNT(*) FROM (... LIMIT n).
-        return self.object_list[: self.count_limit].count()
+        return self.object_list[: self.count_limit].count()  # type: ignore[attr-defined]

@@ -1,6 +1,7 @@
-"""The API's request parsers. Kept apart from kvrun.api: DRF imports them while its own
+"""The API's request parsers. Kept apart from kvrun.common.api: DRF imports them while its own
 views module is still loading."""
 
+from collections.abc import Mapping
 from typing import Any
 
 from rest_framework import exceptions, parsers
@@ -11,7 +12,7 @@ class JSONParser(parsers.JSONParser):
     malformed (400) instead of failing the request (500)."""
 
     def parse(self, stream: Any, media_type: str | None = None,
-              parser_context: dict[str, Any] | None = None) -> Any:
+              parser_context: Mapping[str, Any] | None = None) -> Any:
         try:
             return super().parse(stream, media_type, parser_context)
         except RecursionError:

@@ -1,5 +1,5 @@
 """What the API schema says beyond drf-spectacular's reading of the views: the errors each
-operation may answer with, in the envelope of kvrun.api.exception_handler, so that a client
+operation may answer with, in the envelope of kvrun.common.api.exception_handler, so that a client
 generated from the schema knows every status code it can get."""
 
 from typing import Any
@@ -34,7 +34,7 @@ def document_errors(result: dict[str, Any], **_: Any) -> dict[str, Any]:
     operation may give, added where the view did not document its own."""
     schemas = result.setdefault("components", {}).setdefault("schemas", {})
     schemas["Error"] = ERROR
-    # Every input serializer is a kvrun.api.StrictSerializer: unknown fields are refused.
+    # Every input serializer is a kvrun.common.api.StrictSerializer: unknown fields are refused.
     for name, schema in schemas.items():
         if name.endswith("Request") and schema.get("type") == "object":
             schema["additionalProperties"] = False

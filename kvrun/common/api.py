@@ -1,6 +1,6 @@
 """API conventions shared by every app: error shape, pagination, strict input."""
 
-from typing import Any
+from typing import Any, cast
 
 import django_filters
 from django import forms
@@ -17,8 +17,8 @@ from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from kvrun.clients import client_address
-from kvrun.middleware import body_too_large_error
+from kvrun.common.clients import client_address
+from kvrun.common.middleware import body_too_large_error
 
 
 class Pagination(PageNumberPagination):
@@ -57,8 +57,9 @@ class Pagination(PageNumberPagination):
 
 
 class AddressRateThrottle(SimpleRateThrottle):
-    """A throttle per client address (kvrun.clients), signed in or not; subclasses set `scope`
-    and `rate`. DRF's own would key on a whole X-Forwarded-For the client writes itself."""
+    """A throttle per client address (kvrun.common.clients), signed in or not; subclasses set
+    `scope` and `rate`. DRF's own would key on a whole X-Forwarded-For the client writes
+    itself."""
 
     def get_cache_key(self, request: Request, view: APIView | None) -> str:
         return self.cache_format % {"scope": self.scope, "ident": client_address(request)}
@@ -195,7 +196,8 @@ def _of_json_type(field: serializers.Field, value: Any) -> bool:
     if not isinstance(value, types):
         return False
     if isinstance(field, serializers.ListField):
-        return all(item is not None and _of_json_type(field.child, item) for item in value)
+        items = cast("list[Any]", value)  # a list: its type was checked above
+        return all(item is not None and _of_json_type(field.child, item) for item in items)
     return True
 
 
