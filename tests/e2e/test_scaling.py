@@ -22,6 +22,10 @@ from scaling.tasks import autoscale
 from tests.factories import inference_key
 from tests.helpers import api_servers, at_once, drive, records_for, wait_until
 
+# How long these tests wait for an engine to be ready: the agent's own start timeout (the
+# default, 600 s), a bound for a slow machine and never a figure.
+ENGINE_READY_WITHIN = 600
+
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 IDLE_SECONDS = 3
@@ -54,7 +58,8 @@ def test_an_idle_endpoint_scales_to_zero_and_a_burst_at_zero_is_served_by_one_st
             policy=EndpointPolicy(context_length=2048, concurrency=4),
             scaling=EndpointScaling(min_replicas=0, scale_to_zero_after_seconds=IDLE_SECONDS))
     secret = inference_key(org)[1]
-    assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 240)
+    assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY,
+                 ENGINE_READY_WITHIN)
 
     assert drive(lambda: at_zero(endpoint), 120)
     zeroed_at = timezone.now()
@@ -106,7 +111,8 @@ def test_a_sustained_load_scales_up_to_max_and_after_it_down_with_no_request_fai
             min_replicas=1, max_replicas=2, scaling_target=0.25, scale_up_window_seconds=15,
             scale_down_window_seconds=15))
     secret = inference_key(org)[1]
-    assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 240)
+    assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY,
+                 ENGINE_READY_WITHIN)
 
     def ask(max_tokens: int) -> httpx.Response:
         return httpx.post(f"{web}/v1/completions", timeout=120,
@@ -156,7 +162,7 @@ def test_a_sustained_load_scales_up_to_max_and_after_it_down_with_no_request_fai
     try:
         # Both served: the second became ready (it may be the one stopped since).
         assert autoscaled(lambda: Replica.objects.filter(
-            endpoint=endpoint, ready_at__isnull=False).count() == 2, 240)
+            endpoint=endpoint, ready_at__isnull=False).count() == 2, ENGINE_READY_WITHIN)
         assert autoscaled(lambda: Replica.objects.filter(
             endpoint=endpoint, state=State.STOPPED).exists() and Replica.objects.filter(
             endpoint=endpoint).exclude(state=State.STOPPED).count() == 1, 240)
