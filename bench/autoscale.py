@@ -31,7 +31,7 @@ from bench import seed  # noqa: E402
 from bench.provision import CONCURRENCY, CONTEXT_LENGTH, bare_start, start_processes, start_web  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
-from endpoints.policies import EndpointPolicy, EndpointScaling
+from endpoints.policies import EndpointPolicy, EndpointScaling  # noqa: E402
 from endpoints.services import do_create_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model  # noqa: E402
 from kvrun.celery import app  # noqa: E402

@@ -29,7 +29,7 @@ from accounts.services import do_create_organization  # noqa: E402
 from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State  # noqa: E402
 from endpoints.planning import plan  # noqa: E402
-from endpoints.policies import EndpointPolicy
+from endpoints.policies import EndpointPolicy  # noqa: E402
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
