@@ -1,37 +1,74 @@
-"""Read a local Hugging Face checkpoint's shape: config.json and the safetensors headers.
+"""A Hugging Face checkpoint's shape: config.json and the safetensors headers.
 
-Pure Python, no Django, no torch: the headers alone give every tensor's shape, so the
-parameter count needs no weights in memory.
+Pure Python, no Django, no torch: the headers alone give every tensor's shape and byte
+range, so neither the parameter count nor the weights' size needs the weights in memory.
+A local folder (`describe`) and a hub repository read by range requests (engine.hub) give
+their headers and config to the same `describe_config`, so both size a checkpoint alike.
 """
 
 import json
 import math
 import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 HEADER_LENGTH_BYTES = 8
 
 
-def parameter_count(directory: Path) -> int:
-    """Sum of every tensor's element count over the folder's *.safetensors files."""
+@dataclass(frozen=True)
+class Tensors:
+    """What a checkpoint's safetensors headers say of its weights, as the files store them
+    (a quantized checkpoint's packed integers counted as they are packed)."""
+
+    parameters: int
+    weights_bytes: int
+
+    @classmethod
+    def of_headers(cls, headers: Iterable[Mapping[str, Any]]) -> "Tensors":
+        """From parsed headers: {tensor name: {dtype, shape, data_offsets}}, one per file."""
+        parameters = weights = 0
+        for header in headers:
+            for name, tensor in header.items():
+                if name == "__metadata__":
+                    continue
+                parameters += math.prod(tensor["shape"])
+                start, end = tensor["data_offsets"]
+                weights += end - start
+        return cls(parameters=parameters, weights_bytes=weights)
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of one safetensors file."""
+    with open(path, "rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(HEADER_LENGTH_BYTES))
+        return dict(json.loads(handle.read(length)))
+
+
+def tensors_in(directory: Path) -> Tensors:
+    """The tensors of every *.safetensors file in the folder."""
     files = sorted(Path(directory).glob("*.safetensors"))
     if not files:
         raise ValueError(f"no *.safetensors files in {directory}")
-    total = 0
-    for path in files:
-        with open(path, "rb") as handle:
-            (length,) = struct.unpack("<Q", handle.read(HEADER_LENGTH_BYTES))
-            header = json.loads(handle.read(length))
-        total += sum(math.prod(tensor["shape"]) for name, tensor in header.items()
-                     if name != "__metadata__")
-    return total
+    return Tensors.of_headers(read_header(path) for path in files)
+
+
+def parameter_count(directory: Path) -> int:
+    """Sum of every tensor's element count over the folder's *.safetensors files."""
+    return tensors_in(directory).parameters
 
 
 def describe(directory: Path) -> dict[str, Any]:
     """The catalog fields for the checkpoint in `directory`."""
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
+    fields = describe_config(config, tensors_in(directory))
+    return {"slug": directory.name.lower().replace("_", "-"), "name": directory.name, **fields}
+
+
+def describe_config(config: Mapping[str, Any], tensors: Tensors) -> dict[str, Any]:
+    """The catalog's sizing fields from a config.json and the checkpoint's tensors."""
     text = config.get("text_config", config)  # multimodal wrappers keep the LM's numbers here
     heads = text["num_attention_heads"]
     hidden = text["hidden_size"]
@@ -43,11 +80,10 @@ def describe(directory: Path) -> dict[str, Any]:
         sliding_layers = text["num_hidden_layers"]
     kv_heads = text.get("num_key_value_heads") or heads
     return {
-        "slug": directory.name.lower().replace("_", "-"),
-        "name": directory.name,
         "architecture": (config.get("architectures") or ["unknown"])[0],
         "family": config.get("model_type", "unknown"),
-        "parameters": parameter_count(directory),
+        "parameters": tensors.parameters,
+        "weights_bytes": tensors.weights_bytes,
         "layers": text["num_hidden_layers"],
         "hidden_size": hidden,
         "attention_heads": heads,

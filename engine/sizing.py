@@ -50,6 +50,8 @@ class ModelShape:
     qk_rope_head_dim: int | None = None
     sliding_window: int | None = None
     sliding_window_layers: int = 0
+    # The checkpoint's weights as its files state them; None: parameters x the dtype's bytes.
+    weights_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,8 @@ class Request:
 
 
 def weight_bytes(model: ModelShape, dtype: str) -> int:
+    if model.weights_bytes is not None:
+        return model.weights_bytes
     return math.ceil(model.parameters * WEIGHT_BYTES_PER_PARAM[dtype])
 
 

@@ -49,6 +49,7 @@ class EngineSpec:
     api_key: str = ""
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
     replica: str = ""
+    trust_remote_code: bool = False  # an operator allowed the model's own code to run
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()  # flags beyond what a policy sets (gpu-check's loader)
 
@@ -73,6 +74,8 @@ def build_command(spec: EngineSpec,
     ]
     kv = _engine_kv(spec)
     argv += kv.argv + list(spec.extra_args)
+    if spec.trust_remote_code:
+        argv.append("--trust-remote-code")
     if spec.api_key:
         # vLLM checks the key under /v1 only; this checks it on every other path but /health.
         argv += ["--middleware", "engine.key_guard.RequireEngineKey"]

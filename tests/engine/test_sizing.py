@@ -1,5 +1,6 @@
 """Sizing against figures computed by hand from the models' config.json."""
 
+import dataclasses
 from decimal import Decimal
 
 import pytest
@@ -90,6 +91,13 @@ def test_weights_by_dtype() -> None:
     assert weight_bytes(LLAMA_70B, "bfloat16") == 141_107_412_992
     assert weight_bytes(LLAMA_70B, "fp8") == 70_553_706_496
     assert weight_bytes(LLAMA_70B, "int4") == 35_276_853_248
+
+
+def test_weights_as_the_checkpoint_s_files_state_them_win_over_the_dtype() -> None:
+    # A 4-bit checkpoint read from the hub: its packed tensors and scales as stored.
+    quantized = dataclasses.replace(LLAMA_70B, weights_bytes=39_520_000_000)
+
+    assert weight_bytes(quantized, "bfloat16") == 39_520_000_000
 
 
 def test_it_chooses_the_cheapest_fit_and_says_why() -> None:

@@ -55,6 +55,11 @@ def test_a_cpu_command_sets_the_kv_space_and_eager_mode() -> None:
     assert "CUDA_VISIBLE_DEVICES" not in env
 
 
+def test_only_a_model_an_operator_allowed_runs_its_repository_s_code() -> None:
+    assert "--trust-remote-code" not in build_command(spec())[0]
+    assert "--trust-remote-code" in build_command(spec(trust_remote_code=True))[0]
+
+
 def test_it_reads_the_kv_capacity_vllm_logs() -> None:
     line = ("(EngineCore pid=4798) INFO 12-02 14:04:07 [kv_cache_utils.py:2327] CPU KV cache size: "
             "2,097,152 tokens, Maximum concurrency for 2,048 tokens per request: 1024.00x")
