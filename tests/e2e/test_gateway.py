@@ -25,7 +25,7 @@ from accounts.services import do_create_organization, do_revoke_api_key
 from billing.ingestion import do_ingest_usage
 from billing.models import UsageRecord
 from billing.tasks import ingest_usage
-from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
 from engine.metrics import engine_token_totals, totals
@@ -76,6 +76,7 @@ def served(django_db_blocker: object, agent: object, web: str) -> Iterator[Serve
         endpoint = do_create_endpoint(
             organization=first, actor_role=Role.OWNER, created_by=None, name="chat",
             model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            gpu_type=GPUType.objects.get(slug="cpu"),  # sized for the CPU node, late or not
             policy=EndpointPolicy(context_length=2048, concurrency=8))
         assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 180)
         replica = Replica.objects.get(endpoint=endpoint, state=State.READY)

@@ -20,7 +20,7 @@ from django.core.management import call_command
 
 from accounts.models import Organization, Role
 from accounts.services import do_create_organization
-from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import (
     do_change_endpoint_policy,
@@ -76,6 +76,7 @@ def pair(django_db_blocker: object, agent: object, web: str) -> Iterator[Pair]:
         endpoint = do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name="pair",
             model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            gpu_type=GPUType.objects.get(slug="cpu"),  # sized for the CPU node, late or not
             policy=EndpointPolicy(context_length=2048, concurrency=2),
             scaling=EndpointScaling(min_replicas=2, max_replicas=2))
         assert drive(lambda: Replica.objects.filter(endpoint=endpoint,

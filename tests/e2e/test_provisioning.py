@@ -31,9 +31,11 @@ RESTART_WITHIN = 180
 
 
 def create(api: APIClient, org: Organization, name: str, model: str = "kvrun-demo-tiny") -> dict:
+    """Create the endpoint on the CPU by name: it is sized when created, and one created while
+    the node's heartbeat is late (a busy machine) would be sized for the GPU catalog."""
     response = api.post(f"/api/v1/organizations/{org.slug}/endpoints/",
                         {"name": name, "model": model, "context_length": 2048,
-                         "concurrency": 4}, format="json")
+                         "concurrency": 4, "gpu_type": "cpu"}, format="json")
     assert response.status_code == 201, response.content
     return response.json()
 

@@ -14,7 +14,7 @@ from django.test import override_settings
 from django.utils import timezone
 
 from accounts.models import Organization, Role
-from endpoints.models import Endpoint, EndpointEvent, ModelSpec, Node, Replica, State
+from endpoints.models import Endpoint, EndpointEvent, GPUType, ModelSpec, Node, Replica, State
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import do_create_endpoint, do_delete_endpoint
 from endpoints.tasks import reconcile
@@ -55,6 +55,7 @@ def test_an_idle_endpoint_scales_to_zero_and_a_burst_at_zero_is_served_by_one_st
         endpoint = do_create_endpoint(
             organization=org, actor_role=Role.OWNER, created_by=None, name="sleepy",
             model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            gpu_type=GPUType.objects.get(slug="cpu"),  # sized for the CPU node, late or not
             policy=EndpointPolicy(context_length=2048, concurrency=4),
             scaling=EndpointScaling(min_replicas=0, scale_to_zero_after_seconds=IDLE_SECONDS))
     secret = inference_key(org)[1]
@@ -106,6 +107,7 @@ def test_a_sustained_load_scales_up_to_max_and_after_it_down_with_no_request_fai
     endpoint = do_create_endpoint(
         organization=org, actor_role=Role.OWNER, created_by=None, name="elastic",
         model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        gpu_type=GPUType.objects.get(slug="cpu"),  # sized for the CPU node, late or not
         policy=EndpointPolicy(context_length=2048, concurrency=4),
         scaling=EndpointScaling(
             min_replicas=1, max_replicas=2, scaling_target=0.25, scale_up_window_seconds=15,
