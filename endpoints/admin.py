@@ -11,21 +11,24 @@ from django.core.exceptions import ValidationError
 from django.db.models import Count, Q, QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
-from django.utils.html import format_html_join
+from django.utils.html import format_html, format_html_join
 
 from accounts.models import Organization, Role
+from endpoints.dispatch import send_pull
 from endpoints.models import (
     Endpoint,
     EndpointEvent,
     GPUType,
     ModelSpec,
     Node,
+    NodeState,
     Replica,
     ReplicaInterval,
     State,
 )
 from endpoints.services import (
     do_drain_node,
+    do_promote_models,
     do_restart_endpoint,
     do_start_endpoint,
     do_stop_endpoint,
@@ -60,10 +63,42 @@ class ReadOnlyAdmin(admin.ModelAdmin):
 
 @admin.register(ModelSpec)
 class ModelSpecAdmin(admin.ModelAdmin):
-    list_display = ["name", "family", "parameters", "layers", "kv_heads", "head_dim",
-                    "max_context", "attention_kind", "licence"]
-    list_filter = ["family", "attention_kind"]
+    list_display = ["name", "owner", "family", "parameters", "layers", "kv_heads", "head_dim",
+                    "max_context", "attention_kind", "licence", "pinned"]
+    list_filter = ["family", "attention_kind", ("organization", admin.EmptyFieldListFilter)]
     search_fields = ["name", "slug", "hf_repo"]
+    list_select_related = ["organization"]
+    # The sealed token never shows; its last four characters say which one it is.
+    exclude = ["hf_token_sealed"]
+    readonly_fields = ["organization", "added_by", "added_at", "hf_commit", "files",
+                       "hf_token_last4"]
+    actions = ["promote", "pull_onto_nodes"]
+
+    @admin.display(description="owner", ordering="organization__name")
+    def owner(self, model: ModelSpec) -> str:
+        return model.organization.name if model.organization else "public catalog"
+
+    @admin.display(description="pinned commit")
+    def pinned(self, model: ModelSpec) -> str:
+        return model.hf_commit[:12] or "—"
+
+    @admin.action(description="Promote to the public catalog (every organisation sees it)",
+                  permissions=["change"])
+    def promote(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
+        promoted = do_promote_models(model_ids=list(queryset.values_list("id", flat=True)))
+        self.message_user(request, f"{promoted} model(s) are in the public catalog now.",
+                          messages.SUCCESS)
+
+    @admin.action(description="Pre-pull: download the weights onto every online node",
+                  permissions=["change"])
+    def pull_onto_nodes(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
+        nodes = list(Node.objects.filter(state=NodeState.ONLINE))
+        for model in queryset:
+            for node in nodes:
+                send_pull(model_id=model.id, node=node)
+        self.message_user(request, f"{queryset.count()} model(s) are downloading onto "
+                                   f"{len(nodes)} node(s); each node's page shows its cache.",
+                          messages.SUCCESS)
 
 
 @admin.register(GPUType)
@@ -107,7 +142,7 @@ class NodeAdmin(ReadOnlyAdmin):
     search_fields = ["name", "address"]
     list_select_related = ["gpu_type"]
     fields = ["name", "address", "state", "draining", "gpu_type", "device_list", "cpu_count",
-              "memory", "registered_at", "heartbeat"]
+              "memory", "registered_at", "heartbeat", "vllm_version", "cached_models"]
     readonly_fields = fields
     inlines = [EngineInline]
     actions = ["drain", "undrain"]
@@ -130,6 +165,15 @@ class NodeAdmin(ReadOnlyAdmin):
             "", "<div>{}: {} ({} GiB)</div>",
             ((d["index"], d["name"], round(d["memory_bytes"] / GIB)) for d in node.devices),
         ) or "none (CPU only)"
+
+    @admin.display(description="model cache")
+    def cached_models(self, node: Node) -> str:
+        used = sum(entry["bytes"] for entry in node.model_cache)
+        rows = format_html_join("", "<div>{} @ {}: {} GB, last used {}</div>", (
+            (entry["repo_id"], entry["commit"][:12], round(entry["bytes"] / 1e9, 2),
+             entry["last_used"][:19].replace("T", " ")) for entry in node.model_cache))
+        return format_html("{}<div>{} of {} GB used</div>", rows, round(used / 1e9, 2),
+                           round(node.model_cache_bytes / 1e9, 1))
 
     @admin.display(description="memory")
     def memory(self, node: Node) -> str:

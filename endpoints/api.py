@@ -10,14 +10,16 @@ from accounts.models import User
 from accounts.scoping import OrganizationScoped
 from endpoints import selectors, services
 from endpoints.models import Endpoint, GPUType, ModelSpec
-from endpoints.planning import plan
+from endpoints.planning import plan, sizing_preview
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.serializers import (
     EndpointInput,
     EndpointSerializer,
     EventSerializer,
     GPUTypeSerializer,
+    HubModelInput,
     ModelSpecSerializer,
+    OwnModelSerializer,
     PolicyInput,
     ScaleInput,
     ScalingInput,
@@ -83,7 +85,7 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
 
     @extend_schema(request=EndpointInput, responses={201: EndpointSerializer})
     def create(self, request: Request, **kwargs: str) -> Response:
-        data = validated(EndpointInput, request)
+        data = validated(EndpointInput, request, context={"organization": self.organization})
         endpoint = services.do_create_endpoint(
             organization=self.organization, actor_role=self.actor_role,
             created_by=request.user if isinstance(request.user, User) else None,
@@ -148,3 +150,30 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
 
     def _fresh(self, endpoint: Endpoint) -> Endpoint:
         return self.get_queryset().get(id=endpoint.id)
+
+
+class OrganizationModelViewSet(OrganizationScoped, mixins.ListModelMixin,
+                               mixins.RetrieveModelMixin, viewsets.GenericViewSet):
+    """Models the organisation added from a Hugging Face hub; only it sees them."""
+
+    serializer_class = OwnModelSerializer
+    lookup_field = "slug"
+    lookup_value_regex = "[^/]+"
+
+    def get_queryset(self) -> QuerySet[ModelSpec]:
+        if getattr(self, "swagger_fake_view", False):
+            return ModelSpec.objects.none()
+        return selectors.models_of(organization=self.organization)
+
+    @extend_schema(request=HubModelInput, responses={201: OwnModelSerializer})
+    def create(self, request: Request, **kwargs: str) -> Response:
+        """Add a model by its hub id, pinned to the commit its revision resolves to now. The
+        answer's `sizing` is what it would hold at its default context, before anything
+        downloads; a repository kvrun cannot serve is a 400 saying why."""
+        data = validated(HubModelInput, request)
+        model = services.do_add_model_from_hub(
+            organization=self.organization, actor_role=self.actor_role,
+            added_by=request.user if isinstance(request.user, User) else None,
+            repo_id=data["hf_repo"], revision=data["hf_revision"], token=data["hf_token"])
+        return Response({**self.get_serializer(model).data, "sizing": sizing_preview(model)},
+                        status=status.HTTP_201_CREATED)

@@ -3,7 +3,8 @@ own worker.
 
 A node agent serves the Celery queue `Node.queue` with the tasks named here (nodes.tasks);
 they are sent by name because endpoints/ does not import the agent. Each is sent once the
-transition that asked for it has committed, and takes only the replica's id.
+transition that asked for it has committed, and takes only the replica's id (a pull, the
+model's).
 """
 
 from celery import current_app
@@ -13,6 +14,7 @@ from endpoints.models import Endpoint, Node, Replica
 
 START_REPLICA = "engine.start_replica"
 STOP_REPLICA = "engine.stop_replica"
+PULL_MODEL = "engine.pull_model"
 
 
 def send_start_after_commit(*, replica: Replica, node: Node) -> None:
@@ -34,3 +36,8 @@ def reconcile_after_commit(endpoint: Endpoint) -> None:
     from endpoints.tasks import reconcile
 
     reconcile.delay_on_commit(str(endpoint.id))
+
+
+def send_pull(*, model_id: int, node: Node) -> None:
+    """Have `node` download a model's weights into its cache before any replica needs them."""
+    current_app.send_task(PULL_MODEL, args=[model_id], queue=node.queue)

@@ -108,9 +108,13 @@ def do_stop_replica(*, replica: Replica, reason: str) -> bool:
     return moved
 
 
-def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent: int) -> None:
-    Replica.objects.filter(id=replica_id, state=state).update(stage=stage[:80],
-                                                              progress_percent=percent)
+def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent: int,
+                            **fields: Any) -> bool:
+    """Show the replica's stage (and `fields`, such as a download's expected end) while it is
+    still in `state`; False once it has left it (a stop came, or its node was lost), which
+    tells a long step to give up."""
+    return bool(Replica.objects.filter(id=replica_id, state=state).update(
+        stage=stage[:80], progress_percent=percent, progress_at=timezone.now(), **fields))
 
 
 def do_note_replica(*, replica_id: UUID, message: str) -> None:
@@ -130,7 +134,8 @@ def summarise(*, desired_state: str, desired_replicas: int, deleted: bool,
         return State.STOPPING if live else State.STOPPED
     if State.READY in live:
         return State.READY
-    order = [State.LOADING, State.STARTING, State.SCHEDULING, State.PENDING, State.STOPPING]
+    order = [State.LOADING, State.DOWNLOADING, State.STARTING, State.SCHEDULING, State.PENDING,
+             State.STOPPING]
     for state in order:
         if state in live:
             return state

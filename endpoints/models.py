@@ -72,11 +72,44 @@ class ModelSpec(models.Model):
         null=True, blank=True, help_text="How many layers use the sliding window."
     )
     default_dtype = models.CharField(max_length=20)
+    weights_bytes = models.BigIntegerField(
+        null=True, blank=True, help_text="What the checkpoint's weights take as its files state "
+        "them (quantized ones included); sizing uses it in place of parameters x dtype bytes.")
     licence = models.CharField(max_length=40)
+    # A model added from the hub by an organisation is its own: no other one sees it, until an
+    # operator promotes it to the public catalog (organization empty).
+    organization = models.ForeignKey("accounts.Organization", null=True, blank=True,
+                                     on_delete=models.CASCADE, related_name="models")
+    added_by = models.ForeignKey("accounts.User", null=True, blank=True,
+                                 on_delete=models.SET_NULL, related_name="+")
+    added_at = models.DateTimeField(default=timezone.now)
+    hf_revision = models.CharField(max_length=200, blank=True,
+                                   help_text="The branch, tag or commit asked for.")
+    hf_commit = models.CharField(
+        max_length=40, blank=True, help_text="The commit the revision resolved to when added: "
+        "every engine loads exactly these files.")
+    files = models.JSONField(default=list, blank=True,
+                             help_text="[{path, size, sha256}]: what a node's model cache fetches "
+                                       "and checks.")
+    chat_template = models.BooleanField(
+        default=True, help_text="Its tokenizer has a chat template; without one only "
+        "completions work.")
+    trust_remote_code = models.BooleanField(
+        default=False, help_text="Its engines run code from its repository (an operator allowed "
+        "it for this model).")
+    # The access token for a gated or private repository, sealed (kvrun.common.sealing) with a
+    # key kept outside the database; read only by the step that downloads the weights.
+    hf_token_sealed = models.TextField(blank=True)
+    hf_token_last4 = models.CharField(max_length=4, blank=True)
 
     class Meta:
         ordering = ["family", "parameters"]
         verbose_name = "model"
+        constraints = [
+            models.UniqueConstraint(fields=["organization", "hf_repo", "hf_commit"],
+                                    condition=models.Q(organization__isnull=False),
+                                    name="one_model_per_organization_repository_commit"),
+        ]
 
     def __str__(self) -> str:
         return self.name
@@ -127,12 +160,26 @@ class Node(models.Model):
     last_heartbeat_at = models.DateTimeField(default=timezone.now)
     draining = models.BooleanField(
         default=False, help_text="Takes no new replicas; its replicas move to other nodes.")
+    vllm_version = models.CharField(max_length=40, blank=True)
+    architectures = ArrayField(models.CharField(max_length=100), default=list, blank=True,
+                               help_text="The model architectures its vLLM build runs.")
+    model_cache_bytes = models.BigIntegerField(
+        default=0, help_text="The disk its agent keeps for downloaded weights.")
+    model_cache = models.JSONField(
+        default=list, blank=True,
+        help_text="[{repo_id, commit, bytes, last_used}]: the weights its agent keeps now.")
 
     class Meta:
         ordering = ["name"]
 
     def __str__(self) -> str:
         return self.name
+
+    def holds_weights(self, model: "ModelSpec") -> bool:
+        """Whether its model cache has `model`'s pinned files: a start there downloads none."""
+        return bool(model.hf_commit) and any(
+            entry["repo_id"] == model.hf_repo and entry["commit"] == model.hf_commit
+            for entry in self.model_cache)
 
     @property
     def queue(self) -> str:
@@ -224,7 +271,7 @@ class Endpoint(models.Model):
     desired_replicas = models.PositiveSmallIntegerField(default=1)
     desired_state = models.CharField(max_length=10, choices=DesiredState.choices,
                                      default=DesiredState.RUNNING)
-    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    state = models.CharField(max_length=12, choices=State.choices, default=State.PENDING)
     failure_reason = models.TextField(blank=True)
     sizing = models.JSONField(default=dict, help_text="The sizing decision, in numbers and words.")
     hourly_price_usd = models.DecimalField(max_digits=10, decimal_places=4)
@@ -266,9 +313,14 @@ class Replica(models.Model):
     node = models.ForeignKey(Node, null=True, blank=True, on_delete=models.SET_NULL,
                              related_name="replicas")
     device_indices = ArrayField(models.PositiveSmallIntegerField(), default=list, blank=True)
-    state = models.CharField(max_length=10, choices=State.choices, default=State.PENDING)
+    state = models.CharField(max_length=12, choices=State.choices, default=State.PENDING)
     stage = models.CharField(max_length=80, blank=True)
     progress_percent = models.PositiveSmallIntegerField(default=0)
+    progress_at = models.DateTimeField(null=True, blank=True,
+                                       help_text="When its agent last reported progress.")
+    # A download of its weights: when it should end (while it runs), and how long it took.
+    download_done_at = models.DateTimeField(null=True, blank=True)
+    download_seconds = models.FloatField(null=True, blank=True)
     failure_reason = models.TextField(blank=True)
     port = models.PositiveIntegerField(null=True, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
@@ -296,7 +348,7 @@ class EndpointEvent(models.Model):
     replica = models.ForeignKey(Replica, null=True, blank=True, on_delete=models.SET_NULL,
                                 related_name="events")
     at = models.DateTimeField(default=timezone.now)
-    state = models.CharField(max_length=10, choices=State.choices)
+    state = models.CharField(max_length=12, choices=State.choices)
     message = models.TextField(blank=True)
 
     class Meta:

@@ -7,6 +7,7 @@ largest concurrency and context that do. `options` lists the real alternatives: 
 type at the fewest GPUs that hold a request, with the concurrency it reaches and its price.
 """
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
@@ -15,7 +16,8 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
-from endpoints.models import GPUType, ModelSpec, NodeState
+from endpoints.models import DEFAULT_CONTEXT_LENGTH, GPUType, ModelSpec, NodeState
+from endpoints.selectors import model_catalog
 from engine import sizing
 from engine.kv_policy import KVPolicy, refusals
 from engine.sizing import CPU, GPU
@@ -32,6 +34,7 @@ def shape_of(model: ModelSpec) -> sizing.ModelShape:
         max_context=model.max_context, attention_kind=model.attention_kind,
         kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.qk_rope_head_dim,
         sliding_window=model.sliding_window, sliding_window_layers=model.sliding_window_layers or 0,
+        weights_bytes=model.weights_bytes,
     )
 
 
@@ -207,7 +210,8 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
     if best is None or sizing.largest_context(shape, request, best,
                                               concurrency=1) < request.block_tokens:
         # The weights (with one block of KV) fit nothing: no knob but the hardware helps.
-        fitting = models_that_fit_online(context_length=request.context_length,
+        fitting = models_that_fit_online(models=model_catalog(),
+                                         context_length=request.context_length,
                                          concurrency=request.concurrency,
                                          kv_cache_dtype=request.kv_dtype)
         message = (f"{model.name}'s weights need {sizing.gb_text(weights)} "
@@ -289,13 +293,13 @@ def _holder_text(holder: Option | None, request: sizing.Request) -> str:
     return _sentence(f"{text}, but no {holder.gpu_type.name} node is online: {ADD_NODE_ADVICE}")
 
 
-def models_that_fit_online(*, context_length: int, concurrency: int,
-                           kv_cache_dtype: str) -> list[ModelSpec]:
-    """Catalog models that online hardware holds at this concurrency (at their own maximum
+def models_that_fit_online(*, models: Iterable[ModelSpec], context_length: int,
+                           concurrency: int, kv_cache_dtype: str) -> list[ModelSpec]:
+    """Those of `models` that online hardware holds at this concurrency (at their own maximum
     context where the asked one is longer)."""
     online = list(online_gpu_types())
     fitting = []
-    for model in ModelSpec.objects.all():
+    for model in models:
         shape = shape_of(model)
         for gpu in online:
             asked = request_for(model, context_length=min(context_length, model.max_context),
@@ -367,3 +371,13 @@ def _either(ways: list[str]) -> str:
 
 def _sentence(text: str) -> str:
     return text[0].upper() + text[1:] + "."
+
+
+def sizing_preview(model: ModelSpec) -> dict[str, Any]:
+    """What `model` needs at its default context (or its longest, if shorter) for one
+    request: the plan's summary, or `{"refused": why}` where nothing offered holds it."""
+    try:
+        return plan(model=model, context_length=min(DEFAULT_CONTEXT_LENGTH, model.max_context),
+                    concurrency=1, kv_cache_dtype="auto").summary
+    except ValidationError as exc:
+        return {"refused": " ".join(exc.messages)}

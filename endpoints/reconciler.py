@@ -150,8 +150,16 @@ def _retry_quiet_transitions(endpoint: Endpoint) -> None:
     would have followed it, is stopped; a stop that nothing confirmed is sent again. Either
     way the replica keeps its devices until its agent confirms that the engine is gone."""
     grace = settings.KVRUN_ENGINE_STOP_GRACE_SECONDS + QUIET_MARGIN_SECONDS
+    patience = settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS + grace
+    # A download reports progress every second or so, however long it takes.
+    for replica in endpoint.replicas.filter(
+            Q(progress_at__isnull=True) | Q(progress_at__lt=timezone.now() - timedelta(
+                seconds=patience)), state=State.DOWNLOADING):
+        if _quiet_for(replica, patience):
+            do_stop_replica(replica=replica, reason="the download of its weights made no "
+                                                    "progress in time; stopping it")
     for replica in endpoint.replicas.filter(state=State.LOADING).select_related("node"):
-        if _quiet_for(replica, settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS + grace):
+        if _quiet_for(replica, patience):
             do_stop_replica(replica=replica, reason="the engine was not ready in time and its "
                                                     "node agent did not say why; stopping it")
     for replica in endpoint.replicas.filter(state=State.STOPPING).select_related("node"):

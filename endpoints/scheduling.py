@@ -23,14 +23,16 @@ def free_devices(node: Node) -> list[int]:
 def do_place_replica(*, replica_id: UUID) -> Node | None:
     """Assign a pending replica to a node and its devices (pending → scheduling).
 
-    Only online nodes that are not draining take it. Best fit: the node with the fewest free
-    devices that still hold the replica, so that large endpoints find whole nodes later. CPU
-    endpoints go to the least busy CPU node.
+    Only online nodes that are not draining take it. A node whose model cache holds the
+    model's weights comes first (its start downloads nothing); then best fit: the node with
+    the fewest free devices that still hold the replica, so that large endpoints find whole
+    nodes later. CPU endpoints go to the least busy CPU node.
     Node rows are locked while counting, so two reconcilers never hand out one device twice.
     Returns None, leaving the replica pending, when no node fits now.
     """
     with transaction.atomic():
-        replica = Replica.objects.select_related("endpoint__gpu_type").get(id=replica_id)
+        replica = Replica.objects.select_related("endpoint__gpu_type", "endpoint__model").get(
+            id=replica_id)
         if replica.state != State.PENDING:
             return None
         endpoint = replica.endpoint
@@ -39,13 +41,14 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
         nodes = list(Node.objects.select_for_update().filter(
             state=NodeState.ONLINE, draining=False, gpu_type=endpoint.gpu_type).order_by("name"))
         if endpoint.gpu_type.slug == CPU:
-            ranked = sorted(nodes, key=lambda node: Replica.objects.filter(
-                node=node, state__in=ON_NODE).count())
+            ranked = sorted(nodes, key=lambda node: (
+                not node.holds_weights(endpoint.model),
+                Replica.objects.filter(node=node, state__in=ON_NODE).count()))
             choice, devices = (ranked[0], []) if ranked else (None, [])
         else:
             fits = [(node, free) for node in nodes
                     if len(free := free_devices(node)) >= endpoint.gpu_count]
-            fits.sort(key=lambda pair: len(pair[1]))
+            fits.sort(key=lambda pair: (not pair[0].holds_weights(endpoint.model), len(pair[1])))
             choice, devices = (fits[0][0], fits[0][1][: endpoint.gpu_count]) if fits else (None, [])
         if choice is None:
             Replica.objects.filter(id=replica_id, state=State.PENDING).update(

@@ -13,15 +13,52 @@ from endpoints.models import (
     Endpoint,
     GPUType,
     ModelSpec,
+    Node,
+    NodeState,
     Replica,
     ReplicaInterval,
     State,
 )
 from engine.sizing import CPU
+from kvrun.common.sealing import unseal
 
 
 def model_catalog() -> QuerySet[ModelSpec]:
-    return ModelSpec.objects.all()
+    """The public catalog: models every organisation sees."""
+    return ModelSpec.objects.filter(organization__isnull=True)
+
+
+def models_visible_to(*, organization: Organization | None) -> QuerySet[ModelSpec]:
+    """The public catalog and the models the organisation added itself."""
+    if organization is None:
+        return model_catalog()
+    return ModelSpec.objects.filter(Q(organization__isnull=True) | Q(organization=organization))
+
+
+def hub_token_of(model: ModelSpec) -> str | None:
+    """The model's hub access token, opened for the one step that downloads its weights."""
+    return unseal(model.hf_token_sealed) if model.hf_token_sealed else None
+
+
+def models_of(*, organization: Organization) -> QuerySet[ModelSpec]:
+    """The models the organisation added from the hub, newest first."""
+    return ModelSpec.objects.filter(organization=organization).order_by("-added_at", "-id")
+
+
+def engines_online() -> tuple[set[str], set[str], int]:
+    """What the nodes that take replicas run: the model architectures their vLLM builds
+    support, those builds' versions, and the largest model cache among them (bytes)."""
+    architectures: set[str] = set()
+    versions: set[str] = set()
+    largest_cache = 0
+    for found, version, cache in Node.objects.filter(
+            state=NodeState.ONLINE, draining=False).values_list(
+            "architectures", "vllm_version", "model_cache_bytes"):
+        architectures.update(found)
+        if version:
+            versions.add(version)
+        largest_cache = max(largest_cache, cache)
+    return architectures, versions, largest_cache
 
 
 def gpu_catalog() -> QuerySet[GPUType]:
@@ -80,7 +117,7 @@ def endpoints_for_gateway(*, organization_id: UUID | str) -> QuerySet[Endpoint]:
     ready = Replica.objects.filter(state=State.READY, port__isnull=False,
                                    node__isnull=False).select_related("node")
     return (Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
-            .select_related("organization")
+            .select_related("organization", "model")
             .prefetch_related(unended_replicas(),
                               Prefetch("replicas", queryset=ready, to_attr="ready_replicas")))
 
@@ -94,11 +131,14 @@ def unended_replicas() -> Prefetch:
 
 def median_start_seconds(*, model_id: int, gpu_type_id: int, last: int = 20) -> float | None:
     """How long the last `last` replicas of this model on this kind of node took from being
-    asked for to ready, as a median in seconds; None when there is no history."""
+    asked for to ready, leaving out downloads of weights (a start from a node's cache has
+    none), as a median in seconds; None when there is no history."""
     spans = (Replica.objects.filter(endpoint__model_id=model_id, node__gpu_type_id=gpu_type_id,
                                     ready_at__isnull=False)
-             .order_by("-ready_at").values_list("created_at", "ready_at")[:last])
-    seconds = [(ready - created).total_seconds() for created, ready in spans
+             .order_by("-ready_at").values_list("created_at", "ready_at", "download_seconds")
+             [:last])
+    seconds = [(ready - created).total_seconds() - (downloaded or 0.0)
+               for created, ready, downloaded in spans
                if ready is not None]  # never None here; the type says it may be
     return statistics.median(seconds) if seconds else None
 

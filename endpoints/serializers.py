@@ -1,3 +1,4 @@
+from django.db.models import QuerySet
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -18,14 +19,50 @@ from endpoints.models import (
     ScalingMetric,
     State,
 )
-from endpoints.selectors import progress_of
+from endpoints.selectors import models_visible_to, progress_of
 from kvrun.common.api import StrictSerializer
+
+MODEL_FIELDS = ["slug", "name", "hf_repo", "hf_revision", "hf_commit", "family", "architecture",
+                "parameters", "active_parameters", "weights_bytes", "layers", "hidden_size",
+                "attention_heads", "kv_heads", "head_dim", "vocab_size", "max_context",
+                "attention_kind", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
+                "sliding_window_layers", "default_dtype", "licence", "chat_template"]
 
 
 class ModelSpecSerializer(serializers.ModelSerializer):
     class Meta:
         model = ModelSpec
-        exclude = ["id"]
+        fields = MODEL_FIELDS
+
+
+class OwnModelSerializer(serializers.ModelSerializer):
+    """A model an organisation added from the hub; its access token shows as its last four
+    characters only."""
+
+    download_bytes = serializers.SerializerMethodField()
+    hf_token = serializers.SerializerMethodField()
+    added_by = serializers.EmailField(source="added_by.email", default=None, read_only=True)
+
+    class Meta:
+        model = ModelSpec
+        fields = [*MODEL_FIELDS, "trust_remote_code", "download_bytes", "hf_token", "added_by",
+                  "added_at"]
+
+    def get_download_bytes(self, model: ModelSpec) -> int:
+        return sum(f["size"] for f in model.files)
+
+    def get_hf_token(self, model: ModelSpec) -> str | None:
+        return f"…{model.hf_token_last4}" if model.hf_token_last4 else None
+
+
+class HubModelInput(StrictSerializer):
+    hf_repo = serializers.CharField(max_length=200, help_text="The hub id: owner/name.")
+    hf_revision = serializers.CharField(
+        max_length=200, required=False, allow_blank=True, default="",
+        help_text="A branch, tag or commit; empty: the default branch. Pinned to its commit.")
+    hf_token = serializers.CharField(
+        max_length=400, required=False, allow_blank=True, default="", write_only=True,
+        help_text="For a gated or private repository: a read token. Kept sealed, never shown.")
 
 
 class GPUTypeSerializer(serializers.ModelSerializer):
@@ -85,11 +122,20 @@ class EventSerializer(serializers.ModelSerializer):
         fields = ["at", "state", "message", "replica"]
 
 
+class VisibleModelField(serializers.SlugRelatedField):
+    """A model by slug among those the organisation in the serializer's context sees (the
+    public catalog without one): another organisation's model is unknown, as if absent."""
+
+    def get_queryset(self) -> QuerySet[ModelSpec]:
+        return models_visible_to(organization=self.context.get("organization"))
+
+
 def _model_field() -> serializers.SlugRelatedField:
-    return serializers.SlugRelatedField(
-        slug_field="slug", queryset=ModelSpec.objects.all(),
+    return VisibleModelField(
+        slug_field="slug", queryset=ModelSpec.objects.none(),
         error_messages={"does_not_exist": "Unknown model {value!r}; GET /api/v1/models/ lists "
-                                          "the catalog."})
+                                          "the catalog, and GET /api/v1/organizations/<org>/"
+                                          "models/ your own."})
 
 
 class SizingInput(StrictSerializer):

@@ -3,7 +3,7 @@ about, the phase billed in each, the progress the dashboard shows, and the moves
 between them, which `lifecycle.do_transition_replica` checks. An endpoint's state summarises
 its replicas' (`lifecycle.summarise`) in the same words, plus `idle`.
 
-    pending → scheduling → starting → loading → ready
+    pending → scheduling → starting → (downloading →) loading → ready
     on a node (scheduling … ready) → stopping → stopped
     on a node → failed → pending (restarted) or stopped
     pending → stopped
@@ -21,6 +21,8 @@ class State(models.TextChoices):
     PENDING = "pending"
     SCHEDULING = "scheduling"
     STARTING = "starting"
+    # Its node fetches the model's weights into its model cache: devices held, not billed.
+    DOWNLOADING = "downloading"
     LOADING = "loading"
     READY = "ready"
     # Running, with no replica: scaled to zero while idle, woken by its next request.
@@ -31,8 +33,10 @@ class State(models.TextChoices):
 
 
 class BilledPhase(models.TextChoices):
-    """The lifecycle phases in which a replica holds its devices; scheduling (devices chosen,
-    start not yet sent) counts as starting."""
+    """The lifecycle phases in which a replica holds its devices and may be billed;
+    scheduling (devices chosen, start not yet sent) counts as starting. Downloading holds them
+    too and is never billed: how fast the weights arrive is the hub's and the node's doing,
+    not the user's (docs/billing.md)."""
 
     STARTING = "starting"
     LOADING = "loading"
@@ -41,7 +45,8 @@ class BilledPhase(models.TextChoices):
 
 
 # Placed on a node, whose devices it holds; an agent may run its engine.
-ON_NODE = frozenset({State.SCHEDULING, State.STARTING, State.LOADING, State.READY})
+ON_NODE = frozenset({State.SCHEDULING, State.STARTING, State.DOWNLOADING, State.LOADING,
+                     State.READY})
 # Asked for and not given up: what counts towards an endpoint's replicas.
 ASKED_FOR = ON_NODE | {State.PENDING}
 # On its way to ready: the gateway holds requests for an endpoint with one of these.
@@ -58,7 +63,8 @@ PHASE_OF_STATE: dict[str, str] = {
 }
 
 PROGRESS: dict[str, int] = {
-    State.PENDING: 0, State.SCHEDULING: 10, State.STARTING: 20, State.LOADING: 40,
+    State.PENDING: 0, State.SCHEDULING: 10, State.STARTING: 20, State.DOWNLOADING: 25,
+    State.LOADING: 40,
     State.READY: 100, State.STOPPING: 100, State.STOPPED: 100, State.FAILED: 100,
 }
 
@@ -67,7 +73,9 @@ PROGRESS: dict[str, int] = {
 TRANSITIONS: dict[str, frozenset[str]] = {
     State.PENDING: frozenset({State.SCHEDULING, State.STOPPED}),
     State.SCHEDULING: frozenset({State.STARTING, State.FAILED, State.STOPPING, State.STOPPED}),
-    State.STARTING: frozenset({State.LOADING, State.FAILED, State.STOPPING, State.STOPPED}),
+    State.STARTING: frozenset({State.DOWNLOADING, State.LOADING, State.FAILED, State.STOPPING,
+                               State.STOPPED}),
+    State.DOWNLOADING: frozenset({State.LOADING, State.FAILED, State.STOPPING, State.STOPPED}),
     State.LOADING: frozenset({State.READY, State.FAILED, State.STOPPING, State.STOPPED}),
     State.READY: frozenset({State.FAILED, State.STOPPING, State.STOPPED}),
     State.STOPPING: frozenset({State.STOPPING, State.STOPPED}),

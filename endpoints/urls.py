@@ -24,5 +24,11 @@ urlpatterns = [
     path(f"{ENDPOINT}/stop/", endpoint.as_view({"post": "stop"}), name="api-endpoint-stop"),
     path(f"{ENDPOINT}/start/", endpoint.as_view({"post": "start"}), name="api-endpoint-start"),
     path(f"{ENDPOINT}/events/", endpoint.as_view({"get": "events"}), name="api-endpoint-events"),
+    path("organizations/<slug:org_slug>/models/",
+         api.OrganizationModelViewSet.as_view({"get": "list", "post": "create"}),
+         name="api-organization-models"),
+    path("organizations/<slug:org_slug>/models/<str:slug>/",
+         api.OrganizationModelViewSet.as_view({"get": "retrieve"}),
+         name="api-organization-model"),
     *router.urls,
 ]

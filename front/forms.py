@@ -8,7 +8,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
-from accounts.models import LARGEST_LIMIT, Role, Scope
+from accounts.models import LARGEST_LIMIT, Organization, Role, Scope
 from accounts.services import validate_key_expiry
 from billing.models import BudgetAction
 from endpoints.models import (
@@ -29,6 +29,7 @@ from endpoints.models import (
     ModelSpec,
     ScalingMetric,
 )
+from endpoints.selectors import models_visible_to
 from endpoints.services import idle_time_refusal
 
 
@@ -78,11 +79,27 @@ class InviteForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 
+class HubModelForm(forms.Form):
+    """A model by its Hugging Face id (the wizard's "paste a Hugging Face id")."""
+
+    hf_repo = forms.CharField(max_length=200, label="Hugging Face id",
+                              widget=forms.TextInput(attrs={
+                                  "placeholder": "meta-llama/Llama-3.1-8B-Instruct"}),
+                              error_messages={"required": "Paste the model's id, owner/name."})
+    hf_revision = forms.CharField(max_length=200, required=False, label="Revision (optional)",
+                                  help_text="A branch, tag or commit; empty: the default "
+                                            "branch. kvrun pins it to its commit.")
+    hf_token = forms.CharField(max_length=400, required=False, label="Access token (optional)",
+                               widget=forms.PasswordInput(render_value=False),
+                               help_text="For a gated or private repository: a read token. "
+                                         "Kept sealed; only its last four characters show.")
+
+
 class SizingForm(forms.Form):
     """What sizing needs; the wizard's live panel validates only these."""
 
     model = forms.ModelChoiceField(
-        queryset=ModelSpec.objects.all(), to_field_name="slug", widget=forms.RadioSelect,
+        queryset=ModelSpec.objects.none(), to_field_name="slug", widget=forms.RadioSelect,
         error_messages={"required": "Pick a model from the catalog above.",
                         "invalid_choice": "That model is not in the catalog; pick one above."})
     context_length = forms.IntegerField(
@@ -110,6 +127,11 @@ class SizingForm(forms.Form):
         label="Disk KV tier (GiB per replica)",
         help_text="Beyond host memory, on the node's disk (LMCache; needs a host tier). GPU "
                   "nodes only; 0 for none.")
+
+    def __init__(self, *args: object, organization: Organization, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        # The public catalog and the organisation's own models; nobody else's.
+        self.fields["model"].queryset = models_visible_to(organization=organization)
 
     def clean_host_tier_gib(self) -> int:
         return self.cleaned_data["host_tier_gib"] or 0

@@ -9,6 +9,7 @@ urlpatterns = [
     path("orgs/<slug:org_slug>/", endpoints.endpoint_list, name="endpoints"),
     path("orgs/<slug:org_slug>/endpoints/new/", wizard.new_endpoint, name="endpoint-new"),
     path("orgs/<slug:org_slug>/endpoints/new/sizing/", wizard.sizing, name="wizard-sizing"),
+    path("orgs/<slug:org_slug>/endpoints/new/model/", wizard.add_model, name="wizard-add-model"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/", endpoints.endpoint_detail,
          name="endpoint"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/status/", endpoints.endpoint_status,

@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.render import BENCHMARKS
 from engine.processes import (
     free_port,
     own_group_dying_with_parent,
@@ -59,7 +60,8 @@ def log(message: str) -> None:
 
 
 # Each secret the launcher makes once and keeps in .kvrun/secrets.json, by its length.
-SECRET_LENGTHS = {"SECRET_KEY": 50, "KVRUN_KEY_PEPPER": 32, "REDIS_PASSWORD": 32}
+SECRET_LENGTHS = {"SECRET_KEY": 50, "KVRUN_KEY_PEPPER": 32, "KVRUN_SEALING_KEY": 32,
+                  "REDIS_PASSWORD": 32}
 
 
 def load_or_create_secrets() -> dict[str, str]:
@@ -243,7 +245,6 @@ def prepare_environment(*, debug: bool = True, own_redis: bool = False
         env.setdefault(name, value)
     env.setdefault("DEBUG", "1" if debug else "0")
     env.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
-    env.setdefault("HF_HUB_OFFLINE", "1")
     redis_dir = STATE_DIR / "redis"
     if own_redis:
         STATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -422,9 +423,6 @@ def manage_command(args: list[str]) -> int:
         return run_to_end([sys.executable, "manage.py", *args], env=env)
     finally:
         services.stop()
-
-
-BENCHMARKS = ("provision", "gateway", "dashboard", "billing", "kv", "autoscale")
 
 
 def bench(names: list[str]) -> int:

@@ -18,6 +18,9 @@ SECRET_KEY = env.str("SECRET_KEY")
 # HMAC pepper for API key and invite token digests; kept apart from SECRET_KEY
 # so that rotating sessions does not invalidate every API key.
 KVRUN_KEY_PEPPER = env.str("KVRUN_KEY_PEPPER")
+# Seals secrets kvrun must read back, such as hub access tokens (kvrun/common/sealing.py);
+# empty: derived from SECRET_KEY. Set it to keep them through a change of SECRET_KEY.
+KVRUN_SEALING_KEY = env.str("KVRUN_SEALING_KEY", default="")
 
 ALLOWED_HOSTS = env.list("ALLOWED_HOSTS", default=["localhost", "127.0.0.1", "[::1]"])
 DEFAULT_EXCEPTION_REPORTER_FILTER = "kvrun.common.debug.SettingsFilter"
@@ -268,6 +271,12 @@ KVRUN_NODE_ADDRESS = env.str("KVRUN_NODE_ADDRESS", default="127.0.0.1")
 # Engines
 KVRUN_STATE_DIR = Path(env.str("KVRUN_STATE_DIR", default=str(BASE_DIR / ".kvrun")))
 KVRUN_MODEL_DIR = Path(env.str("KVRUN_MODEL_DIR", default=str(KVRUN_STATE_DIR / "models")))
+# The Hugging Face hub (or a mirror of it) that models are added from and downloaded from.
+KVRUN_HUB_URL = env.str("KVRUN_HUB_URL", default="https://huggingface.co").rstrip("/")
+# Hub repositories whose engines may run code from the repository (--trust-remote-code).
+KVRUN_REMOTE_CODE_REPOS = env.list("KVRUN_REMOTE_CODE_REPOS", default=[])
+# Disk a node agent keeps for downloaded weights (its model cache, under KVRUN_MODEL_DIR).
+KVRUN_MODEL_CACHE_GIB = env.int("KVRUN_MODEL_CACHE_GIB", default=100)
 KVRUN_ENGINE_LOG_DIR = Path(env.str("KVRUN_ENGINE_LOG_DIR",
                                     default=str(KVRUN_STATE_DIR / "engines")))
 # How long a stopped replica's engine log stays on its node (its last lines stay on the row).

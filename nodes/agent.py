@@ -20,6 +20,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from subprocess import Popen
 from uuid import UUID
@@ -35,16 +36,17 @@ from endpoints.lifecycle import (
     do_set_replica_progress,
     do_transition_replica,
 )
-from endpoints.models import Node, Replica, State
-from engine import demo_model, kv_policy, metrics, offload_check, processes, supervisor
+from endpoints.models import ModelSpec, Node, Replica, State
+from endpoints.states import PROGRESS
+from engine import hub, kv_policy, metrics, model_cache, offload_check, processes, supervisor
 from engine.sizing import CPU, GIB, GPU
 from kvrun.common.digests import engine_api_key
+from nodes import weights
 from nodes.services import do_record_node_heartbeat
 from telemetry.services import do_record_engine_samples
 
 logger = logging.getLogger(__name__)
 
-DEMO_SLUG = "kvrun-demo-tiny"
 # The agent's own supervisor (the launcher, Docker) gives it 10 s to stop.
 SHUTDOWN_GRACE_SECONDS = 5.0
 # An engine busy with a long prefill may answer /metrics late; the next scrape comes soon.
@@ -76,13 +78,20 @@ class NodeAgent:
                    .filter(id=replica_id).first())
         if replica is None:
             return
+        log = log_path(replica.id)
+        coming_from, downloaded = State.STARTING, None
+        if weights.needs_download(replica.endpoint.model):
+            began = time.monotonic()
+            if not self._download(replica, log):
+                return
+            coming_from, downloaded = State.DOWNLOADING, time.monotonic() - began
         port = processes.free_port(replica.node.address)
         # The engine starts with the endpoint's policy as read above, and says which one.
-        if not do_transition_replica(replica_id=replica.id, from_states=[State.STARTING],
+        if not do_transition_replica(replica_id=replica.id, from_states=[coming_from],
                                      to_state=State.LOADING, message="starting the engine",
-                                     port=port, policy_version=replica.endpoint.policy_version):
+                                     port=port, policy_version=replica.endpoint.policy_version,
+                                     download_seconds=downloaded, download_done_at=None):
             return
-        log = log_path(replica.id)
         process = None
         try:
             do_set_replica_progress(replica_id=replica.id, state=State.LOADING,
@@ -124,6 +133,50 @@ class NodeAgent:
         )
         if ready and (spec.kv_policy.host_tier_gib or spec.kv_policy.disk_tier_gib):
             _in_background(_test_offload, replica.id, spec)
+
+    def _download(self, replica: Replica, log: Path) -> bool:
+        """Fetch the replica's weights into this node's model cache (starting → downloading),
+        showing how far it is as the replica's stage. False, with the replica settled, when
+        it cannot be fetched; False too when the replica was stopped meanwhile (what was
+        fetched is kept for the next start)."""
+        model = replica.endpoint.model
+        if not do_transition_replica(
+                replica_id=replica.id, from_states=[State.STARTING], to_state=State.DOWNLOADING,
+                message=f"downloading the weights of {model.hf_repo}"
+                + (f" at {model.hf_commit[:12]}" if model.hf_commit else "")):
+            return False
+
+        def show(progress: model_cache.Progress) -> bool:
+            left = progress.seconds_left
+            return do_set_replica_progress(
+                replica_id=replica.id, state=State.DOWNLOADING, stage=progress.describe(),
+                percent=PROGRESS[State.DOWNLOADING] + progress.percent * 15 // 100,
+                download_done_at=None if left is None else timezone.now() + timedelta(
+                    seconds=left))
+
+        try:
+            pinned = weights.fetch(model=model, node_name=self.name, on_progress=show)
+        except model_cache.Cancelled:
+            return False
+        except (model_cache.CacheFull, model_cache.DownloadFailed, hub.HubRefusal,
+                OSError) as exc:
+            _record_failure(replica.id, f"the weights could not be downloaded: {exc}", log,
+                            from_states=[State.DOWNLOADING])
+            return False
+        replica.endpoint.model = pinned
+        return True
+
+    def pull_model(self, model_id: int) -> None:
+        """Download a model's weights into this node's cache ahead of any replica (an
+        operator's pre-pull); a model with local weights, or cached already, needs nothing."""
+        model = ModelSpec.objects.filter(id=model_id).first()
+        if model is None or not weights.needs_download(model):
+            return
+        try:
+            weights.fetch(model=model, node_name=self.name, on_progress=lambda progress: True)
+        except (model_cache.CacheFull, model_cache.DownloadFailed, hub.HubRefusal,
+                OSError) as exc:
+            logger.warning("pre-pulling %s failed: %s", model.hf_repo, exc)
 
     def stop_replica(self, replica_id: str) -> None:
         """Stop the replica's engine: SIGTERM, SIGKILL after the grace period; wait for the port.
@@ -270,19 +323,12 @@ def owner(node_name: str) -> str:
     return processes.owner_of(node_name, settings.KVRUN_STATE_DIR)
 
 
-def model_dir(slug: str, hf_repo: str) -> str:
-    """Where the engine loads the model from: the built demo, a local copy, or the hub id."""
-    if slug == DEMO_SLUG:
-        return str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / DEMO_SLUG))
-    local = Path(settings.KVRUN_MODEL_DIR) / slug
-    return str(local) if local.exists() else hf_repo
-
-
 def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
     endpoint = replica.endpoint
     cpu = endpoint.gpu_type.slug == CPU
     return supervisor.EngineSpec(
-        model_dir=model_dir(endpoint.model.slug, endpoint.model.hf_repo),
+        model_dir=str(weights.weights_dir(endpoint.model)),
+        trust_remote_code=endpoint.model.trust_remote_code,
         served_model_name=endpoint.name,
         host=replica.node.address,
         port=port,
@@ -406,14 +452,19 @@ def _is_uuid(text: str) -> bool:
     return True
 
 
+# A replica in one of these has an agent's start task working on it: fetching its weights,
+# then waiting for its engine, then watching it serve.
+AGENT_AT_WORK = [State.DOWNLOADING, State.LOADING, State.READY]
+
+
 def do_fail_replicas_of_previous_agent(*, node: Node) -> int:
     """On agent start: the engines of the agent's previous life are gone (it stopped those
     left behind first)."""
-    orphans = Replica.objects.filter(node=node, state__in=[State.LOADING, State.READY])
+    orphans = Replica.objects.filter(node=node, state__in=AGENT_AT_WORK)
     count = 0
     for replica in orphans:
         count += _record_failure(replica.id, "the node agent restarted and its engines with it",
-                                 log_path(replica.id), from_states=[State.LOADING, State.READY])
+                                 log_path(replica.id), from_states=AGENT_AT_WORK)
     return count
 
 

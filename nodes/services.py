@@ -8,14 +8,19 @@ from django.utils import timezone
 from endpoints.models import GPUType, Node, NodeState, Replica
 from endpoints.selectors import gpu_type_for_device
 from endpoints.states import ON_NODE, State
+from engine.build import EngineBuild
 from engine.devices import HostResources
 from engine.sizing import CPU
 
 
-def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1") -> Node:
+def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1",
+                     build: EngineBuild | None = None, model_cache_bytes: int = 0) -> Node:
     """Insert or refresh the node `name` with what its agent detected; it is online again.
-    `address` is where its engines listen for the gateway. The agent has stopped whatever
-    engines its previous run left (nodes.agent.stop_engines_left_behind) before it calls this."""
+    `address` is where its engines listen for the gateway; `build` is its vLLM (which
+    architectures adding a model is judged by), `model_cache_bytes` the disk it keeps for
+    weights. The agent has stopped whatever engines its previous run left
+    (nodes.agent.stop_engines_left_behind) before it calls this."""
+    build = build or EngineBuild(version="", architectures=())
     if resources.devices:
         first = resources.devices[0]
         gpu_type = gpu_type_for_device(device_name=first.name, memory_bytes=first.memory_bytes)
@@ -28,12 +33,14 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
                 name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
                 devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
                 memory_bytes=resources.memory_bytes, registered_at=now, last_heartbeat_at=now,
+                vllm_version=build.version, architectures=list(build.architectures),
+                model_cache_bytes=model_cache_bytes,
             )
         ],
         update_conflicts=True,
         unique_fields=["name"],
         update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
-                       "last_heartbeat_at"],
+                       "last_heartbeat_at", "vllm_version", "architectures", "model_cache_bytes"],
     )
     return Node.objects.get(name=name)
 
@@ -60,3 +67,9 @@ def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str]
             last_heartbeat_at=timezone.now(),
             state=NodeState.RECOVERING if unexpected else NodeState.ONLINE)
     return unexpected
+
+
+def do_record_model_cache(*, name: str, entries: list[dict[str, object]]) -> None:
+    """What the node's model cache holds now ([{repo_id, commit, bytes, last_used}]): the
+    scheduler prefers a node that holds an endpoint's weights, and the console shows it."""
+    Node.objects.filter(name=name).update(model_cache=entries)

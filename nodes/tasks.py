@@ -1,9 +1,9 @@
 """Tasks a node agent serves on its own queue, node.<name> (endpoints.dispatch sends them).
-They take replica ids."""
+They take replica ids, or a model's id."""
 
 from celery import shared_task
 
-from endpoints.dispatch import START_REPLICA, STOP_REPLICA
+from endpoints.dispatch import PULL_MODEL, START_REPLICA, STOP_REPLICA
 from nodes import agent
 
 
@@ -16,3 +16,9 @@ def start_replica(replica_id: str) -> None:
 @shared_task(name=STOP_REPLICA, ignore_result=True, acks_late=True)
 def stop_replica(replica_id: str) -> None:
     agent.serving().stop_replica(replica_id)
+
+
+# A pull of a model already cached downloads nothing, so a redelivery is harmless.
+@shared_task(name=PULL_MODEL, ignore_result=True, acks_late=True)
+def pull_model(model_id: int) -> None:
+    agent.serving().pull_model(model_id)

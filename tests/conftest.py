@@ -16,10 +16,13 @@ from django.db.backends.postgresql.operations import DatabaseOperations
 from rest_framework.test import APIClient
 
 from accounts.models import Organization, User
+from bench.hub_server import Hub
 from billing import usage_stream as stream
 from billing.ingestion import INGEST_LOCK
 from endpoints.models import Endpoint, Node
 from endpoints.services import do_load_catalogs
+from engine import demo_model
+from engine.build import EngineBuild
 from engine.devices import HostResources
 from engine.processes import free_port
 from kvrun.celery import app as celery_app
@@ -167,12 +170,34 @@ def owner_api(api: APIClient, owner: User) -> APIClient:
     return api
 
 
+# What a node's vLLM build reports, cut to the architectures the tests use.
+TEST_BUILD = EngineBuild(version="0.32.0", architectures=("LlamaForCausalLM", "Qwen2ForCausalLM"))
+
+
 @pytest.fixture
 def cpu_node(db: None) -> Node:
     """What `make run` has on a machine without a GPU: the catalog and one CPU node online."""
     do_load_catalogs()
     return do_register_node(name="cpu-1", resources=HostResources(
-        devices=[], cpu_count=2, memory_bytes=24 * 2**30))
+        devices=[], cpu_count=2, memory_bytes=24 * 2**30), build=TEST_BUILD,
+        model_cache_bytes=100 * 2**30)
+
+
+@pytest.fixture(scope="session")
+def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
+    """A hub on loopback (bench/hub_server.py) holding the demo model as kvrun/demo."""
+    server = Hub(tmp_path_factory.mktemp("hub")).start()
+    server.publish("kvrun/demo", demo_model.build(tmp_path_factory.mktemp("demo") / "demo"),
+                   licence="apache-2.0")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def hub_url(hub: Hub, settings: object) -> str:
+    """kvrun reads models from the loopback hub."""
+    settings.KVRUN_HUB_URL = hub.url  # type: ignore[attr-defined]
+    return hub.url
 
 
 @pytest.fixture
@@ -191,7 +216,7 @@ def celery_worker(django_db_setup: None, django_db_blocker: object) -> Iterator[
 
 
 @pytest.fixture(scope="session")
-def web(celery_worker: subprocess.Popen) -> Iterator[str]:
+def web(celery_worker: subprocess.Popen, hub: Hub) -> Iterator[str]:
     """The base URL of a web process shared by the gateway tests, with the control worker
     that ingests its usage records."""
     port = free_port()
@@ -201,7 +226,8 @@ def web(celery_worker: subprocess.Popen) -> Iterator[str]:
     # 127.0.0.1: so that no test inherits the failures of those before it, the guard is
     # out of reach here and tested on a gateway of its own (tests/gateway/test_auth.py).
     process = start_web(port, KVRUN_BASE_URL=base, KVRUN_METRICS_TOKEN=WEB_METRICS_TOKEN,
-                        KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE=str(10**9))
+                        KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE=str(10**9),
+                        KVRUN_HUB_URL=hub.url)
     yield base
     stop(process)
 
@@ -265,8 +291,8 @@ def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def agent(celery_worker: object, engine_logs: Path) -> Iterator[subprocess.Popen]:
-    process = start_agent("e2e-a", engine_logs)
+def agent(celery_worker: object, engine_logs: Path, hub: Hub) -> Iterator[subprocess.Popen]:
+    process = start_agent("e2e-a", engine_logs, KVRUN_HUB_URL=hub.url)
     yield process
     stop(process)
 

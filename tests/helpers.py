@@ -142,12 +142,12 @@ def start_worker(queue: str, **env: str) -> subprocess.Popen:
     return process
 
 
-def start_agent(name: str, logs: Path) -> subprocess.Popen:
+def start_agent(name: str, logs: Path, **extra: str) -> subprocess.Popen:
     """A node agent on this machine's CPU, with its engines' logs under `logs`."""
     return subprocess.Popen(
         [sys.executable, "manage.py", "node_agent", "--name", name],
         cwd=ROOT, env=process_env(KVRUN_NODE_GPUS="none", KVRUN_NODE_HEARTBEAT_SECONDS="1",
-                                  KVRUN_ENGINE_LOG_DIR=str(logs), **ENGINE_TIMINGS),
+                                  KVRUN_ENGINE_LOG_DIR=str(logs), **ENGINE_TIMINGS, **extra),
     )
 
 

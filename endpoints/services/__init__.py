@@ -13,6 +13,7 @@ from endpoints.services.deployment import (
     do_start_endpoint,
     do_stop_endpoint,
 )
+from endpoints.services.hub_models import do_add_model_from_hub, do_pin_model, do_promote_models
 from endpoints.services.nodes import do_drain_node, do_mark_lost_nodes, do_undrain_node
 from endpoints.services.policy import do_change_endpoint_policy
 from endpoints.services.quota import hold_quota
@@ -25,10 +26,11 @@ from endpoints.services.scaling import (
 )
 
 __all__ = [
-    "CATALOG_DIR", "RESERVED_NAMES", "context_length_refusal", "do_autoscale_endpoint",
+    "CATALOG_DIR", "RESERVED_NAMES", "context_length_refusal", "do_add_model_from_hub",
+    "do_autoscale_endpoint",
     "do_change_endpoint_policy", "do_change_endpoint_scaling", "do_create_endpoint",
     "do_delete_endpoint", "do_drain_node", "do_import_model", "do_load_catalogs",
-    "do_mark_lost_nodes", "do_restart_endpoint", "do_scale_endpoint",
-    "do_scale_endpoint_to_zero", "do_start_endpoint", "do_stop_endpoint", "do_undrain_node",
-    "do_wake_endpoint", "hold_quota", "idle_time_refusal",
+    "do_mark_lost_nodes", "do_pin_model", "do_promote_models", "do_restart_endpoint",
+    "do_scale_endpoint", "do_scale_endpoint_to_zero", "do_start_endpoint", "do_stop_endpoint",
+    "do_undrain_node", "do_wake_endpoint", "hold_quota", "idle_time_refusal",
 ]

@@ -6,14 +6,17 @@ the launch posts the whole form, and errors come back next to their fields.
 
 import re
 from decimal import Decimal
+from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, QueryDict
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.views.decorators.http import require_POST
 
+from accounts.models import Organization
 from endpoints import planning, services
 from endpoints.models import (
     DEFAULT_CONCURRENCY,
@@ -23,9 +26,9 @@ from endpoints.models import (
     ModelSpec,
 )
 from endpoints.policies import EndpointPolicy, EndpointScaling
-from endpoints.selectors import median_start_seconds, model_catalog
+from endpoints.selectors import median_start_seconds, models_visible_to
 from front import presenters
-from front.forms import EndpointForm, SizingForm
+from front.forms import EndpointForm, HubModelForm, SizingForm
 from front.scoping import Member, membership
 from kvrun.common.forms import add_service_errors
 
@@ -42,9 +45,11 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
     if not member.manages:
         messages.error(request, "Only owners and admins can create endpoints; ask one of them.")
         return redirect("endpoints", org_slug=org_slug)
+    organization = member.organization
     if request.method != "POST":
-        return _page(request, member, EndpointForm(initial=_initial(request.GET)))
-    form = EndpointForm(request.POST)
+        return _page(request, member, EndpointForm(
+            initial=_initial(request.GET, organization), organization=organization))
+    form = EndpointForm(request.POST, organization=organization)
     if not form.is_valid():
         return _page(request, member, form, status=400)
     data = form.cleaned_data
@@ -63,19 +68,47 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
 @require_POST
 def sizing(request: HttpRequest, org_slug: str) -> HttpResponse:
     """The live sizing panel for what the form holds now (htmx partial)."""
-    membership(request, org_slug)
-    return render(request, "front/_sizing.html", _sizing_context(SizingForm(request.POST)))
+    member = membership(request, org_slug)
+    return render(request, "front/_sizing.html", _sizing_context(
+        SizingForm(request.POST, organization=member.organization)))
+
+
+@login_required
+@require_POST
+def add_model(request: HttpRequest, org_slug: str) -> HttpResponse:
+    """Add a model by its Hugging Face id, then show the wizard with it chosen and sized."""
+    member = membership(request, org_slug)
+    hub_form = HubModelForm(request.POST)
+    if hub_form.is_valid():
+        data = hub_form.cleaned_data
+        try:
+            model = services.do_add_model_from_hub(
+                organization=member.organization, actor_role=member.role,
+                added_by=request.user, repo_id=data["hf_repo"], revision=data["hf_revision"],
+                token=data["hf_token"])
+        except ValidationError as exc:
+            add_service_errors(hub_form, exc)
+        else:
+            messages.success(request, f"Added {model.hf_repo}, pinned at commit "
+                                      f"{model.hf_commit[:12]}; it is sized below.")
+            return redirect(f"{reverse('endpoint-new', args=[org_slug])}?"
+                            f"{urlencode({'model': model.slug})}")
+    form = EndpointForm(initial=_initial(QueryDict(), member.organization),
+                        organization=member.organization)
+    return _page(request, member, form, hub_form=hub_form, status=400)
 
 
 def _page(request: HttpRequest, member: Member, form: EndpointForm, *,
-          status: int = 200) -> HttpResponse:
+          hub_form: HubModelForm | None = None, status: int = 200) -> HttpResponse:
     values = form.data if form.is_bound else QueryDict(mutable=True)
     if not form.is_bound:
         values.update({name: str(value) for name, value in form.initial.items()})
-    context = {"member": member, "organization": member.organization, "form": form,
-               "section": "endpoints", "selected": values.get("model", ""), **_catalog_context()}
+    organization = member.organization
+    context = {"member": member, "organization": organization, "form": form,
+               "hub_form": hub_form or HubModelForm(), "section": "endpoints",
+               "selected": values.get("model", ""), **_catalog_context(organization)}
     if form.is_bound or form.initial.get("model"):
-        context.update(_sizing_context(SizingForm(values)))
+        context.update(_sizing_context(SizingForm(values, organization=organization)))
         advice = context.get("advice")
         if form.is_bound and advice and advice.field in form.fields and not form.has_error(
                 advice.field):
@@ -84,7 +117,7 @@ def _page(request: HttpRequest, member: Member, form: EndpointForm, *,
     return render(request, "front/endpoint_new.html", context, status=status)
 
 
-def _initial(query: QueryDict) -> dict[str, object]:
+def _initial(query: QueryDict, organization: Organization) -> dict[str, object]:
     initial: dict[str, object] = {"context_length": DEFAULT_CONTEXT_LENGTH,
                                   "concurrency": DEFAULT_CONCURRENCY,
                                   "kv_cache_dtype": "auto", "prefix_caching": True,
@@ -92,7 +125,8 @@ def _initial(query: QueryDict) -> dict[str, object]:
                                   "cache_isolation": "organization", "prefix_affinity": True,
                                   "min_replicas": 1,
                                   "scale_to_zero_after_seconds": DEFAULT_IDLE_SECONDS}
-    model = model_catalog().filter(slug=query.get("model", "")).first()
+    model = models_visible_to(organization=organization).filter(
+        slug=query.get("model", "")).first()
     if model is not None:
         initial.update(model=model.slug, name=suggested_name(model.slug),
                        context_length=min(DEFAULT_CONTEXT_LENGTH, model.max_context))
@@ -104,14 +138,17 @@ def suggested_name(slug: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", slug.lower())[:40].strip("-")
 
 
-def _catalog_context() -> dict[str, object]:
-    """Every catalog model with what the page filters on, and whether a node online serves
-    it one request of a useful length (RUNS_ONLINE_CONTEXT tokens, or its maximum if less);
-    the filtering happens in the browser, so a choice never races a re-rendered list."""
-    models = list(model_catalog())
+def _catalog_context(organization: Organization) -> dict[str, object]:
+    """Every model the organisation may pick (its own first) with what the page filters on,
+    and whether a node online serves it one request of a useful length
+    (RUNS_ONLINE_CONTEXT tokens, or its maximum if less); the filtering happens in the
+    browser, so a choice never races a re-rendered list."""
+    models = list(models_visible_to(organization=organization))
     runs_online = {model.id for model in planning.models_that_fit_online(
-        context_length=RUNS_ONLINE_CONTEXT, concurrency=1, kv_cache_dtype="auto")}
-    models.sort(key=lambda model: model.id not in runs_online)  # stable: catalog order after
+        models=models, context_length=RUNS_ONLINE_CONTEXT, concurrency=1,
+        kv_cache_dtype="auto")}
+    # Stable: catalog order within each group.
+    models.sort(key=lambda model: (model.organization_id is None, model.id not in runs_online))
     return {
         "models": [{"spec": model, "size": _size_of(model), "runs_online": model.id in runs_online}
                    for model in models],

@@ -140,10 +140,10 @@ def _type_of(exc: Exception) -> str:
 
 
 def validated(serializer_class: type[serializers.Serializer], request: Any, *,
-              partial: bool = False) -> dict[str, Any]:
-    """The request body checked by `serializer_class` (each field optional when `partial`);
-    a 400 with field messages otherwise."""
-    serializer = serializer_class(data=request.data, partial=partial)
+              partial: bool = False, context: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The request body checked by `serializer_class` (each field optional when `partial`),
+    with `context` for fields that read it; a 400 with field messages otherwise."""
+    serializer = serializer_class(data=request.data, partial=partial, context=context or {})
     serializer.is_valid(raise_exception=True)
     return dict(serializer.validated_data)
 

@@ -6,6 +6,7 @@ from django.test import Client
 from django.utils import timezone
 
 from accounts.models import Organization, Role
+from bench.hub_server import Hub
 from endpoints.models import (
     DesiredState,
     Endpoint,
@@ -18,14 +19,16 @@ from endpoints.models import (
 from endpoints.policies import EndpointPolicy
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.scheduling import do_place_replica
+from endpoints.selectors import model_catalog
 from endpoints.services import (
+    do_add_model_from_hub,
     do_create_endpoint,
     do_delete_endpoint,
     do_load_catalogs,
     do_restart_endpoint,
 )
 from engine.devices import Device, HostResources
-from nodes.services import do_register_node
+from nodes.services import do_record_model_cache, do_register_node
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -344,3 +347,38 @@ def test_an_endpoint_past_its_quota_is_not_started_and_the_operator_is_told(
     assert response.status_code == 200
     assert b"may hold 1 GPU(s)" in response.content
     assert Endpoint.objects.get(id=endpoint.id).desired_state == DesiredState.STOPPED
+
+
+def test_an_operator_promotes_an_organisation_s_model_and_pre_pulls_it_onto_nodes(
+        operator: Client, org: Organization, sent: list, hub: Hub, hub_url: str) -> None:
+    hub.tokens.add("hf_secret_1234")  # a token the hub knows, with no special access
+    node = h100_node("n1")
+    Node.objects.filter(id=node.id).update(architectures=["LlamaForCausalLM"],
+                                           model_cache_bytes=10**12)
+    model = do_add_model_from_hub(organization=org, actor_role=Role.OWNER, added_by=None,
+                                  repo_id="kvrun/demo", token="hf_secret_1234")
+    listing = operator.get("/admin/endpoints/modelspec/?q=kvrun%2Fdemo")
+    assert b"Acme" in listing.content
+    page = operator.get(f"/admin/endpoints/modelspec/{model.id}/change/")
+    assert page.status_code == 200 and b"hf_secret" not in page.content
+    assert b"1234" in page.content  # which token it is, by its last four characters
+
+    assert post_action(operator, "/admin/endpoints/modelspec/", "pull_onto_nodes",
+                       model.id) == 302
+    assert sent == [("engine.pull_model", [model.id], "node.n1")]
+    assert post_action(operator, "/admin/endpoints/modelspec/", "promote", model.id) == 302
+    assert ModelSpec.objects.get(id=model.id).organization is None
+    assert model.slug in set(model_catalog().values_list("slug", flat=True))
+
+
+def test_a_node_s_page_shows_its_model_cache(operator: Client) -> None:
+    node = h100_node("n1")
+    do_record_model_cache(name="n1", entries=[{
+        "repo_id": "acme/llama", "commit": "a" * 40, "bytes": 16_060_000_000,
+        "last_used": "2026-12-06T09:00:00+00:00"}])
+    Node.objects.filter(id=node.id).update(model_cache_bytes=100 * 10**9)
+
+    page = operator.get(f"/admin/endpoints/node/{node.id}/change/").content.decode()
+
+    assert "acme/llama @ aaaaaaaaaaaa: 16.06 GB, last used 2026-12-06 09:00:00" in page
+    assert "16.06 of 100.0 GB used" in page

@@ -29,8 +29,10 @@ def test_every_replica_state_has_its_moves_its_progress_and_a_way_to_stopped() -
         assert State.STOPPED in reached, state
 
 
-def test_a_replica_holds_devices_and_is_billed_exactly_while_on_a_node_or_stopping() -> None:
-    assert set(PHASE_OF_STATE) == ON_NODE | {State.STOPPING}
+def test_a_replica_holds_devices_and_is_billed_while_on_a_node_or_stopping_but_downloading(
+        ) -> None:
+    assert set(PHASE_OF_STATE) == (ON_NODE | {State.STOPPING}) - {State.DOWNLOADING}
+    assert State.DOWNLOADING in ON_NODE  # its devices wait for the weights, unbilled
     assert ASKED_FOR - ON_NODE == {State.PENDING}
     assert COMING_UP == ASKED_FOR - {State.READY}
     assert UNSETTLED == ASKED_FOR | {State.STOPPING}

@@ -4,7 +4,7 @@ import pytest
 from django.test import Client
 
 from accounts.models import Organization
-from endpoints.models import Endpoint, EndpointEvent, Node
+from endpoints.models import Endpoint, EndpointEvent, ModelSpec, Node
 
 pytestmark = pytest.mark.django_db
 
@@ -175,3 +175,44 @@ def test_a_name_that_does_not_start_with_a_letter_is_refused(owner_client: Clien
     assert b'id="id_name_error"' in response.content
     assert b"Start the name with a letter" in response.content
     assert not Endpoint.objects.exists()
+
+
+def test_a_pasted_hugging_face_id_is_added_sized_and_chosen(owner_client: Client,
+                                                            org: Organization,
+                                                            other_org: Organization,
+                                                            cpu_node: Node,
+                                                            hub_url: str) -> None:
+    added = owner_client.post(f"/orgs/{org.slug}/endpoints/new/model/",
+                              {"hf_repo": "kvrun/demo", "hf_revision": "", "hf_token": ""})
+
+    model = ModelSpec.objects.get(organization=org)
+    assert added.status_code == 302
+    assert added["Location"] == f"/orgs/{org.slug}/endpoints/new/?model={model.slug}"
+    page = owner_client.get(added["Location"])
+    assert f'value="{model.slug}" checked'.encode() in page.content
+    assert b"your organisation&#x27;s" in page.content or b"your organisation's" in page.content
+    assert f"Added kvrun/demo, pinned at commit {model.hf_commit[:12]}".encode() in page.content
+    assert b"1 \xc3\x97 CPU" in page.content  # sized on arrival, nothing launched
+    assert not Endpoint.objects.exists()
+    launched = owner_client.post(f"/orgs/{org.slug}/endpoints/new/", {
+        **DEMO, "model": model.slug, "name": "mine", "min_replicas": "1"})
+    assert launched.status_code == 302 and Endpoint.objects.get().model == model
+    # Nobody else sees it, in the wizard or when launching.
+    stranger = Client()
+    stranger.force_login(other_org.memberships.get().user)
+    theirs = stranger.get(f"/orgs/{other_org.slug}/endpoints/new/")
+    assert model.slug not in {m["spec"].slug for m in theirs.context["models"]}
+    refused = stranger.post(f"/orgs/{other_org.slug}/endpoints/new/", {
+        **DEMO, "model": model.slug, "name": "theirs", "min_replicas": "1"})
+    assert refused.status_code == 400 and Endpoint.objects.count() == 1
+
+
+def test_a_hugging_face_id_kvrun_cannot_serve_is_refused_beside_its_field(
+        owner_client: Client, org: Organization, cpu_node: Node, hub_url: str) -> None:
+    response = owner_client.post(f"/orgs/{org.slug}/endpoints/new/model/",
+                                 {"hf_repo": "kvrun/nothing-here", "hf_token": ""})
+
+    assert response.status_code == 400
+    assert b"No repository kvrun/nothing-here on the hub, or it is private" in response.content
+    assert b'id="hub-model" open' in response.content
+    assert not ModelSpec.objects.filter(organization=org).exists()

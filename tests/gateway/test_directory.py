@@ -2,13 +2,18 @@
 
 import asyncio
 from collections import Counter
+from datetime import timedelta
 from typing import Any
 
 import pytest
+from django.utils import timezone
 
 from accounts.models import Organization
+from endpoints.models import Endpoint, Node, Replica, State
+from endpoints.selectors import median_start_seconds
 from gateway import directory
-from tests.factories import inference_key, ready_endpoint
+from gateway.hold import eta_seconds
+from tests.factories import demo_endpoint, inference_key, ready_endpoint
 
 pytestmark = pytest.mark.django_db(transaction=True)  # read on Django's own thread
 
@@ -43,3 +48,22 @@ def test_concurrent_misses_read_the_database_once_and_share_what_it_said(
     identities, routes = answers[:20], answers[20:]
     assert {identity.organization_id for identity in identities} == {org.id}
     assert all(list(found) == ["chat"] for found in routes)
+
+
+def test_a_start_that_downloads_its_weights_is_expected_after_the_download_and_a_start(
+        org: Organization, cpu_node: Node) -> None:
+    endpoint = demo_endpoint(org)
+    Endpoint.objects.filter(id=endpoint.id).update(min_replicas=0)  # the ETA a wake is told
+    now = timezone.now()
+    # Its one earlier start took 100 s, 70 of them downloading: starts take 30 s.
+    Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.STOPPED,
+                           created_at=now - timedelta(seconds=1000),
+                           ready_at=now - timedelta(seconds=900), download_seconds=70)
+    assert median_start_seconds(model_id=endpoint.model_id,
+                                gpu_type_id=endpoint.gpu_type_id) == 30
+    Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.DOWNLOADING,
+                           download_done_at=now + timedelta(seconds=40))
+
+    [(route, _)] = directory._read_endpoints(org.id)
+
+    assert eta_seconds(route, now=now.timestamp()) == pytest.approx(70, abs=1)

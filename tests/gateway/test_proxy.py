@@ -14,7 +14,7 @@ from django.test import override_settings
 
 from accounts.models import APIKey, Organization
 from billing.models import UsageRecord
-from endpoints.models import Endpoint
+from endpoints.models import Endpoint, ModelSpec
 from engine.processes import free_port
 from kvrun.common.digests import engine_api_key
 from tests.factories import inference_key, ready_endpoint
@@ -76,6 +76,24 @@ def test_a_chat_completion_goes_to_the_engine_s_chat_path(
     assert [sent["path"] for sent in received(stubs[0])] == ["/v1/chat/completions"]
     assert stored(1)
     assert UsageRecord.objects.get().operation == "chat.completions"
+
+
+def test_a_model_without_a_chat_template_takes_completions_and_refuses_chats_clearly(
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client]
+) -> None:
+    ModelSpec.objects.filter(id=stub_endpoint.model_id).update(chat_template=False)
+
+    chat = gateway.post(secret, {"model": "chat", "messages": [
+        {"role": "user", "content": "hello"}]}, path="/v1/chat/completions")
+    completion = gateway.post(secret, {"model": "chat", "prompt": "hello", "max_tokens": 4})
+
+    assert chat.status_code == 400
+    assert chat.json()["error"]["code"] == "chat_template_missing"
+    assert chat.json()["error"]["message"] == (
+        "The model behind chat has no chat template, so it cannot take chat messages; send a "
+        "prompt to /v1/completions instead.")
+    assert completion.status_code == 200
+    assert [sent["path"] for sent in received(stubs[0])] == ["/v1/completions"]
 
 
 def test_a_stream_shows_usage_only_as_the_client_asked(

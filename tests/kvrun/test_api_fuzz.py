@@ -21,10 +21,12 @@ pytestmark = pytest.mark.django_db
 
 # Operations whose schema-valid requests may still be refused (400) for what they mean, which
 # no schema can say: a key expiring in the past, a model or GPU type not in the catalog, a
-# size that fits no hardware. Every other check still runs on them.
+# size that fits no hardware, a repository not on the hub. Every other check still runs on
+# them.
 REFUSED_FOR_WHAT_THEY_MEAN = {
     "POST /api/v1/organizations/{org_slug}/api-keys/",
     "POST /api/v1/organizations/{org_slug}/endpoints/",
+    "POST /api/v1/organizations/{org_slug}/models/",
     "POST /api/v1/sizing/",
 }
 
@@ -49,7 +51,7 @@ def _requests_keep_the_test_s_connection() -> Iterator[None]:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much,
                                  HealthCheck.function_scoped_fixture])
 def test_the_api_keeps_to_its_schema(case: schemathesis.Case, org: Organization,
-                                     manage_secret: str) -> None:
+                                     manage_secret: str, hub_url: str) -> None:
     # Into the organisation the key belongs to, so that operations get past the 404, unless
     # the case is about a wrong path.
     organization = "org_slug" if "{org_slug}" in case.path else "slug"

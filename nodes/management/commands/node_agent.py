@@ -1,13 +1,16 @@
 import socket
 import threading
+from typing import Any
 
 from celery.signals import worker_shutting_down
 from django.conf import settings
 from django.core.management.base import BaseCommand
 from django.db import close_old_connections
 
-from engine import devices
+from engine import build, devices
+from engine.sizing import CPU, GIB, GPU
 from kvrun.celery import app
+from nodes import weights
 from nodes.agent import (
     NodeAgent,
     do_fail_replicas_of_previous_agent,
@@ -38,7 +41,13 @@ class Command(BaseCommand):
         if left:
             self.stdout.write(f"stopped {left} engine(s) left by this node's previous run")
         resources = devices.detect()
-        node = do_register_node(name=name, resources=resources, address=address)
+        registration = {
+            "resources": resources, "address": address,
+            "build": build.detect(device=GPU if resources.devices else CPU,
+                                  cache_dir=settings.KVRUN_STATE_DIR),
+            "model_cache_bytes": settings.KVRUN_MODEL_CACHE_GIB * GIB}
+        node = do_register_node(name=name, **registration)
+        weights.report(name)
         gpu = node.gpu_type.name if node.gpu_type else "no catalog match"
         self.stdout.write(
             f"node {name}: {len(resources.devices)} GPU(s) ({gpu}), {resources.cpu_count} CPUs, "
@@ -50,7 +59,7 @@ class Command(BaseCommand):
         agent = NodeAgent(name=name)
         serve(agent)
         stop = threading.Event()
-        heartbeat = threading.Thread(target=self._beat, args=(agent, resources, address, stop),
+        heartbeat = threading.Thread(target=self._beat, args=(agent, registration, stop),
                                      daemon=True)
         heartbeat.start()
         threading.Thread(target=self._scrape, args=(name, stop), daemon=True).start()
@@ -72,13 +81,13 @@ class Command(BaseCommand):
             stop.set()
             agent.stop_all_engines()
 
-    def _beat(self, agent: NodeAgent, resources: devices.HostResources, address: str,
+    def _beat(self, agent: NodeAgent, registration: dict[str, Any],
               stop: threading.Event) -> None:
         # A thread of its own: the heartbeat never waits behind a task or an engine's stop.
         while not stop.wait(settings.KVRUN_NODE_HEARTBEAT_SECONDS):
             try:
                 if not agent.beat():  # row removed, or catalog type missing
-                    do_register_node(name=agent.name, resources=resources, address=address)
+                    do_register_node(name=agent.name, **registration)
                     agent.beat()
             except Exception:  # a database blip must not kill the agent; the next beat retries
                 self.stderr.write("heartbeat failed; retrying at the next interval")

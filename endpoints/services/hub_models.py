@@ -1,0 +1,135 @@
+"""Models an organisation adds from a Hugging Face hub by id: inspected, judged and pinned
+before anything downloads or any device is held (engine.hub reads the repository without its
+weights)."""
+
+import re
+import secrets
+
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.db import IntegrityError, transaction
+
+from accounts.models import Organization, User
+from accounts.services import require_manager
+from endpoints.models import ModelSpec
+from endpoints.selectors import engines_online
+from engine import hub
+from engine.sizing import GB
+from kvrun.common.sealing import seal
+
+REPEATED = "one_model_per_organization_repository_commit"
+# What an HTTP header can carry of a token: printable ASCII, no spaces.
+TOKEN_SHAPE = re.compile(r"[!-~]+")
+
+
+def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
+                          added_by: User | None, repo_id: str, revision: str = "",
+                          token: str = "") -> ModelSpec:
+    """Add the hub repository `repo_id` at `revision` (a branch, tag or commit; the default
+    branch when empty) as a model of `organization`, pinned to the commit it resolves to now.
+
+    Raises ValidationError keyed by `hf_repo`, `hf_revision` or `hf_token`, and changes
+    nothing, when the repository cannot be read with the token given, has no safetensors
+    weights, needs remote code an operator has not allowed, has an architecture no engine
+    online runs, or is larger than every node's model cache. The token, when given, is kept
+    sealed (kvrun.common.sealing) for the downloads; it is never returned.
+    """
+    require_manager(actor_role, "add models")
+    repo_id, revision, token = repo_id.strip(), revision.strip(), token.strip()
+    if token and not TOKEN_SHAPE.fullmatch(token):
+        raise ValidationError({"hf_token": [
+            "An access token is letters, digits and punctuation without spaces (hf_…); paste "
+            "it again from the hub's settings."]})
+    try:
+        checkpoint = hub.inspect(endpoint=settings.KVRUN_HUB_URL, repo_id=repo_id,
+                                 revision=revision or None, token=token or None)
+        fields = checkpoint.describe()
+    except hub.HubRefusal as exc:
+        raise ValidationError({exc.field: [exc.message]}) from exc
+    except KeyError as exc:
+        raise ValidationError({"hf_repo": [
+            f"{repo_id}'s config.json has no {exc.args[0]!r}: kvrun sizes decoder language "
+            "models from their config, and this one does not say enough."]}) from exc
+    refusal = _refusal(checkpoint)
+    if refusal:
+        raise ValidationError({"hf_repo": [refusal]})
+    files = [{"path": f.path, "size": f.size, "sha256": f.sha256}
+             for f in hub.engine_files(checkpoint.files, remote_code=checkpoint.remote_code)]
+    model = ModelSpec(
+        **fields, organization=organization, added_by=added_by, name=repo_id,
+        hf_repo=repo_id, hf_revision=revision, hf_commit=checkpoint.commit, files=files,
+        licence=checkpoint.licence, chat_template=checkpoint.chat_template,
+        trust_remote_code=checkpoint.remote_code,
+        hf_token_sealed=seal(token) if token else "", hf_token_last4=token[-4:])
+    return _insert(model)
+
+
+def _refusal(checkpoint: hub.HubCheckpoint) -> str | None:
+    repo = checkpoint.repo_id
+    if checkpoint.remote_code and repo not in settings.KVRUN_REMOTE_CODE_REPOS:
+        return (f"{repo} needs code from its own repository to run (its config names custom "
+                "classes), and kvrun runs such code only for repositories an operator allows: "
+                "ask one to add it to KVRUN_REMOTE_CODE_REPOS.")
+    architectures, versions, largest_cache = engines_online()
+    if not architectures:
+        return (f"No node online says which architectures its engines run, so {repo} "
+                f"({checkpoint.architecture}) cannot be judged yet: add it once a node is "
+                "online (docs/operations.md says how to add one).")
+    if checkpoint.architecture not in architectures and not checkpoint.remote_code:
+        built = ", ".join(sorted(versions)) or "unknown"
+        return (f"{repo} is a {checkpoint.architecture}, which the engines online (vLLM "
+                f"{built}) cannot run: pick a model of an architecture vLLM supports, or ask "
+                "an operator for a node whose vLLM runs it.")
+    if checkpoint.download_bytes > largest_cache:
+        return (f"{repo}'s weights take {checkpoint.download_bytes / GB:.1f} GB, more than "
+                f"any node's model cache holds (the largest: {largest_cache / GB:.1f} GB): ask "
+                "an operator for a node with a larger cache (KVRUN_MODEL_CACHE_GIB).")
+    return None
+
+
+def _insert(model: ModelSpec) -> ModelSpec:
+    """Insert under the first free slug: the repository's name, then with the commit, then
+    with a random suffix. The same repository at the same commit twice in one organisation
+    is refused, naming the model it already is."""
+    base = re.sub(r"[^a-z0-9]+", "-", model.hf_repo.split("/")[-1].lower()).strip("-")[:60]
+    candidates = [base or "model", f"{base}-{model.hf_commit[:7]}",
+                  f"{base}-{secrets.token_hex(3)}"]
+    for slug in candidates:
+        model.slug = slug
+        try:
+            with transaction.atomic():
+                model.save(force_insert=True)
+            return model
+        except IntegrityError as exc:
+            if REPEATED in str(exc):
+                existing = ModelSpec.objects.get(organization=model.organization,
+                                                 hf_repo=model.hf_repo,
+                                                 hf_commit=model.hf_commit)
+                raise ValidationError({"hf_repo": [
+                    f"{model.hf_repo} at {model.hf_commit[:12]} is already this "
+                    f"organisation's model {existing.slug!r}."]}) from exc
+    raise ValidationError({"hf_repo": ["Could not name the model; try again."]})
+
+
+def do_pin_model(*, model: ModelSpec, token: str | None) -> ModelSpec:
+    """Pin a catalog model named by its hub id alone to the commit its revision (the default
+    branch when none) resolves to now, with the files an engine reads; a model already pinned
+    is returned as it is. The first node to download it pins it, and every later one fetches
+    the same commit. Raises hub.HubRefusal."""
+    if model.hf_commit:
+        return model
+    commit, files = hub.pin(endpoint=settings.KVRUN_HUB_URL, repo_id=model.hf_repo,
+                            revision=model.hf_revision or None, token=token)
+    wanted = hub.engine_files(files, remote_code=model.trust_remote_code)
+    ModelSpec.objects.filter(id=model.id, hf_commit="").update(
+        hf_commit=commit, files=[{"path": f.path, "size": f.size, "sha256": f.sha256}
+                                 for f in wanted])
+    return ModelSpec.objects.get(id=model.id)  # another node may have pinned it first
+
+
+def do_promote_models(*, model_ids: list[int]) -> int:
+    """Put organisations' own models in the public catalog (an operator's choice in the
+    console); their tokens stay sealed and serve the downloads as before. Returns how many
+    were promoted."""
+    return ModelSpec.objects.filter(id__in=model_ids, organization__isnull=False).update(
+        organization=None)

@@ -1,0 +1,84 @@
+"""Where an engine's weights come from on this node: the demo model (built here), a local
+folder, or the node's model cache, which downloads a hub model's pinned files once and keeps
+them (engine.model_cache). Engines always load from a folder here, offline."""
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from django.conf import settings
+
+from endpoints.models import ModelSpec, Replica
+from endpoints.selectors import hub_token_of
+from endpoints.services import do_pin_model
+from endpoints.states import ON_NODE, State
+from engine import demo_model
+from engine.model_cache import CachedFile, ModelCache, Progress
+from engine.sizing import GIB
+from nodes.services import do_record_model_cache
+
+DEMO_SLUG = "kvrun-demo-tiny"
+
+
+def model_cache() -> ModelCache:
+    return ModelCache(Path(settings.KVRUN_MODEL_DIR) / "hub",
+                      budget_bytes=settings.KVRUN_MODEL_CACHE_GIB * GIB)
+
+
+def local_weights(model: ModelSpec) -> Path | None:
+    """The demo model (built on first use), a folder named by the slug under
+    KVRUN_MODEL_DIR, or the folder a checkpoint was imported from; None for a hub model."""
+    if model.slug == DEMO_SLUG:
+        return demo_model.build(Path(settings.KVRUN_MODEL_DIR) / DEMO_SLUG)
+    for folder in (Path(settings.KVRUN_MODEL_DIR) / model.slug, Path(model.hf_repo)):
+        if folder.is_absolute() and folder.is_dir():
+            return folder
+    return None
+
+
+def needs_download(model: ModelSpec) -> bool:
+    return local_weights(model) is None and not (
+        model.hf_commit and model_cache().holds(model.hf_repo, model.hf_commit))
+
+
+def weights_dir(model: ModelSpec) -> Path:
+    """The folder the engine loads `model` from; the model cache's is there once fetched."""
+    local = local_weights(model)
+    if local is not None:
+        return local
+    model_cache().touch(model.hf_repo, model.hf_commit)
+    return model_cache().snapshot(model.hf_repo, model.hf_commit)
+
+
+def fetch(*, model: ModelSpec, node_name: str,
+          on_progress: Callable[[Progress], bool]) -> ModelSpec:
+    """Download `model`'s pinned files into this node's cache (pinning a catalog model that
+    names only its hub id first), keeping every model a replica here uses. Returns the model
+    as pinned. Raises what engine.model_cache and engine.hub raise."""
+    token = hub_token_of(model)  # opened for this download only, and kept nowhere
+    model = do_pin_model(model=model, token=token)
+    cache = model_cache()
+    try:
+        cache.fetch(endpoint=settings.KVRUN_HUB_URL, repo_id=model.hf_repo,
+                    commit=model.hf_commit, token=token, in_use=in_use(node_name),
+                    files=[CachedFile(**file) for file in model.files], on_progress=on_progress)
+    finally:
+        report(node_name)
+    return model
+
+
+def in_use(node_name: str) -> set[Path]:
+    """The cached snapshots of the models this node's replicas use or are about to."""
+    cache = model_cache()
+    return {cache.snapshot(repo, commit) for repo, commit in Replica.objects.filter(
+        node__name=node_name, state__in=ON_NODE | {State.STOPPING}).exclude(
+        endpoint__model__hf_commit="").values_list("endpoint__model__hf_repo",
+                                                    "endpoint__model__hf_commit")}
+
+
+def report(node_name: str) -> None:
+    """Tell the control plane what this node's model cache holds now."""
+    do_record_model_cache(name=node_name, entries=[
+        {"repo_id": entry.repo_id, "commit": entry.commit, "bytes": entry.size,
+         "last_used": datetime.fromtimestamp(entry.last_used, UTC).isoformat()}
+        for entry in model_cache().entries()])

@@ -1,0 +1,72 @@
+"""A model of one's own, in a real Chromium on the real stack: paste a Hugging Face id in the
+wizard, see it sized, launch it, watch its weights download, chat with it in the playground.
+The hub is the one on loopback (bench/hub_server.py)."""
+
+import shutil
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from bench.hub_server import Hub
+from endpoints.models import Endpoint, ModelSpec, Node, State
+from tests.browser.conftest import sign_up, wizard_ready
+from tests.helpers import drive
+
+pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+READY_WITHIN = 240
+
+
+def test_a_pasted_hugging_face_id_is_sized_launched_downloaded_and_chatted_with(
+        web: str, ready_node: Node, hub: Hub, page: Page, shot: Callable[[str], None],
+        tmp_path: Path) -> None:
+    folder = shutil.copytree(hub.root / "kvrun/demo" / hub.commit_of("kvrun/demo", "main"),
+                             tmp_path / "demo")
+    (folder / "generation_config.json").write_text(f'{{"run": "{uuid.uuid4()}"}}')
+    repo = f"acme/tiny-{uuid.uuid4().hex[:6]}"  # never downloaded before: the cache outlives runs
+    commit = hub.publish(repo, folder)
+    sign_up(page, web, organization="Own models")
+    page.get_by_role("link", name="Create your first endpoint").click()
+    wizard_ready(page)
+
+    page.get_by_text("Not in the catalog? Paste a Hugging Face id").click()
+    page.get_by_label("Hugging Face id").fill("acme/not-there")
+    page.get_by_role("button", name="Add and size it").click()
+    expect(page.get_by_role("alert").first).to_contain_text(
+        "No repository acme/not-there on the hub, or it is private")
+    shot("models-01-refused")
+    page.get_by_label("Hugging Face id").fill(repo)
+    page.get_by_role("button", name="Add and size it").click()
+
+    expect(page.get_by_text(f"Added {repo}, pinned at commit {commit[:12]}")).to_be_visible()
+    wizard_ready(page)
+    model = ModelSpec.objects.get(hf_repo=repo)
+    expect(page.locator(f'input[name="model"][value="{model.slug}"]')).to_be_checked()
+    expect(page.get_by_text("your organisation's")).to_be_visible()
+    sizing = page.get_by_test_id("sizing")
+    expect(sizing).to_contain_text("1 × CPU only")
+    page.get_by_label("Context length (tokens)").fill("2048")
+    page.get_by_label("Hardware").select_option("cpu")  # not the catalog's, were the node late
+    page.get_by_label("Name", exact=True).fill("mine")
+    shot("models-02-sized")
+    hub.rate_bytes_per_second = 128 * 1024  # about twelve seconds: long enough to watch
+    try:
+        page.get_by_role("button", name="Launch endpoint").click()
+        expect(page.get_by_role("heading", level=1)).to_have_text("mine")
+        expect(page.get_by_test_id("progress")).to_contain_text("downloading weights:",
+                                                                timeout=60_000)
+        shot("models-03-downloading")
+    finally:
+        hub.rate_bytes_per_second = None
+    assert drive(lambda: Endpoint.objects.get(name="mine").state == State.READY, READY_WITHIN)
+    expect(page.get_by_test_id("state")).to_have_text("ready", timeout=10_000)
+
+    page.get_by_role("link", name="Open the playground").click()
+    page.get_by_label("Message").fill("Hello, model of my own")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".message.assistant .stats")).to_contain_text("TTFT", timeout=60_000)
+    assert page.locator(".message.assistant .content").inner_text().strip()
+    shot("models-04-playground")

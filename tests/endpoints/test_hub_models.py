@@ -1,0 +1,166 @@
+"""Adding a model by its Hugging Face id (endpoints.services.hub_models), through the REST API,
+against the hub on loopback."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from rest_framework.test import APIClient
+
+from accounts.models import Membership, Organization, Role
+from bench.hub_server import Hub
+from endpoints.models import Endpoint, ModelSpec, Node
+from engine import demo_model
+from kvrun.common.sealing import unseal
+from tests.factories import UserFactory
+
+pytestmark = pytest.mark.django_db
+
+TOKEN = "hf_acme_reads_gated_0042"
+
+
+def models_url(org: Organization, rest: str = "") -> str:
+    return f"/api/v1/organizations/{org.slug}/models/{rest}"
+
+
+def add(client: APIClient, org: Organization, **body: str) -> dict:
+    """The answer's fields, or its error's field messages, with its status."""
+    response = client.post(models_url(org), body, format="json")
+    answer = response.json()
+    return {"status": response.status_code, **answer.get("error", {}).get("fields", answer)}
+
+
+def test_a_model_added_by_id_is_pinned_sized_and_the_organisation_s_alone(
+        owner_api: APIClient, org: Organization, other_org: Organization, cpu_node: Node,
+        hub: Hub, hub_url: str) -> None:
+    answer = add(owner_api, org, hf_repo="kvrun/demo")
+
+    assert answer["status"] == 201, answer
+    model = ModelSpec.objects.get(slug=answer["slug"])
+    assert (model.organization, model.hf_repo, model.hf_revision) == (org, "kvrun/demo", "")
+    assert model.hf_commit == hub.commit_of("kvrun/demo", "main") == answer["hf_commit"]
+    assert (model.parameters, model.layers, model.kv_heads, model.head_dim) == (
+        demo_model.parameter_count(), 2, 1, 64)
+    assert model.weights_bytes == 2 * demo_model.parameter_count()
+    assert (model.licence, model.chat_template, model.trust_remote_code) == (
+        "apache-2.0", True, False)
+    assert {f["path"] for f in model.files} >= {"config.json", "model.safetensors",
+                                                 "tokenizer.json"}
+    assert answer["download_bytes"] == sum(f["size"] for f in model.files)
+    # Sized before anything runs: one request at its longest context, on the CPU node.
+    assert answer["sizing"]["gpu_type"] == "cpu"
+    assert answer["sizing"]["kv_bytes_per_token"] == 2 * 2 * 1 * 64 * 2
+
+    assert [m["slug"] for m in owner_api.get(models_url(org)).json()["results"]] == [model.slug]
+    assert model.slug not in {m["slug"] for m in owner_api.get("/api/v1/models/").json()[
+        "results"]}
+    stranger = APIClient()
+    stranger.force_authenticate(other_org.memberships.get().user)
+    assert stranger.get(models_url(other_org)).json()["results"] == []
+    assert stranger.get(models_url(org)).status_code == 404
+    endpoint = {"name": "mine", "model": model.slug, "context_length": 2048, "concurrency": 2}
+    refused = stranger.post(f"/api/v1/organizations/{other_org.slug}/endpoints/", endpoint,
+                            format="json")
+    assert refused.status_code == 400
+    assert refused.json()["error"]["fields"]["model"][0].startswith(f"Unknown model {model.slug!r}")
+    assert owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", endpoint,
+                          format="json").status_code == 201
+    assert Endpoint.objects.get(name="mine").model == model
+
+
+def test_a_revision_is_pinned_to_the_commit_it_named_when_added(
+        owner_api: APIClient, org: Organization, cpu_node: Node, hub: Hub, hub_url: str,
+        tmp_path: Path) -> None:
+    folder = shutil.copytree(demo_model.build(tmp_path / "demo"), tmp_path / "v1")
+    first = hub.publish("kvrun/moving", folder, tags=("v1",))
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.5}))
+    hub.publish("kvrun/moving", folder)
+
+    pinned = add(owner_api, org, hf_repo="kvrun/moving", hf_revision="v1")
+    latest = add(owner_api, org, hf_repo="kvrun/moving")
+
+    assert (pinned["status"], latest["status"]) == (201, 201)
+    assert pinned["hf_commit"] == first and latest["hf_commit"] != first
+    assert (pinned["hf_revision"], pinned["slug"]) == ("v1", "moving")
+    assert latest["slug"] == f"moving-{latest['hf_commit'][:7]}"
+    again = add(owner_api, org, hf_repo="kvrun/moving", hf_revision=first)
+    assert again["status"] == 400
+    assert again["hf_repo"] == [f"kvrun/moving at {first[:12]} is already this organisation's "
+                                "model 'moving'."]
+
+
+def test_a_gated_repository_needs_a_granted_token_which_is_kept_sealed(
+        owner_api: APIClient, org: Organization, cpu_node: Node, hub: Hub, hub_url: str,
+        tmp_path: Path) -> None:
+    hub.publish("kvrun/gated", demo_model.build(tmp_path / "demo"), gated=True,
+                readers=(TOKEN,))
+
+    refused = add(owner_api, org, hf_repo="kvrun/gated")
+    assert refused["status"] == 400
+    assert refused["hf_token"] == ["kvrun/gated is gated: request access on its hub page, then "
+                                   "add an access token of an account that has been granted "
+                                   "it."]
+    assert not ModelSpec.objects.filter(hf_repo="kvrun/gated").exists()
+
+    response = owner_api.post(models_url(org), {"hf_repo": "kvrun/gated", "hf_token": TOKEN},
+                              format="json")
+    assert response.status_code == 201
+    assert TOKEN not in response.content.decode() and response.json()["hf_token"] == "…0042"
+    model = ModelSpec.objects.get(hf_repo="kvrun/gated")
+    assert TOKEN not in model.hf_token_sealed and unseal(model.hf_token_sealed) == TOKEN
+    assert TOKEN not in owner_api.get(models_url(org, f"{model.slug}/")).content.decode()
+
+
+def test_what_no_engine_online_can_serve_is_refused_with_its_reason(
+        owner_api: APIClient, org: Organization, cpu_node: Node, hub: Hub, hub_url: str,
+        settings: object, tmp_path: Path) -> None:
+    folder = shutil.copytree(demo_model.build(tmp_path / "demo"), tmp_path / "custom")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "architectures": ["MambaForX"]}))
+    hub.publish("kvrun/unknown-arch", folder)
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {
+        "AutoModelForCausalLM": "modeling.Custom"}}))
+    (folder / "modeling.py").write_text("class Custom: ...\n")
+    hub.publish("kvrun/remote-code", folder)
+
+    arch = add(owner_api, org, hf_repo="kvrun/unknown-arch")
+    assert arch["hf_repo"] == ["kvrun/unknown-arch is a MambaForX, which the engines online "
+                               "(vLLM 0.32.0) cannot run: pick a model of an architecture vLLM "
+                               "supports, or ask an operator for a node whose vLLM runs it."]
+    code = add(owner_api, org, hf_repo="kvrun/remote-code")
+    assert code["hf_repo"][0].startswith("kvrun/remote-code needs code from its own repository")
+    assert "KVRUN_REMOTE_CODE_REPOS" in code["hf_repo"][0]
+    assert not ModelSpec.objects.filter(organization=org).exists()
+
+    settings.KVRUN_REMOTE_CODE_REPOS = ["kvrun/remote-code"]  # type: ignore[attr-defined]
+    allowed = add(owner_api, org, hf_repo="kvrun/remote-code")
+    assert allowed["status"] == 201 and allowed["trust_remote_code"] is True
+    assert "modeling.py" in {f["path"] for f in ModelSpec.objects.get(
+        slug=allowed["slug"]).files}
+
+    Node.objects.update(model_cache_bytes=1000)
+    small = add(owner_api, org, hf_repo="kvrun/demo")
+    assert small["hf_repo"][0].startswith("kvrun/demo's weights take 0.0 GB, more than any "
+                                          "node's model cache holds")
+    Node.objects.update(state="lost")
+    assert add(owner_api, org, hf_repo="kvrun/demo")["hf_repo"][0].startswith(
+        "No node online says which architectures its engines run")
+
+
+def test_only_managers_add_models_and_bad_input_changes_nothing(
+        api: APIClient, org: Organization, cpu_node: Node, hub_url: str) -> None:
+    member = UserFactory(email="member@acme.test")
+    Membership.objects.create(organization=org, user=member, role=Role.MEMBER)
+    api.force_authenticate(member)
+
+    assert api.post(models_url(org), {"hf_repo": "kvrun/demo"}, format="json").status_code == 403
+    api.force_authenticate(org.memberships.get(role=Role.OWNER).user)
+    assert add(api, org, hf_repo="")["hf_repo"] == ["This field may not be blank."]
+    assert add(api, org, hf_repo="kvrun/demo", extra="x")["status"] == 400
+    assert add(api, org, hf_repo="no such/repo")["hf_repo"][0].startswith(
+        "'no such/repo' is not a hub id")
+    assert add(api, org, hf_repo="kvrun/demo", hf_token="hf_é")["hf_token"] == [
+        "An access token is letters, digits and punctuation without spaces (hf_…); paste it "
+        "again from the hub's settings."]
+    assert not ModelSpec.objects.filter(organization=org).exists()
