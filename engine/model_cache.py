@@ -18,6 +18,7 @@ in use.
 import fcntl
 import hashlib
 import os
+import queue
 import shutil
 import threading
 import time
@@ -25,7 +26,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.file_download import http_get
@@ -252,44 +253,60 @@ def _download_file(*, endpoint: str, repo_id: str, commit: str, file: CachedFile
         if out.tell() > file.size:  # not this file's beginning: start again
             out.truncate(0)
         hashing = _HashingWriter(out)
-        http_get(metadata.location, hashing, resume_size=out.tell(),
-                 headers=build_hf_headers(token=secret), expected_size=file.size)
+        try:
+            http_get(metadata.location, hashing, resume_size=out.tell(),
+                     headers=build_hf_headers(token=secret), expected_size=file.size)
+        finally:
+            digest = hashing.hexdigest()
     incomplete.rename(final)
-    return hashing.hexdigest()
+    return digest
 
 
 class _HashingWriter:
-    """A file being downloaded, hashed as it is written: checking a snapshot then costs no
-    second read of its weights. What an earlier attempt wrote is hashed first; should the
-    client rewind (a server that ignored its range), the hash is dropped and the file is
-    hashed when checked."""
+    """A file being downloaded, hashed as it is written, on a thread of its own (hashlib lets
+    go of the GIL for large buffers, so hashing overlaps the download): checking a snapshot
+    then costs no second read of its weights. What an earlier attempt wrote is hashed first;
+    should the client rewind (a server that ignored its range), the hash is dropped and the
+    file is hashed when checked."""
 
     def __init__(self, out: BinaryIO) -> None:
         self.out = out
-        self.digest: Any = hashlib.sha256()
+        self.name = out.name
+        self.valid = True
+        self._digest = hashlib.sha256()
+        self._chunks: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
+        self._hasher = threading.Thread(target=self._hash, daemon=True)
+        self._hasher.start()
         out.seek(0)
         for chunk in iter(lambda: out.read(CHUNK_BYTES), b""):
-            self.digest.update(chunk)
-        self.name = out.name
+            self._chunks.put(chunk)
+
+    def _hash(self) -> None:
+        for chunk in iter(self._chunks.get, None):
+            self._digest.update(chunk)
 
     def write(self, data: bytes) -> int:
-        if self.digest is not None:
-            self.digest.update(data)
+        if self.valid:
+            self._chunks.put(bytes(data))
         return self.out.write(data)
 
     def tell(self) -> int:
         return self.out.tell()
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.digest = None
+        self.valid = False
         return self.out.seek(offset, whence)
 
     def truncate(self, size: int | None = None) -> int:
-        self.digest = None
+        self.valid = False
         return self.out.truncate(size)
 
     def hexdigest(self) -> str | None:
-        return None if self.digest is None else str(self.digest.hexdigest())
+        """The SHA-256 of what was written, once the hasher has caught up; None if dropped.
+        Ends the hasher: call it once, when the download is over (or failed)."""
+        self._chunks.put(None)
+        self._hasher.join()
+        return str(self._digest.hexdigest()) if self.valid else None
 
 
 def _check(folder: Path, files: Sequence[CachedFile], digests: dict[str, str]) -> None:

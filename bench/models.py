@@ -1,0 +1,192 @@
+"""`make bench` target `models`: models from a hub, side by side in one run.
+
+Against the hub on loopback (bench/hub_server.py), with a control worker and a node agent:
+  download  kvrun's model cache fetching a ~1 GiB repository (resumable, every file checked
+            against the hub's SHA-256) against a plain download of the same files from the
+            same server, alternating rounds: the ratio of medians;
+  sizing    the demo model added by its hub id: kvrun's figures from the hub's metadata
+            against the same checkpoint read locally, and against the KV capacity the
+            engine logs once it runs;
+  starts    the first start downloads; each later one starts from the node's cache: the
+            bytes the hub sent for them, and kvrun's own time to ready over the engine's
+            own start, in-run (engine starts vary too much between runs for a ratio).
+Writes bench/results/models.json.
+"""
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import django
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
+django.setup()
+
+import httpx  # noqa: E402
+from django.conf import settings  # noqa: E402
+
+from accounts.models import Role, User  # noqa: E402
+from accounts.services import do_create_organization  # noqa: E402
+from bench.hub_server import Hub  # noqa: E402
+from bench.provision import kvrun_start, start_processes  # noqa: E402
+from bench.record import Figure, Goal, print_goals, write  # noqa: E402
+from endpoints.models import ModelSpec  # noqa: E402
+from endpoints.planning import plan  # noqa: E402
+from endpoints.services import do_add_model_from_hub, do_load_catalogs  # noqa: E402
+from engine import demo_model, hf_checkpoint, hub  # noqa: E402
+from engine.model_cache import CachedFile, ModelCache  # noqa: E402
+from engine.sizing import CPU  # noqa: E402
+
+GOALS = [
+    Goal("sizing_error_pct", "KV tokens: hub metadata, local checkpoint and vLLM's log",
+         at_most=0, unit="%"),
+    Goal("download_ratio", "kvrun's fetch / a plain download of the same files", at_most=1.25),
+    Goal("cached_start_bytes", "bytes downloaded by starts from the node's cache", at_most=0,
+         unit="B"),
+    Goal("cached_start_overhead_s", "kvrun's own time to ready from cached weights, in-run",
+         below=2, unit="s"),
+]
+SHOWN = [
+    Figure("repository_bytes", "the downloaded repository", "B"),
+    Figure("plain_download_s", "plain download, median", "s"),
+    Figure("kvrun_fetch_s", "kvrun's fetch, checked, median", "s"),
+    Figure("kv_tokens_hub", "KV tokens sized from the hub's metadata"),
+    Figure("kv_tokens_local", "KV tokens sized from the local checkpoint"),
+    Figure("kv_tokens_logged", "KV tokens vLLM logged"),
+    Figure("first_start_s", "first start, downloading included", "s"),
+    Figure("cached_start_s", "start from the node's cache, median", "s"),
+]
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "4"))
+SHARDS, SHARD_BYTES = 4, 256 * 2**20
+CONTEXT_LENGTH, CONCURRENCY = 2048, 4
+
+
+def big_repository(folder: Path) -> Path:
+    """~1 GiB in four shards: what the download comparison fetches (never loaded)."""
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    for index in range(1, SHARDS + 1):
+        with open(folder / f"model-{index:05d}-of-{SHARDS:05d}.safetensors", "wb") as out:
+            for _ in range(SHARD_BYTES // 2**20):
+                out.write(os.urandom(2**20))
+    return folder
+
+
+def plain_download(url: str, files: list[CachedFile], into: Path) -> float:
+    """The same files from the same server with a streaming GET each, nothing checked."""
+    started = time.monotonic()
+    with httpx.Client(timeout=60) as client:
+        for file in files:
+            with client.stream("GET", f"{url}/bench/big/resolve/main/{file.path}") as answer, \
+                    open(into / file.path.replace("/", "_"), "wb") as out:
+                for chunk in answer.iter_bytes(2**20):
+                    out.write(chunk)
+    return time.monotonic() - started
+
+
+def kvrun_fetch(url: str, commit: str, files: list[CachedFile], into: Path) -> float:
+    started = time.monotonic()
+    ModelCache(into, budget_bytes=2 * SHARDS * SHARD_BYTES).fetch(
+        endpoint=url, repo_id="bench/big", commit=commit, files=files, token=None)
+    return time.monotonic() - started
+
+
+def main() -> int:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-models-", dir=settings.KVRUN_STATE_DIR))
+    served = Hub(scratch / "hub").start()
+    settings.KVRUN_HUB_URL = os.environ["KVRUN_HUB_URL"] = served.url  # the agent's too
+    try:
+        return measure(served, scratch)
+    finally:
+        served.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def measure(served: Hub, scratch: Path) -> int:
+    commit = served.publish("bench/big", big_repository(scratch / "big"))
+    files = [CachedFile(path=f.path, size=f.size, sha256=f.sha256)
+             for f in hub.pin(endpoint=served.url, repo_id="bench/big")[1]]
+    plain: list[float] = []
+    fetched: list[float] = []
+    for round_number in range(ROUNDS):
+        rounds = scratch / f"round-{round_number}"
+        (rounds / "plain").mkdir(parents=True)
+        # Each goes first in turn: the second writes while the page cache flushes the first.
+        for kind in ("plain", "kvrun")[::1 if round_number % 2 == 0 else -1]:
+            if kind == "plain":
+                plain.append(plain_download(served.url, files, rounds / "plain"))
+            else:
+                fetched.append(kvrun_fetch(served.url, commit, files, rounds / "kvrun"))
+        shutil.rmtree(rounds)
+        print(f"round {round_number + 1}: plain {plain[-1]:.2f} s, kvrun {fetched[-1]:.2f} s",
+              flush=True)
+
+    do_load_catalogs()
+    demo = demo_model.build(scratch / "demo")
+    served.publish("bench/demo", demo)
+    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
+    organization = do_create_organization(user=owner, name="bench")
+    children = start_processes(Path(settings.KVRUN_STATE_DIR) / "bench-logs")
+    try:
+        model = do_add_model_from_hub(organization=organization, actor_role=Role.OWNER,
+                                      added_by=owner, repo_id="bench/demo")
+        sized = plan(model=model, context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY,
+                     kv_cache_dtype="auto").summary
+        # The same checkpoint as `manage.py import_model` reads it from a folder, unsaved.
+        local = ModelSpec(**{**hf_checkpoint.describe(demo), "licence": "unknown"})
+        kv_tokens_local = plan(model=local, context_length=CONTEXT_LENGTH,
+                               concurrency=CONCURRENCY, kv_cache_dtype="auto"
+                               ).summary["kv_cache_tokens"]
+        first, _, logged = kvrun_start(organization, model, "bench-first")
+        cached, own, sent = [], [], 0
+        for round_number in range(ROUNDS):
+            before = served.bytes_sent
+            elapsed, engine_own, _ = kvrun_start(organization, model, f"bench-{round_number}")
+            sent += served.bytes_sent - before
+            cached.append(elapsed)
+            own.append(engine_own)
+            print(f"start {round_number + 1} from the cache: {elapsed:.2f} s "
+                  f"(engine itself {engine_own:.2f} s)", flush=True)
+    finally:
+        for child in children:
+            child.terminate()
+            child.wait(30)
+    assert sized["gpu_type"] == CPU
+    predicted = sized["kv_cache_tokens"]
+    worst = max(abs(predicted - logged), abs(predicted - kv_tokens_local))
+    result = {
+        "rounds": ROUNDS,
+        "repository_bytes": sum(f.size for f in files),
+        "plain_download_s": round(statistics.median(plain), 3),
+        "kvrun_fetch_s": round(statistics.median(fetched), 3),
+        "download_ratio": round(statistics.median(fetched) / statistics.median(plain), 3),
+        "kv_tokens_hub": predicted,
+        "kv_tokens_local": kv_tokens_local,
+        "kv_tokens_logged": logged,
+        "sizing_error_pct": round(worst / logged * 100, 4),
+        "first_start_s": round(first, 3),
+        "cached_start_s": round(statistics.median(cached), 3),
+        "cached_start_bytes": sent,
+        "cached_start_overhead_s": round(statistics.median(
+            t - e for t, e in zip(cached, own, strict=True)), 3),
+        "plain_runs_s": [round(x, 3) for x in plain],
+        "kvrun_runs_s": [round(x, 3) for x in fetched],
+    }
+    met = write("models", result, goals=GOALS, shown=SHOWN)
+    print(f"\nmodels (loopback hub, CPU engine, median of {ROUNDS} rounds)")
+    print(f"  {'plain download of 1 GiB':<40}{result['plain_download_s']:>9.2f} s")
+    print(f"  {'kvrun fetch, checked':<40}{result['kvrun_fetch_s']:>9.2f} s")
+    print(f"  {'KV tokens hub / local / logged':<40}{predicted:>9,} / {kv_tokens_local:,} / "
+          f"{logged:,}")
+    print(f"  {'first start (downloads)':<40}{result['first_start_s']:>9.2f} s")
+    print(f"  {'start from the cache':<40}{result['cached_start_s']:>9.2f} s")
+    print_goals(result, GOALS)
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
