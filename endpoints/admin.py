@@ -82,7 +82,8 @@ class ModelSpecAdmin(admin.ModelAdmin):
     def pinned(self, model: ModelSpec) -> str:
         return model.hf_commit[:12] or "—"
 
-    @admin.action(description="Promote to the public catalog (every organisation sees it)",
+    @admin.action(description="Promote to the public catalog (every organisation sees and "
+                              "can run it; its access token, if any, downloads it for all)",
                   permissions=["change"])
     def promote(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
         promoted = do_promote_models(model_ids=list(queryset.values_list("id", flat=True)))

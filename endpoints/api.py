@@ -1,3 +1,5 @@
+from typing import Any
+
 from django.db.models import QuerySet
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
@@ -5,6 +7,7 @@ from rest_framework import mixins, status, viewsets
 from rest_framework.decorators import action, api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.views import APIView
 
 from accounts.models import User
 from accounts.scoping import OrganizationScoped
@@ -60,14 +63,26 @@ class GPUCatalogViewSet(viewsets.ReadOnlyModelViewSet):
 @api_view(["POST"])
 def size(request: Request) -> Response:
     """The capacity planner: what an endpoint (model, context, concurrency, GPU and count, KV
-    policy) would need, hold and cost, without creating it; a policy that does not fit is a
-    400 saying what would."""
-    data = validated(SizingInput, request)
-    decided = plan(model=data["model"], context_length=data["context_length"],
-                   concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
-                   gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
-                   host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"])
-    return Response(decided.summary)
+    policy) of a public catalog model would need, hold and cost, without creating it; a
+    policy that does not fit is a 400 saying what would."""
+    return Response(_sized(validated(SizingInput, request)))
+
+
+class OrganizationSizing(OrganizationScoped, APIView):
+    @extend_schema(request=SizingInput, responses={200: OpenApiTypes.OBJECT})
+    def post(self, request: Request, **kwargs: str) -> Response:
+        """The capacity planner for the organisation's endpoints: the public catalog's
+        models and its own."""
+        return Response(_sized(validated(SizingInput, request,
+                                         context={"organization": self.organization})))
+
+
+def _sized(data: dict[str, Any]) -> dict[str, Any]:
+    return plan(model=data["model"], context_length=data["context_length"],
+                concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
+                gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
+                host_tier_gib=data["host_tier_gib"],
+                disk_tier_gib=data["disk_tier_gib"]).summary
 
 
 class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin,

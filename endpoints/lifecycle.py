@@ -94,10 +94,13 @@ def do_fail_replica(*, replica_id: UUID, from_states: Iterable[str], reason: str
 
 
 def do_stop_replica(*, replica: Replica, reason: str) -> bool:
-    """Stop one replica, with `reason` as its event: one not on a node is stopped at once; one
-    on a node is stopping and its agent is told to stop the engine once this commits.
+    """Stop one replica, with `reason` as its event: one with no engine (not on a node, or
+    still downloading) is stopped at once; one on a node is stopping and its agent is told
+    to stop the engine once this commits.
     Returns False (and changes nothing) when the replica has already moved on."""
-    if replica.state in (State.PENDING, State.FAILED):
+    # Nothing runs for a replica pending or failed, nor for one still downloading its weights
+    # (its agent gives the download up at its next progress report, keeping what it has).
+    if replica.state in (State.PENDING, State.FAILED, State.DOWNLOADING):
         return do_transition_replica(replica_id=replica.id, from_states=[replica.state],
                                      to_state=State.STOPPED, message=reason,
                                      stopped_at=timezone.now())

@@ -1,7 +1,7 @@
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import datetime, timedelta
 from uuid import UUID
 
 from django.db.models import F, Prefetch, Q, QuerySet, Sum
@@ -141,6 +141,15 @@ def median_start_seconds(*, model_id: int, gpu_type_id: int, last: int = 20) -> 
                for created, ready, downloaded in spans
                if ready is not None]  # never None here; the type says it may be
     return statistics.median(seconds) if seconds else None
+
+
+def start_counted_from(replica: Replica) -> datetime:
+    """When the replica's start began, as far as its ETA goes: a download of its weights is
+    no part of a start's median (median_start_seconds), so its start counts from when its
+    download ended, or is expected to (later than now while it runs)."""
+    if replica.download_done_at is not None:
+        return replica.download_done_at
+    return replica.created_at + timedelta(seconds=replica.download_seconds or 0.0)
 
 
 def replica_timeline(*, endpoint_id: UUID, since: datetime, until: datetime

@@ -135,7 +135,8 @@ def _model_field() -> serializers.SlugRelatedField:
         slug_field="slug", queryset=ModelSpec.objects.none(),
         error_messages={"does_not_exist": "Unknown model {value!r}; GET /api/v1/models/ lists "
                                           "the catalog, and GET /api/v1/organizations/<org>/"
-                                          "models/ your own."})
+                                          "models/ your own (sized at POST /api/v1/"
+                                          "organizations/<org>/sizing/)."})
 
 
 class SizingInput(StrictSerializer):

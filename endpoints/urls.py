@@ -12,6 +12,8 @@ endpoint = api.EndpointViewSet
 
 urlpatterns = [
     path("sizing/", api.size, name="api-sizing"),
+    path("organizations/<slug:org_slug>/sizing/", api.OrganizationSizing.as_view(),
+         name="api-organization-sizing"),
     path("organizations/<slug:org_slug>/endpoints/",
          endpoint.as_view({"get": "list", "post": "create"}), name="api-endpoints"),
     path(f"{ENDPOINT}/", endpoint.as_view({"get": "retrieve", "delete": "destroy"}),

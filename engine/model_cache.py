@@ -26,7 +26,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.file_download import http_get
@@ -143,7 +143,7 @@ class ModelCache:
         return sorted(found, key=lambda entry: entry.last_used)
 
     def fetch(self, *, endpoint: str, repo_id: str, commit: str, files: Sequence[CachedFile],
-              token: str | None, in_use: Collection[Path] = (),
+              token: str | None, in_use: Callable[[], Collection[Path]] = lambda: (),
               on_progress: Callable[[Progress], bool] = lambda progress: True) -> Path:
         """The snapshot of `repo_id` at `commit`, downloading `files` from the hub at
         `endpoint` first unless it is already here; nothing is downloaded then.
@@ -152,13 +152,19 @@ class ModelCache:
         False the fetch stops after the file under way, keeps what it has for the next one,
         and raises Cancelled. Raises CacheFull when room cannot be made without evicting a
         snapshot in `in_use`, DownloadFailed when a file cannot be fetched or differs from
-        what the hub states. `token` is used for this download only."""
+        what the hub states. `in_use` names the snapshots replicas use now (read once this
+        fetch has the model's lock, so a long wait does not make it stale). `token` is used
+        for this download only. A fetch that finds another under way for the same commit
+        waits for it, telling `on_progress` how far that one is."""
         target = self.snapshot(repo_id, commit)
-        with self._locked(target):
+        partial = target.with_suffix(".partial")
+        total = sum(f.size for f in files)
+        with self._locked(target, lambda: on_progress(Progress(
+                done_bytes=min(total, _size_of(partial)), total_bytes=total,
+                bytes_per_second=0.0))):
             if not target.is_dir():
-                partial = target.with_suffix(".partial")
-                total = sum(f.size for f in files)
-                self._make_room(total - min(total, _size_of(partial)), keep={*in_use, target})
+                self._make_room(total - min(total, _size_of(partial)),
+                                keep={*in_use(), target})
                 digests = self._download(endpoint=endpoint, repo_id=repo_id, commit=commit,
                                          files=files, token=token, partial=partial,
                                          on_progress=on_progress)
@@ -168,10 +174,20 @@ class ModelCache:
         return target
 
     @contextmanager
-    def _locked(self, target: Path) -> Iterator[None]:
+    def _locked(self, target: Path, waiting: Callable[[], bool]) -> Iterator[None]:
+        """Hold the commit's lock; while another process or thread holds it, ask `waiting`
+        about once a second whether to go on waiting (Cancelled when not)."""
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # a second start of the same model waits here
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:  # a start of the same model is downloading it
+                    if not waiting():
+                        raise Cancelled(
+                            f"the wait for {target.parent.name} was stopped") from None
+                    time.sleep(PROGRESS_SECONDS)
             yield
 
     def _make_room(self, needed: int, *, keep: set[Path]) -> None:
@@ -224,8 +240,15 @@ class ModelCache:
             # A rate (and the time left from it) only once it means something: the first
             # second is mostly the connection being made.
             rate = (done - start_bytes) / elapsed if elapsed >= RATE_AFTER_SECONDS else 0.0
-            if not on_progress(Progress(done_bytes=done, total_bytes=total,
-                                        bytes_per_second=rate)) and not stop.is_set():
+            try:
+                going_on = on_progress(Progress(done_bytes=done, total_bytes=total,
+                                                bytes_per_second=rate))
+            except BaseException:
+                # The download must not go on writing after its lock is let go.
+                stop.set()
+                worker.join()
+                raise
+            if not going_on:
                 stop.set()
         if failure:
             raise DownloadFailed(f"fetching {repo_id} at {commit[:12]} failed: "
@@ -254,7 +277,8 @@ def _download_file(*, endpoint: str, repo_id: str, commit: str, file: CachedFile
             out.truncate(0)
         hashing = _HashingWriter(out)
         try:
-            http_get(metadata.location, hashing, resume_size=out.tell(),
+            # The client writes, tells, seeks and truncates: all a _HashingWriter does.
+            http_get(metadata.location, cast(BinaryIO, hashing), resume_size=out.tell(),
                      headers=build_hf_headers(token=secret), expected_size=file.size)
         finally:
             digest = hashing.hexdigest()

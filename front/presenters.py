@@ -48,13 +48,15 @@ def endpoint_status(endpoint: Endpoint) -> dict[str, object]:
         status["log_lines"] = "\n".join(logged.log_tail.splitlines()[-LOG_LINES:])
     if leader is not None:
         elapsed = (timezone.now() - leader.created_at).total_seconds()
+        # Negative while its weights download: the start proper has not begun.
+        started = (timezone.now() - selectors.start_counted_from(leader)).total_seconds()
         median = (selectors.median_start_seconds(model_id=endpoint.model_id,
                                                  gpu_type_id=endpoint.gpu_type_id))
         status.update(elapsed_seconds=round(elapsed), median_seconds=median)
         if median:
-            status["eta_seconds"] = max(0, round(median - elapsed))
+            status["eta_seconds"] = max(0, round(median - started))
             # Between stage changes the bar moves with time, capped below the next stage.
-            by_time = min(95, round(100 * elapsed / median))
+            by_time = min(95, round(100 * max(0.0, started) / median))
             status["progress"] = {**progress, "percent": max(progress["percent"], by_time)}
     return status
 

@@ -23,8 +23,13 @@ from django.db import InterfaceError, OperationalError, close_old_connections
 from accounts import tokens
 from accounts.principals import KeyIdentity
 from accounts.selectors import key_identity_from_database
-from endpoints.models import DesiredState, Replica, State
-from endpoints.selectors import endpoints_for_gateway, median_start_seconds, progress_of
+from endpoints.models import DesiredState, State
+from endpoints.selectors import (
+    endpoints_for_gateway,
+    median_start_seconds,
+    progress_of,
+    start_counted_from,
+)
 from endpoints.states import COMING_UP
 from gateway.affinity import Ring
 from gateway.errors import GatewayError
@@ -84,15 +89,6 @@ class _ReplicaRow:
     base_url: str
 
 
-def _start_counted_from(replica: Replica) -> float:
-    """When the replica's start began, as far as its ETA goes (epoch): a download of its
-    weights is not part of a start's median (selectors.median_start_seconds), so its engine's
-    start counts from when the download ended, or is expected to."""
-    if replica.download_done_at is not None:
-        return replica.download_done_at.timestamp()
-    return replica.created_at.timestamp() + (replica.download_seconds or 0.0)
-
-
 def _base_url(address: str, port: int) -> str:
     host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
     return f"http://{host}:{port}"
@@ -105,8 +101,8 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
     for endpoint in endpoints_for_gateway(organization_id=organization_id):
         scales_to_zero = (endpoint.min_replicas == 0 and endpoint.state != State.FAILED
                           and endpoint.desired_state == DesiredState.RUNNING)
-        starting = [_start_counted_from(replica) for replica in endpoint.replicas.all()
-                    if replica.state in COMING_UP]
+        starting = [start_counted_from(replica).timestamp()
+                    for replica in endpoint.replicas.all() if replica.state in COMING_UP]
         route = Route(endpoint_id=str(endpoint.id), name=endpoint.name,
                       organization_slug=endpoint.organization.slug, state=endpoint.state,
                       progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),

@@ -38,7 +38,7 @@ from endpoints.lifecycle import (
 )
 from endpoints.models import ModelSpec, Node, Replica, State
 from endpoints.states import PROGRESS
-from engine import hub, kv_policy, metrics, model_cache, offload_check, processes, supervisor
+from engine import kv_policy, metrics, model_cache, offload_check, processes, supervisor
 from engine.sizing import CPU, GIB, GPU
 from kvrun.common.digests import engine_api_key
 from nodes import weights
@@ -158,9 +158,10 @@ class NodeAgent:
             pinned = weights.fetch(model=model, node_name=self.name, on_progress=show)
         except model_cache.Cancelled:
             return False
-        except (model_cache.CacheFull, model_cache.DownloadFailed, hub.HubRefusal,
-                OSError) as exc:
-            _record_failure(replica.id, f"the weights could not be downloaded: {exc}", log,
+        except Exception as exc:  # any cause is a failed start, counted and restarted
+            logger.exception("replica %s: downloading its weights failed", replica.id)
+            _record_failure(replica.id, f"the weights could not be downloaded: "
+                            f"{weights.failure_reason(exc)}", log,
                             from_states=[State.DOWNLOADING])
             return False
         replica.endpoint.model = pinned
@@ -168,15 +169,18 @@ class NodeAgent:
 
     def pull_model(self, model_id: int) -> None:
         """Download a model's weights into this node's cache ahead of any replica (an
-        operator's pre-pull); a model with local weights, or cached already, needs nothing."""
+        operator's pre-pull), on a thread of its own: the node's task threads stay free for
+        starts and stops. A model with local weights, or cached already, needs nothing."""
         model = ModelSpec.objects.filter(id=model_id).first()
-        if model is None or not weights.needs_download(model):
-            return
+        if model is not None and weights.needs_download(model):
+            _in_background(self._pull, model)
+
+    def _pull(self, model: ModelSpec) -> None:
         try:
             weights.fetch(model=model, node_name=self.name, on_progress=lambda progress: True)
-        except (model_cache.CacheFull, model_cache.DownloadFailed, hub.HubRefusal,
-                OSError) as exc:
-            logger.warning("pre-pulling %s failed: %s", model.hf_repo, exc)
+        except Exception as exc:  # an operator's pull: the log says why; nothing else waits
+            logger.warning("pre-pulling %s failed: %s", model.hf_repo,
+                           weights.failure_reason(exc))
 
     def stop_replica(self, replica_id: str) -> None:
         """Stop the replica's engine: SIGTERM, SIGKILL after the grace period; wait for the port.
@@ -484,7 +488,7 @@ def _in_background(target: Callable[..., None], *args: object) -> None:
 def _logged(target: Callable[..., None], *args: object) -> None:
     try:
         target(*args)
-    except Exception:  # the next heartbeat finds what is left and tries again
-        logger.exception("stopping an engine in the background failed")
+    except Exception:  # a stop: the next heartbeat finds what is left and tries again
+        logger.exception("the agent's background work failed")
     finally:
         close_old_connections()

@@ -13,8 +13,10 @@ from endpoints.selectors import hub_token_of
 from endpoints.services import do_pin_model
 from endpoints.states import ON_NODE, State
 from engine import demo_model
+from engine.hub import HubRefusal
 from engine.model_cache import CachedFile, ModelCache, Progress
 from engine.sizing import GIB
+from kvrun.common.sealing import InvalidToken
 from nodes.services import do_record_model_cache
 
 DEMO_SLUG = "kvrun-demo-tiny"
@@ -27,7 +29,11 @@ def model_cache() -> ModelCache:
 
 def local_weights(model: ModelSpec) -> Path | None:
     """The demo model (built on first use), a folder named by the slug under
-    KVRUN_MODEL_DIR, or the folder a checkpoint was imported from; None for a hub model."""
+    KVRUN_MODEL_DIR, or the folder a checkpoint was imported from; None for a hub model.
+    Only the public catalog's models are looked for in folders: an organisation names its
+    own models, and must never point an engine at a folder an operator put there."""
+    if model.organization_id is not None:
+        return None
     if model.slug == DEMO_SLUG:
         return demo_model.build(Path(settings.KVRUN_MODEL_DIR) / DEMO_SLUG)
     for folder in (Path(settings.KVRUN_MODEL_DIR) / model.slug, Path(model.hf_repo)):
@@ -60,7 +66,7 @@ def fetch(*, model: ModelSpec, node_name: str,
     cache = model_cache()
     try:
         cache.fetch(endpoint=settings.KVRUN_HUB_URL, repo_id=model.hf_repo,
-                    commit=model.hf_commit, token=token, in_use=in_use(node_name),
+                    commit=model.hf_commit, token=token, in_use=lambda: in_use(node_name),
                     files=[CachedFile(**file) for file in model.files], on_progress=on_progress)
     finally:
         report(node_name)
@@ -82,3 +88,13 @@ def report(node_name: str) -> None:
         {"repo_id": entry.repo_id, "commit": entry.commit, "bytes": entry.size,
          "last_used": datetime.fromtimestamp(entry.last_used, UTC).isoformat()}
         for entry in model_cache().entries()])
+
+
+def failure_reason(exc: Exception) -> str:
+    """Why fetching the weights failed, in words for the replica's failure reason."""
+    if isinstance(exc, InvalidToken):
+        return ("this node cannot open the model's access token: its KVRUN_SEALING_KEY (or, "
+                "without one, SECRET_KEY) differs from the control plane's")
+    if isinstance(exc, HubRefusal):
+        return exc.message
+    return str(exc) or type(exc).__name__

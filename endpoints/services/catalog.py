@@ -42,8 +42,12 @@ def _upsert(model: type[Catalog], rows: list[dict], kept: tuple[str, ...] = ()) 
 
 def do_import_model(*, directory: Path, slug: str | None = None,
                     licence: str = "unknown") -> tuple[ModelSpec, bool]:
-    """Add or update a catalog model from a local checkpoint folder. Returns (model, created)."""
+    """Add or update a catalog model from a local checkpoint folder. Returns (model, created).
+    Raises ValueError for a slug in an organisation's namespace (with `--`)."""
     fields = hf_checkpoint.describe(directory)
     fields["slug"] = slug or fields["slug"]
+    if "--" in fields["slug"]:
+        raise ValueError(f"{fields['slug']!r}: a catalog slug has no '--', which names "
+                         "organisations' own models")
     fields.update(hf_repo=str(Path(directory).resolve()), licence=licence)
     return ModelSpec.objects.update_or_create(slug=fields.pop("slug"), defaults=fields)

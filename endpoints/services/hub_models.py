@@ -18,6 +18,8 @@ from engine.sizing import GB
 from kvrun.common.sealing import seal
 
 REPEATED = "one_model_per_organization_repository_commit"
+# Between an organisation's slug and its model's name; catalog slugs never have it.
+OWN_MODEL_SEPARATOR = "--"
 # What an HTTP header can carry of a token: printable ASCII, no spaces.
 TOKEN_SHAPE = re.compile(r"[!-~]+")
 
@@ -50,7 +52,7 @@ def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
         raise ValidationError({"hf_repo": [
             f"{repo_id}'s config.json has no {exc.args[0]!r}: kvrun sizes decoder language "
             "models from their config, and this one does not say enough."]}) from exc
-    refusal = _refusal(checkpoint)
+    refusal = _refusal(checkpoint, revision=revision)
     if refusal:
         raise ValidationError({"hf_repo": [refusal]})
     files = [{"path": f.path, "size": f.size, "sha256": f.sha256}
@@ -64,12 +66,24 @@ def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
     return _insert(model)
 
 
-def _refusal(checkpoint: hub.HubCheckpoint) -> str | None:
+def remote_code_allowed(*, repo_id: str, revision: str, commit: str) -> bool:
+    """Whether an operator allows this commit's own code to run on the nodes: listed in
+    KVRUN_REMOTE_CODE_REPOS as `owner/name@<commit>`, or as `owner/name` and taken from its
+    default branch. Never a pull request's or another branch's code by the repository's name
+    alone: anyone can open a pull request on a hub repository."""
+    allowed = settings.KVRUN_REMOTE_CODE_REPOS
+    return f"{repo_id}@{commit}" in allowed or (
+        repo_id in allowed and revision in ("", hub.DEFAULT_REVISION))
+
+
+def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str) -> str | None:
     repo = checkpoint.repo_id
-    if checkpoint.remote_code and repo not in settings.KVRUN_REMOTE_CODE_REPOS:
-        return (f"{repo} needs code from its own repository to run (its config names custom "
-                "classes), and kvrun runs such code only for repositories an operator allows: "
-                "ask one to add it to KVRUN_REMOTE_CODE_REPOS.")
+    if checkpoint.remote_code and not remote_code_allowed(
+            repo_id=repo, revision=revision, commit=checkpoint.commit):
+        return (f"{repo} at {checkpoint.commit[:12]} needs code from its own repository to "
+                "run (its config names custom classes), and kvrun runs such code only where "
+                "an operator allows it: ask one to add it to KVRUN_REMOTE_CODE_REPOS "
+                "(owner/name for its default branch, owner/name@<commit> for one commit).")
     architectures, versions, largest_cache = engines_online()
     if not architectures:
         return (f"No node online says which architectures its engines run, so {repo} "
@@ -88,12 +102,15 @@ def _refusal(checkpoint: hub.HubCheckpoint) -> str | None:
 
 
 def _insert(model: ModelSpec) -> ModelSpec:
-    """Insert under the first free slug: the repository's name, then with the commit, then
-    with a random suffix. The same repository at the same commit twice in one organisation
-    is refused, naming the model it already is."""
-    base = re.sub(r"[^a-z0-9]+", "-", model.hf_repo.split("/")[-1].lower()).strip("-")[:60]
-    candidates = [base or "model", f"{base}-{model.hf_commit[:7]}",
-                  f"{base}-{secrets.token_hex(3)}"]
+    """Insert under the first free slug in the organisation's own namespace
+    (`<organisation>--<repository name>`, which no catalog slug has), then with the commit,
+    then with a random suffix: no organisation's choice can take or reveal another's, or a
+    catalog model's. The same repository at the same commit twice in one organisation is
+    refused, naming the model it already is."""
+    assert model.organization is not None
+    name = re.sub(r"[^a-z0-9]+", "-", model.hf_repo.split("/")[-1].lower()).strip("-")[:40]
+    base = f"{model.organization.slug}{OWN_MODEL_SEPARATOR}{name or 'model'}"[:70]
+    candidates = [base, f"{base}-{model.hf_commit[:7]}", f"{base}-{secrets.token_hex(3)}"]
     for slug in candidates:
         model.slug = slug
         try:

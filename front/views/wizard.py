@@ -134,8 +134,9 @@ def _initial(query: QueryDict, organization: Organization) -> dict[str, object]:
 
 
 def suggested_name(slug: str) -> str:
-    """An endpoint name from a model's slug: a slug itself (no dots), at most 40 characters."""
-    return re.sub(r"[^a-z0-9-]+", "-", slug.lower())[:40].strip("-")
+    """An endpoint name from a model's slug (an organisation's own model: its name, without
+    the organisation): a slug itself (no dots), at most 40 characters."""
+    return re.sub(r"[^a-z0-9-]+", "-", slug.split("--")[-1].lower())[:40].strip("-")
 
 
 def _catalog_context(organization: Organization) -> dict[str, object]:

@@ -45,6 +45,7 @@ def test_catalog_rows_are_consistent() -> None:
         else:
             assert row["attention_heads"] % row["kv_heads"] == 0, row["slug"]
         assert row["max_context"] >= 2048, row["slug"]
+        assert "--" not in row["slug"], "'--' names an organisation's own models"
 
 
 def test_the_api_lists_filters_and_fetches_models(owner_api: APIClient, catalogs: None) -> None:

@@ -11,8 +11,10 @@ from rest_framework.test import APIClient
 from accounts.models import Membership, Organization, Role
 from bench.hub_server import Hub
 from endpoints.models import Endpoint, ModelSpec, Node
+from endpoints.services import do_add_model_from_hub
 from engine import demo_model
 from kvrun.common.sealing import unseal
+from nodes import weights
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -82,12 +84,12 @@ def test_a_revision_is_pinned_to_the_commit_it_named_when_added(
 
     assert (pinned["status"], latest["status"]) == (201, 201)
     assert pinned["hf_commit"] == first and latest["hf_commit"] != first
-    assert (pinned["hf_revision"], pinned["slug"]) == ("v1", "moving")
-    assert latest["slug"] == f"moving-{latest['hf_commit'][:7]}"
+    assert (pinned["hf_revision"], pinned["slug"]) == ("v1", "acme--moving")
+    assert latest["slug"] == f"acme--moving-{latest['hf_commit'][:7]}"
     again = add(owner_api, org, hf_repo="kvrun/moving", hf_revision=first)
     assert again["status"] == 400
     assert again["hf_repo"] == [f"kvrun/moving at {first[:12]} is already this organisation's "
-                                "model 'moving'."]
+                                "model 'acme--moving'."]
 
 
 def test_a_gated_repository_needs_a_granted_token_which_is_kept_sealed(
@@ -129,13 +131,23 @@ def test_what_no_engine_online_can_serve_is_refused_with_its_reason(
                                "(vLLM 0.32.0) cannot run: pick a model of an architecture vLLM "
                                "supports, or ask an operator for a node whose vLLM runs it."]
     code = add(owner_api, org, hf_repo="kvrun/remote-code")
-    assert code["hf_repo"][0].startswith("kvrun/remote-code needs code from its own repository")
+    assert "needs code from its own repository" in code["hf_repo"][0]
     assert "KVRUN_REMOTE_CODE_REPOS" in code["hf_repo"][0]
     assert not ModelSpec.objects.filter(organization=org).exists()
 
+    # Allowed by name: its default branch only, never another revision (anyone can open a
+    # pull request on a hub repository); allowed by commit: that commit.
+    (folder / "modeling.py").write_text("class Custom: ...  # a stranger's pull request\n")
+    proposed = hub.publish("kvrun/remote-code", folder, branch="refs-pr-1")
     settings.KVRUN_REMOTE_CODE_REPOS = ["kvrun/remote-code"]  # type: ignore[attr-defined]
+    pull_request = add(owner_api, org, hf_repo="kvrun/remote-code", hf_revision="refs-pr-1")
+    assert "needs code from its own repository" in pull_request["hf_repo"][0]
     allowed = add(owner_api, org, hf_repo="kvrun/remote-code")
     assert allowed["status"] == 201 and allowed["trust_remote_code"] is True
+    settings.KVRUN_REMOTE_CODE_REPOS = [  # type: ignore[attr-defined]
+        f"kvrun/remote-code@{proposed}"]
+    assert add(owner_api, org, hf_repo="kvrun/remote-code",
+               hf_revision="refs-pr-1")["status"] == 201
     assert "modeling.py" in {f["path"] for f in ModelSpec.objects.get(
         slug=allowed["slug"]).files}
 
@@ -164,3 +176,36 @@ def test_only_managers_add_models_and_bad_input_changes_nothing(
         "An access token is letters, digits and punctuation without spaces (hf_…); paste it "
         "again from the hub's settings."]
     assert not ModelSpec.objects.filter(organization=org).exists()
+
+
+def test_an_organisation_sizes_its_own_model_and_nobody_else_can(
+        owner_api: APIClient, org: Organization, other_org: Organization, cpu_node: Node,
+        hub_url: str) -> None:
+    slug = add(owner_api, org, hf_repo="kvrun/demo")["slug"]
+    asked = {"model": slug, "context_length": 2048, "concurrency": 4}
+
+    own = owner_api.post(f"/api/v1/organizations/{org.slug}/sizing/", asked, format="json")
+    public = owner_api.post("/api/v1/sizing/", asked, format="json")
+    stranger = APIClient()
+    stranger.force_authenticate(other_org.memberships.get().user)
+    theirs = stranger.post(f"/api/v1/organizations/{other_org.slug}/sizing/", asked,
+                           format="json")
+
+    assert own.status_code == 200 and own.json()["kv_cache_tokens"] == 4 * 2048
+    for refused in (public, theirs):
+        assert refused.status_code == 400
+        assert refused.json()["error"]["fields"]["model"][0].startswith(
+            f"Unknown model {slug!r}")
+
+
+def test_an_organisation_s_model_never_loads_from_a_folder_named_like_it(
+        org: Organization, cpu_node: Node, hub_url: str, settings: object,
+        tmp_path: Path) -> None:
+    settings.KVRUN_MODEL_DIR = tmp_path  # type: ignore[attr-defined]
+    model = do_add_model_from_hub(organization=org, actor_role="owner", added_by=None,
+                                  repo_id="kvrun/demo")
+    (tmp_path / model.slug).mkdir()  # an operator's folder, or one named to look like it
+
+    assert weights.local_weights(model) is None
+    assert weights.weights_dir(model) == weights.model_cache().snapshot(model.hf_repo,
+                                                                        model.hf_commit)

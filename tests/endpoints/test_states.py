@@ -1,6 +1,11 @@
 import pytest
 
-from endpoints.lifecycle import do_transition_replica, summarise
+from endpoints.lifecycle import (
+    do_set_replica_progress,
+    do_stop_replica,
+    do_transition_replica,
+    summarise,
+)
 from endpoints.models import EndpointEvent, Node, Replica, ReplicaInterval
 from endpoints.states import (
     ASKED_FOR,
@@ -78,3 +83,23 @@ def test_one_refused_origin_refuses_the_whole_move(cpu_node: Node) -> None:
                               to_state=State.READY)
 
     assert Replica.objects.get(id=replica.id).state == State.LOADING
+
+
+@pytest.mark.django_db
+def test_a_replica_stopped_while_downloading_is_stopped_at_once_and_billed_nothing(
+        cpu_node: Node) -> None:
+    replica = Replica.objects.create(endpoint=demo_endpoint(organization_with_owner("Acme")),
+                                     node=cpu_node, state=State.PENDING)
+    for before, after in [(State.PENDING, State.SCHEDULING), (State.SCHEDULING, State.STARTING),
+                          (State.STARTING, State.DOWNLOADING)]:
+        do_transition_replica(replica_id=replica.id, from_states=[before], to_state=after)
+    starting = ReplicaInterval.objects.get(replica=replica)
+
+    assert do_stop_replica(replica=Replica.objects.get(id=replica.id), reason="scaled down")
+
+    assert Replica.objects.get(id=replica.id).state == State.STOPPED  # no engine to stop
+    assert ReplicaInterval.objects.filter(replica=replica).count() == 1
+    assert ReplicaInterval.objects.get(id=starting.id).ended_at is not None
+    # Its agent gives the download up at its next report.
+    assert not do_set_replica_progress(replica_id=replica.id, state=State.DOWNLOADING,
+                                       stage="downloading weights: 1 of 2 GB", percent=30)

@@ -12,7 +12,14 @@ import pytest
 from huggingface_hub import HfApi
 
 from bench.hub_server import Hub
-from engine.model_cache import CachedFile, CacheFull, DownloadFailed, ModelCache, Progress
+from engine.model_cache import (
+    CachedFile,
+    CacheFull,
+    Cancelled,
+    DownloadFailed,
+    ModelCache,
+    Progress,
+)
 from tests.helpers import ROOT, wait_until
 
 MB = 1 << 20
@@ -102,8 +109,8 @@ def test_the_least_recently_used_model_makes_room_and_one_in_use_never_does(
     os.utime(old_path.with_suffix(".used"), (time.time() - 60, time.time() - 60))
 
     with pytest.raises(CacheFull, match="without evicting models in use"):
-        fetch(cache, served, "acme/new", new, in_use={old_path, recent_path})
-    fetch(cache, served, "acme/new", new, in_use={recent_path})
+        fetch(cache, served, "acme/new", new, in_use=lambda: {old_path, recent_path})
+    fetch(cache, served, "acme/new", new, in_use=lambda: {recent_path})
 
     assert {entry.repo_id for entry in cache.entries()} == {"acme/recent", "acme/new"}
     assert not old_path.exists() and recent_path.exists()
@@ -146,3 +153,26 @@ def test_a_download_killed_midway_resumes_and_never_leaves_a_loadable_half(
     assert (snapshot / "model.safetensors").read_bytes() == (
         tmp_path / "big" / "model.safetensors").read_bytes()
     assert not partial.exists()
+
+
+def test_a_second_fetch_of_a_model_being_downloaded_waits_reporting_and_can_give_up(
+        served: Hub, tmp_path: Path) -> None:
+    import fcntl
+
+    files = publish(served, "acme/shared", tmp_path / "shared", model_safetensors=MB)
+    cache = ModelCache(tmp_path / "cache", budget_bytes=100 * MB)
+    target = cache.snapshot("acme/shared", served.commit_of("acme/shared", "main") or "")
+    target.parent.mkdir(parents=True)
+    heard: list[Progress] = []
+
+    def hear(progress: Progress) -> bool:
+        heard.append(progress)
+        return len(heard) < 2
+
+    with open(target.with_suffix(".lock"), "w") as first:  # another start is downloading it
+        fcntl.flock(first, fcntl.LOCK_EX)
+        with pytest.raises(Cancelled, match="was stopped"):
+            fetch(cache, served, "acme/shared", files, on_progress=hear)
+
+    assert len(heard) == 2 and heard[0].total_bytes == MB
+    assert served.bytes_sent == 0 and not target.exists()

@@ -27,6 +27,7 @@ REFUSED_FOR_WHAT_THEY_MEAN = {
     "POST /api/v1/organizations/{org_slug}/api-keys/",
     "POST /api/v1/organizations/{org_slug}/endpoints/",
     "POST /api/v1/organizations/{org_slug}/models/",
+    "POST /api/v1/organizations/{org_slug}/sizing/",
     "POST /api/v1/sizing/",
 }
 

@@ -29,8 +29,12 @@ def test_it_has_every_service(compose: dict) -> None:
 
 def test_kvrun_services_share_one_image_recipe_and_environment(compose: dict) -> None:
     services = compose["services"]
-    environments = [services[name]["environment"] for name in KVRUN_SERVICES]
+    # One environment, but the node's model cache, which lives on the node's volume.
+    environments = [{name: value for name, value in services[name]["environment"].items()
+                     if name != "KVRUN_MODEL_DIR"} for name in KVRUN_SERVICES]
     assert all(env == environments[0] for env in environments)
+    cache = services["node"]["environment"]["KVRUN_MODEL_DIR"]
+    assert services["node"]["volumes"] == [f"model-cache:{cache}"]
     assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER"} <= set(environments[0])
     assert "@postgres:5432/kvrun" in environments[0]["DATABASE_URL"]
     assert re.fullmatch(r"redis://:\$\{REDIS_PASSWORD:\?[^}]+\}@redis:6379/0",

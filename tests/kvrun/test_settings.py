@@ -42,3 +42,25 @@ def test_the_debug_page_shows_no_setting_that_holds_the_redis_password() -> None
     password = settings.REDIS_URL.split("@")[0]
     assert password and password not in str(shown)
     assert shown["REDIS_URL"] == shown["CELERY_BROKER_URL"] == "********************"
+
+
+def test_the_debug_page_shows_no_token_a_request_or_a_frame_held() -> None:
+    import sys
+
+    from django.test import RequestFactory
+    from django.views.debug import ExceptionReporter
+
+    secret = "hf_" + "never_shown_" + str(6 * 7)  # made here: the page quotes the source
+    request = RequestFactory().post("/orgs/acme/endpoints/new/model/",
+                                    {"hf_repo": "acme/llama", "hf_token": secret})
+
+    def add(token: str) -> None:
+        raise RuntimeError("the hub broke")
+
+    try:
+        add(secret)
+    except RuntimeError:
+        page = ExceptionReporter(request, *sys.exc_info()).get_traceback_html()
+
+    assert secret not in page
+    assert "acme/llama" in page  # what is not secret still helps
