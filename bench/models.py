@@ -34,7 +34,7 @@ from accounts.services import do_create_organization  # noqa: E402
 from bench.hub_server import Hub  # noqa: E402
 from bench.provision import kvrun_start, start_processes  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
-from endpoints.models import ModelSpec  # noqa: E402
+from endpoints.models import ModelSpec, Node  # noqa: E402
 from endpoints.planning import plan  # noqa: E402
 from endpoints.services import do_add_model_from_hub, do_load_catalogs  # noqa: E402
 from engine import demo_model, hf_checkpoint, hub  # noqa: E402
@@ -132,6 +132,10 @@ def measure(served: Hub, scratch: Path) -> int:
     organization = do_create_organization(user=owner, name="bench")
     children = start_processes(Path(settings.KVRUN_STATE_DIR) / "bench-logs")
     try:
+        deadline = time.monotonic() + 300
+        while not Node.objects.filter(name="bench-node").exclude(architectures=[]).exists():
+            assert time.monotonic() < deadline, "the node never reported its vLLM build"
+            time.sleep(0.5)
         model = do_add_model_from_hub(organization=organization, actor_role=Role.OWNER,
                                       added_by=owner, repo_id="bench/demo")
         sized = plan(model=model, context_length=CONTEXT_LENGTH, concurrency=CONCURRENCY,

@@ -17,32 +17,41 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
                      build: EngineBuild | None = None, model_cache_bytes: int = 0) -> Node:
     """Insert or refresh the node `name` with what its agent detected; it is online again.
     `address` is where its engines listen for the gateway; `build` is its vLLM (which
-    architectures adding a model is judged by), `model_cache_bytes` the disk it keeps for
-    weights. The agent has stopped whatever engines its previous run left
+    architectures adding a model is judged by; None: not read yet, the node's last report
+    stands until do_record_node_build), `model_cache_bytes` the disk it keeps for weights.
+    The agent has stopped whatever engines its previous run left
     (nodes.agent.stop_engines_left_behind) before it calls this."""
-    build = build or EngineBuild(version="", architectures=())
     if resources.devices:
         first = resources.devices[0]
         gpu_type = gpu_type_for_device(device_name=first.name, memory_bytes=first.memory_bytes)
     else:
         gpu_type = GPUType.objects.filter(slug=CPU).first()
     now = timezone.now()
+    reported = build or EngineBuild(version="", architectures=())
     Node.objects.bulk_create(
         [
             Node(
                 name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
                 devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
                 memory_bytes=resources.memory_bytes, registered_at=now, last_heartbeat_at=now,
-                vllm_version=build.version, architectures=list(build.architectures),
+                vllm_version=reported.version, architectures=list(reported.architectures),
                 model_cache_bytes=model_cache_bytes,
             )
         ],
         update_conflicts=True,
         unique_fields=["name"],
         update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
-                       "last_heartbeat_at", "vllm_version", "architectures", "model_cache_bytes"],
+                       "last_heartbeat_at", "model_cache_bytes",
+                       *(["vllm_version", "architectures"] if build else [])],
     )
     return Node.objects.get(name=name)
+
+
+def do_record_node_build(*, name: str, build: EngineBuild) -> None:
+    """The node's vLLM build as its agent read it (after registering: reading it takes
+    seconds, and the node takes replicas meanwhile)."""
+    Node.objects.filter(name=name).update(vllm_version=build.version,
+                                          architectures=list(build.architectures))
 
 
 def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str] | None:

@@ -300,6 +300,8 @@ def agent(celery_worker: object, engine_logs: Path, hub: Hub) -> Iterator[subpro
 @pytest.fixture
 def ready_node(agent: subprocess.Popen) -> Node:
     do_load_catalogs()
+    # Online, and with its vLLM build read (what adding a model by id is judged by).
     assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",
-                                                  gpu_type__slug="cpu").exists(), 60)
+                                                  gpu_type__slug="cpu").exclude(
+        architectures=[]).exists(), 120)
     return Node.objects.get(name="e2e-a")

@@ -382,3 +382,21 @@ def test_a_node_s_page_shows_its_model_cache(operator: Client) -> None:
 
     assert "acme/llama @ aaaaaaaaaaaa: 16.06 GB, last used 2026-12-06 09:00:00" in page
     assert "16.06 of 100.0 GB used" in page
+
+
+def test_an_operator_pins_a_catalog_model_to_the_commit_its_hub_id_names_now(
+        operator: Client, hub: Hub, hub_url: str) -> None:
+    named = ModelSpec.objects.get(slug="llama-3.1-8b-instruct")
+    ModelSpec.objects.filter(id=named.id).update(hf_repo="kvrun/demo")
+    missing = ModelSpec.objects.get(slug="mistral-7b-instruct-v0.3")
+    ModelSpec.objects.filter(id=missing.id).update(hf_repo="kvrun/not-there")
+
+    page = operator.post("/admin/endpoints/modelspec/", {
+        "action": "pin", "_selected_action": [str(named.id), str(missing.id)]}, follow=True)
+
+    pinned = ModelSpec.objects.get(id=named.id)
+    assert pinned.hf_commit == hub.commit_of("kvrun/demo", "main")
+    assert {f["path"] for f in pinned.files} >= {"config.json", "model.safetensors"}
+    assert ModelSpec.objects.get(id=missing.id).hf_commit == ""
+    assert b"No repository kvrun/not-there on the hub" in page.content
+    assert b"1 model(s) pinned" in page.content

@@ -1,16 +1,20 @@
-"""A node agent that goes quiet and comes back, or dies while its engine loads: its replicas
-move to a node online, no engine of its previous life stays up, and no replica is placed
-beside one."""
+"""A node agent that goes quiet and comes back, or dies while its engine loads or its weights
+download: its replicas move to a node online, no engine of its previous life stays up, no
+replica is placed beside one, and a download cut off goes on from where it was."""
 
 import os
+import shutil
 import signal
+import uuid
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from accounts.models import Organization
+from bench.hub_server import Hub
 from endpoints.models import Node, NodeState, Replica, State
 from endpoints.services import do_drain_node, do_load_catalogs, do_undrain_node
 from tests.e2e.test_provisioning import (
@@ -34,6 +38,7 @@ from tests.helpers import (
 pytestmark = [pytest.mark.e2e, pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 
 NODE = "e2e-0"  # before e2e-a in name order: an idle e2e-0 takes a CPU replica first
+MB = 2**20
 
 
 def online(name: str) -> bool:
@@ -124,6 +129,55 @@ def test_a_restarted_agent_stops_the_engine_its_previous_run_left(
         assert wait_until(lambda: online(NODE), 30)
         delete_and_settle(owner_api, org, "leftover")
     finally:
+        stop_agent(first, NODE)
+        if second is not None:
+            stop_agent(second, NODE)
+
+
+def test_a_node_killed_mid_download_resumes_it_when_back(
+        celery_worker: object, owner_api: APIClient, org: Organization, engine_logs: Path,
+        hub: Hub, hub_url: str, tmp_path: Path) -> None:
+    do_load_catalogs()
+    folder = shutil.copytree(hub.root / "kvrun/demo" / hub.commit_of("kvrun/demo", "main"),
+                             tmp_path / "demo")
+    (folder / "padding.txt").write_bytes(os.urandom(24 * MB))  # long enough to cut midway
+    repo = f"acme/resumed-{uuid.uuid4().hex[:8]}"  # never downloaded before on this machine
+    hub.publish(repo, folder)
+    first = start_agent(NODE, engine_logs, KVRUN_HUB_URL=hub.url)
+    second = None
+    try:
+        assert wait_until(lambda: online(NODE) and Node.objects.get(name=NODE).architectures,
+                          120)
+        added = owner_api.post(f"/api/v1/organizations/{org.slug}/models/", {"hf_repo": repo},
+                               format="json")
+        assert added.status_code == 201, added.content
+        size = added.json()["download_bytes"]
+        hub.rate_bytes_per_second = 4 * MB
+        sent_before = hub.bytes_sent
+        create(owner_api, org, "resumed", model=added.json()["slug"])
+        # Past the hub client's first 10 MB write to the file.
+        assert drive(lambda: hub.bytes_sent - sent_before >= 14 * MB, RESTART_WITHIN)
+        replica = Replica.objects.get(endpoint__name="resumed")
+        assert (replica.state, replica.node.name) == (State.DOWNLOADING, NODE)
+        first.kill()  # as a crash or a power cut would
+        first.wait()
+        [cut] = (Path(settings.KVRUN_MODEL_DIR) / "hub").glob(
+            f"{repo.replace('/', '--')}/*.partial/padding.txt.incomplete")
+        written = cut.stat().st_size
+        assert written >= 10 * MB
+
+        hub.rate_bytes_per_second = None
+        sent_at_restart = hub.bytes_sent
+        second = start_agent(NODE, engine_logs, KVRUN_HUB_URL=hub.url)
+        assert drive(lambda: state_of("resumed") == State.READY, RESTART_WITHIN), story_of(
+            replica.endpoint_id)
+        # The second download asked only for what the first had not written.
+        assert hub.bytes_sent - sent_at_restart <= size - written
+        assert "the node agent restarted" in "\n".join(replica.endpoint.events.values_list(
+            "message", flat=True))
+        delete_and_settle(owner_api, org, "resumed")
+    finally:
+        hub.rate_bytes_per_second = None
         stop_agent(first, NODE)
         if second is not None:
             stop_agent(second, NODE)

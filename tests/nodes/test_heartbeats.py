@@ -7,8 +7,9 @@ from endpoints.models import Endpoint, ModelSpec, Node, NodeState, Replica, Stat
 from endpoints.policies import EndpointPolicy
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.services import do_create_endpoint, do_load_catalogs, do_mark_lost_nodes
+from engine.build import EngineBuild
 from engine.devices import Device, HostResources
-from nodes.services import do_record_node_heartbeat, do_register_node
+from nodes.services import do_record_node_build, do_record_node_heartbeat, do_register_node
 from tests.factories import organization_with_owner
 
 pytestmark = pytest.mark.django_db
@@ -85,3 +86,18 @@ def test_a_recovering_node_that_goes_quiet_is_lost_again(node: Node, settings: o
 
 def test_an_unregistered_node_is_told_to_register(db: None) -> None:
     assert do_record_node_heartbeat(name="nobody", engines=[]) is None
+
+
+def test_a_node_s_vllm_build_survives_its_registering_again_until_it_reads_a_new_one(
+        node: Node) -> None:
+    build = EngineBuild(version="0.32.0", architectures=("LlamaForCausalLM",))
+    do_record_node_build(name="gpu-1", build=build)
+    resources = HostResources(devices=[], cpu_count=64, memory_bytes=2**40)
+
+    do_register_node(name="gpu-1", resources=resources)  # its agent restarted: not read yet
+    assert Node.objects.get(name="gpu-1").architectures == ["LlamaForCausalLM"]
+    do_register_node(name="gpu-1", resources=resources, build=EngineBuild(
+        version="0.33.0", architectures=("LlamaForCausalLM", "Qwen3ForCausalLM")))
+    node = Node.objects.get(name="gpu-1")
+    assert (node.vllm_version, node.architectures) == (
+        "0.33.0", ["LlamaForCausalLM", "Qwen3ForCausalLM"])

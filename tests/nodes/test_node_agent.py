@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from django.conf import settings
 
 from endpoints.models import Node, NodeState
 from endpoints.services import do_load_catalogs
@@ -28,6 +29,11 @@ def test_a_node_agent_registers_heartbeats_and_is_lost_when_killed(
         node = Node.objects.get(name="test-node-a")
         assert (node.state, node.gpu_type.slug, node.devices) == (NodeState.ONLINE, "cpu", [])
         assert node.cpu_count >= 1 and node.memory_bytes > 2**30
+        # Its vLLM build, read from vLLM's own registry once it is up: what models it runs.
+        assert wait_until(lambda: Node.objects.get(name="test-node-a").architectures, 120)
+        node = Node.objects.get(name="test-node-a")
+        assert node.vllm_version == "0.32.0" and "LlamaForCausalLM" in node.architectures
+        assert node.model_cache_bytes == settings.KVRUN_MODEL_CACHE_GIB * 2**30
     finally:
         agent.kill()
         agent.wait()

@@ -18,7 +18,7 @@ from nodes.agent import (
     serve,
     stop_engines_left_behind,
 )
-from nodes.services import do_register_node
+from nodes.services import do_record_node_build, do_register_node
 
 
 class Command(BaseCommand):
@@ -41,13 +41,15 @@ class Command(BaseCommand):
         if left:
             self.stdout.write(f"stopped {left} engine(s) left by this node's previous run")
         resources = devices.detect()
-        registration = {
+        registration: dict[str, Any] = {
             "resources": resources, "address": address,
-            "build": build.detect(device=GPU if resources.devices else CPU,
-                                  cache_dir=settings.KVRUN_STATE_DIR),
             "model_cache_bytes": settings.KVRUN_MODEL_CACHE_GIB * GIB}
         node = do_register_node(name=name, **registration)
         weights.report(name)
+        # The vLLM build's architectures take seconds to read (once per version): the node
+        # takes replicas meanwhile, and adding a model waits for them.
+        threading.Thread(target=self._read_build, args=(name, resources, registration),
+                         daemon=True).start()
         gpu = node.gpu_type.name if node.gpu_type else "no catalog match"
         self.stdout.write(
             f"node {name}: {len(resources.devices)} GPU(s) ({gpu}), {resources.cpu_count} CPUs, "
@@ -80,6 +82,20 @@ class Command(BaseCommand):
         finally:
             stop.set()
             agent.stop_all_engines()
+
+    def _read_build(self, name: str, resources: devices.HostResources,
+                    registration: dict[str, Any]) -> None:
+        try:
+            found = build.detect(device=GPU if resources.devices else CPU,
+                                 cache_dir=settings.KVRUN_STATE_DIR)
+            registration["build"] = found  # a later registration reports it too
+            do_record_node_build(name=name, build=found)
+            self.stdout.write(f"node {name}: vLLM {found.version or 'not installed'}, "
+                              f"{len(found.architectures)} model architectures")
+        except Exception as exc:  # no architectures: models are not added until it is read
+            self.stderr.write(f"reading the vLLM build failed: {exc}")
+        finally:
+            close_old_connections()
 
     def _beat(self, agent: NodeAgent, registration: dict[str, Any],
               stop: threading.Event) -> None:
