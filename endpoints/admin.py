@@ -26,8 +26,10 @@ from endpoints.models import (
     ReplicaInterval,
     State,
 )
+from endpoints.selectors import hub_token_of
 from endpoints.services import (
     do_drain_node,
+    do_pin_model,
     do_promote_models,
     do_restart_endpoint,
     do_start_endpoint,
@@ -35,6 +37,7 @@ from endpoints.services import (
     do_undrain_node,
 )
 from endpoints.states import ON_NODE
+from engine.hub import HubRefusal
 from engine.sizing import GIB
 from kvrun.common.paginators import BoundedCountPaginator
 
@@ -72,7 +75,7 @@ class ModelSpecAdmin(admin.ModelAdmin):
     exclude = ["hf_token_sealed"]
     readonly_fields = ["organization", "added_by", "added_at", "hf_commit", "files",
                        "hf_token_last4"]
-    actions = ["promote", "pull_onto_nodes"]
+    actions = ["promote", "pin", "pull_onto_nodes"]
 
     @admin.display(description="owner", ordering="organization__name")
     def owner(self, model: ModelSpec) -> str:
@@ -88,6 +91,23 @@ class ModelSpecAdmin(admin.ModelAdmin):
     def promote(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
         promoted = do_promote_models(model_ids=list(queryset.values_list("id", flat=True)))
         self.message_user(request, f"{promoted} model(s) are in the public catalog now.",
+                          messages.SUCCESS)
+
+    @admin.action(description="Pin: resolve the hub revision to its commit now (nodes "
+                              "download that commit, whatever the branch does later)",
+                  permissions=["change"])
+    def pin(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
+        pinned = 0
+        for model in queryset.exclude(hf_repo="").exclude(hf_repo__startswith="/").filter(
+                hf_commit=""):
+            try:
+                do_pin_model(model=model, token=hub_token_of(model))
+            except HubRefusal as exc:
+                self.message_user(request, f"{model.name}: {exc.message}", messages.ERROR)
+            else:
+                pinned += 1
+        self.message_user(request, f"{pinned} model(s) pinned; models pinned already, and "
+                                   "those built locally, are left as they are.",
                           messages.SUCCESS)
 
     @admin.action(description="Pre-pull: download the weights onto every online node",
