@@ -38,7 +38,7 @@ from endpoints.models import ModelSpec, Node  # noqa: E402
 from endpoints.planning import plan  # noqa: E402
 from endpoints.services import do_add_model_from_hub, do_load_catalogs  # noqa: E402
 from engine import demo_model, hf_checkpoint, hub  # noqa: E402
-from engine.model_cache import CachedFile, ModelCache  # noqa: E402
+from engine.model_cache import ModelCache  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
 
 GOALS = [
@@ -76,7 +76,7 @@ def big_repository(folder: Path) -> Path:
     return folder
 
 
-def plain_download(url: str, files: list[CachedFile], into: Path) -> float:
+def plain_download(url: str, files: list[hub.HubFile], into: Path) -> float:
     """The same files from the same server with a streaming GET each, nothing checked."""
     started = time.monotonic()
     with httpx.Client(timeout=60) as client:
@@ -88,7 +88,7 @@ def plain_download(url: str, files: list[CachedFile], into: Path) -> float:
     return time.monotonic() - started
 
 
-def kvrun_fetch(url: str, commit: str, files: list[CachedFile], into: Path) -> float:
+def kvrun_fetch(url: str, commit: str, files: list[hub.HubFile], into: Path) -> float:
     started = time.monotonic()
     ModelCache(into, budget_bytes=2 * SHARDS * SHARD_BYTES).fetch(
         endpoint=url, repo_id="bench/big", commit=commit, files=files, token=None)
@@ -108,8 +108,7 @@ def main() -> int:
 
 def measure(served: Hub, scratch: Path) -> int:
     commit = served.publish("bench/big", big_repository(scratch / "big"))
-    files = [CachedFile(path=f.path, size=f.size, sha256=f.sha256)
-             for f in hub.pin(endpoint=served.url, repo_id="bench/big")[1]]
+    files = list(hub.pin(endpoint=served.url, repo_id="bench/big")[1])
     plain: list[float] = []
     fetched: list[float] = []
     for round_number in range(ROUNDS):

@@ -32,19 +32,13 @@ from huggingface_hub import get_hf_file_metadata, hf_hub_url
 from huggingface_hub.file_download import http_get
 from huggingface_hub.utils import build_hf_headers
 
+from engine.hub import HubFile
 from engine.sizing import GB
 
 PROGRESS_SECONDS = 1.0
 RATE_AFTER_SECONDS = 2.0
 CHUNK_BYTES = 1 << 20
 INCOMPLETE = ".incomplete"
-
-
-@dataclass(frozen=True)
-class CachedFile:
-    path: str
-    size: int
-    sha256: str | None  # the hub states it for files kept in LFS (every weights file)
 
 
 @dataclass(frozen=True)
@@ -142,7 +136,7 @@ class ModelCache:
                         last_used=used.stat().st_mtime if used.exists() else 0.0))
         return sorted(found, key=lambda entry: entry.last_used)
 
-    def fetch(self, *, endpoint: str, repo_id: str, commit: str, files: Sequence[CachedFile],
+    def fetch(self, *, endpoint: str, repo_id: str, commit: str, files: Sequence[HubFile],
               token: str | None, in_use: Callable[[], Collection[Path]] = lambda: (),
               on_progress: Callable[[Progress], bool] = lambda progress: True) -> Path:
         """The snapshot of `repo_id` at `commit`, downloading `files` from the hub at
@@ -208,7 +202,7 @@ class ModelCache:
                 f"{needed / GB:.1f} GB more without evicting models in use")
 
     def _download(self, *, endpoint: str, repo_id: str, commit: str,
-                  files: Sequence[CachedFile], token: str | None, partial: Path,
+                  files: Sequence[HubFile], token: str | None, partial: Path,
                   on_progress: Callable[[Progress], bool]) -> dict[str, str]:
         """Fetch what is missing of `files` into `partial`; returns the SHA-256 of each file
         hashed as it arrived (one fetched whole by an earlier attempt is hashed when
@@ -258,7 +252,7 @@ class ModelCache:
         return digests
 
 
-def _download_file(*, endpoint: str, repo_id: str, commit: str, file: CachedFile,
+def _download_file(*, endpoint: str, repo_id: str, commit: str, file: HubFile,
                    token: str | None, folder: Path) -> str | None:
     """Fetch one file into `folder` through the hub's client, going on from what an earlier,
     interrupted fetch wrote (a ranged request); the file takes its name once whole. Returns
@@ -333,7 +327,7 @@ class _HashingWriter:
         return str(self._digest.hexdigest()) if self.valid else None
 
 
-def _check(folder: Path, files: Sequence[CachedFile], digests: dict[str, str]) -> None:
+def _check(folder: Path, files: Sequence[HubFile], digests: dict[str, str]) -> None:
     """Every file there, with the size and (where the hub states one) the SHA-256 stated."""
     for file in files:
         path = folder / file.path

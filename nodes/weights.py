@@ -13,8 +13,8 @@ from endpoints.selectors import hub_token_of
 from endpoints.services import do_pin_model
 from endpoints.states import ON_NODE, State
 from engine import demo_model
-from engine.hub import HubRefusal
-from engine.model_cache import CachedFile, ModelCache, Progress
+from engine.hub import HubFile, HubRefusal
+from engine.model_cache import ModelCache, Progress
 from engine.sizing import GIB
 from kvrun.common.sealing import InvalidToken
 from nodes.services import do_record_model_cache
@@ -67,7 +67,7 @@ def fetch(*, model: ModelSpec, node_name: str,
     try:
         cache.fetch(endpoint=settings.KVRUN_HUB_URL, repo_id=model.hf_repo,
                     commit=model.hf_commit, token=token, in_use=lambda: in_use(node_name),
-                    files=[CachedFile(**file) for file in model.files], on_progress=on_progress)
+                    files=[HubFile(**file) for file in model.files], on_progress=on_progress)
     finally:
         report(node_name)
     return model

@@ -4,6 +4,7 @@ weights)."""
 
 import re
 import secrets
+from dataclasses import asdict
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -55,8 +56,8 @@ def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
     refusal = _refusal(checkpoint, revision=revision)
     if refusal:
         raise ValidationError({"hf_repo": [refusal]})
-    files = [{"path": f.path, "size": f.size, "sha256": f.sha256}
-             for f in hub.engine_files(checkpoint.files, remote_code=checkpoint.remote_code)]
+    files = [asdict(f) for f in hub.engine_files(checkpoint.files,
+                                                 remote_code=checkpoint.remote_code)]
     model = ModelSpec(
         **fields, organization=organization, added_by=added_by, name=repo_id,
         hf_repo=repo_id, hf_revision=revision, hf_commit=checkpoint.commit, files=files,
@@ -139,8 +140,7 @@ def do_pin_model(*, model: ModelSpec, token: str | None) -> ModelSpec:
                             revision=model.hf_revision or None, token=token)
     wanted = hub.engine_files(files, remote_code=model.trust_remote_code)
     ModelSpec.objects.filter(id=model.id, hf_commit="").update(
-        hf_commit=commit, files=[{"path": f.path, "size": f.size, "sha256": f.sha256}
-                                 for f in wanted])
+        hf_commit=commit, files=[asdict(f) for f in wanted])
     return ModelSpec.objects.get(id=model.id)  # another node may have pinned it first
 
 

@@ -9,17 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from huggingface_hub import HfApi
 
 from bench.hub_server import Hub
-from engine.model_cache import (
-    CachedFile,
-    CacheFull,
-    Cancelled,
-    DownloadFailed,
-    ModelCache,
-    Progress,
-)
+from engine import hub
+from engine.hub import HubFile
+from engine.model_cache import CacheFull, Cancelled, DownloadFailed, ModelCache, Progress
 from tests.helpers import ROOT, wait_until
 
 MB = 1 << 20
@@ -32,18 +26,16 @@ def served(tmp_path: Path) -> Iterator[Hub]:
     server.stop()
 
 
-def publish(served: Hub, repo_id: str, folder: Path, **sizes: int) -> list[CachedFile]:
+def publish(served: Hub, repo_id: str, folder: Path, **sizes: int) -> list[HubFile]:
     """A repository of files of the sizes given (random bytes), and what kvrun would fetch."""
     folder.mkdir(parents=True)
     for name, size in sizes.items():
         (folder / name.replace("_", ".")).write_bytes(os.urandom(size))
     served.publish(repo_id, folder)
-    info = HfApi(endpoint=served.url, token=False).model_info(repo_id, files_metadata=True)
-    return [CachedFile(path=s.rfilename, size=s.size or 0, sha256=s.lfs.sha256 if s.lfs else None)
-            for s in info.siblings or []]
+    return list(hub.pin(endpoint=served.url, repo_id=repo_id)[1])
 
 
-def fetch(cache: ModelCache, served: Hub, repo_id: str, files: list[CachedFile],
+def fetch(cache: ModelCache, served: Hub, repo_id: str, files: list[HubFile],
           **kwargs: object) -> Path:
     return cache.fetch(endpoint=served.url, repo_id=repo_id,
                        commit=served.commit_of(repo_id, "main") or "", files=files, token=None,
@@ -88,7 +80,7 @@ def test_progress_reads_as_a_person_would_want_it() -> None:
 def test_a_file_unlike_what_the_hub_states_is_never_made_a_snapshot(
         served: Hub, tmp_path: Path) -> None:
     files = publish(served, "acme/tampered", tmp_path / "t", model_safetensors=MB)
-    wrong = [CachedFile(path=f.path, size=f.size, sha256="0" * 64) for f in files]
+    wrong = [HubFile(path=f.path, size=f.size, sha256="0" * 64) for f in files]
     cache = ModelCache(tmp_path / "cache", budget_bytes=100 * MB)
 
     with pytest.raises(DownloadFailed, match="does not match the SHA-256"):
@@ -118,11 +110,12 @@ def test_the_least_recently_used_model_makes_room_and_one_in_use_never_does(
 
 FETCH_IN_A_CHILD = """
 import sys
-from engine.model_cache import CachedFile, ModelCache
+from engine.hub import HubFile
+from engine.model_cache import ModelCache
 url, commit, root, size, sha = sys.argv[1:]
 ModelCache(root, budget_bytes=10**9).fetch(
     endpoint=url, repo_id="acme/big", commit=commit, token=None,
-    files=[CachedFile(path="model.safetensors", size=int(size), sha256=sha)])
+    files=[HubFile(path="model.safetensors", size=int(size), sha256=sha)])
 """
 
 
