@@ -14,6 +14,8 @@ import json
 import sys
 from pathlib import Path
 
+from engine.lora import LoraShape
+
 SEED = 20261202
 VOCAB_SIZE = 512
 MAX_CONTEXT = 2048
@@ -96,6 +98,15 @@ def _build_weights(directory: Path) -> None:
     config = LlamaConfig(**CONFIG, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
+
+
+def lora_shape() -> LoraShape:
+    """The dimensions the demo model's LoRA adapters follow."""
+    return LoraShape(layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
+                     intermediate_size=CONFIG["intermediate_size"],
+                     attention_heads=CONFIG["num_attention_heads"],
+                     kv_heads=CONFIG["num_key_value_heads"], head_dim=CONFIG["head_dim"],
+                     vocab_size=VOCAB_SIZE)
 
 
 def parameter_count() -> int:

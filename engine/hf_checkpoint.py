@@ -86,6 +86,7 @@ def describe_config(config: Mapping[str, Any], tensors: Tensors) -> dict[str, An
         "weights_bytes": tensors.weights_bytes,
         "layers": text["num_hidden_layers"],
         "hidden_size": hidden,
+        "intermediate_size": text.get("intermediate_size"),
         "attention_heads": heads,
         "kv_heads": kv_heads,
         "head_dim": text.get("head_dim") or hidden // heads,

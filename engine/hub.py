@@ -29,6 +29,7 @@ from huggingface_hub.errors import (
     SafetensorsParsingError,
 )
 
+from engine import lora
 from engine.hf_checkpoint import Tensors, describe_config
 
 DEFAULT_REVISION = "main"
@@ -136,6 +137,46 @@ def inspect(*, endpoint: str, repo_id: str, revision: str | None = None,
         chat_template=bool(tokenizer.get("chat_template")) or bool(
             names & {"chat_template.jinja", "chat_template.json"}),
         remote_code=bool(config.get("auto_map")), licence=licence[:40])
+
+
+@dataclass(frozen=True)
+class HubAdapter:
+    """A LoRA adapter's repository pinned at one commit: its config and tensors' shapes."""
+
+    repo_id: str
+    commit: str
+    files: tuple[HubFile, ...]
+    config: Mapping[str, Any]
+    tensors: Mapping[str, list[int]]
+
+
+def inspect_adapter(*, endpoint: str, repo_id: str, revision: str | None = None,
+                    token: str | None = None) -> HubAdapter:
+    """Resolve `revision` of the adapter repository `repo_id` to its commit, and read its
+    adapter_config.json and its weights' header (a range request). Raises HubRefusal."""
+    api = HfApi(endpoint=endpoint, token=False)
+    secret: str | bool = token or False
+    asked = revision or DEFAULT_REVISION
+    with _refusals(repo_id=repo_id, revision=asked, token=token, endpoint=endpoint):
+        info = api.model_info(repo_id, revision=asked, files_metadata=True, token=secret,
+                              timeout=TIMEOUT_SECONDS)
+        commit, files = _pinned(info)
+        names = {f.path for f in files}
+        if not {lora.CONFIG_FILE, lora.WEIGHTS_FILE} <= names:
+            raise HubRefusal("hf_repo", f"{repo_id} at {commit[:12]} is not a LoRA adapter: it "
+                             f"needs {lora.CONFIG_FILE} and {lora.WEIGHTS_FILE}.")
+        with tempfile.TemporaryDirectory(prefix="kvrun-hub-") as scratch:
+            path = api.hf_hub_download(repo_id, lora.CONFIG_FILE, revision=commit,
+                                       token=secret, local_dir=scratch,
+                                       etag_timeout=TIMEOUT_SECONDS)
+            config = dict(json.loads(Path(path).read_text()))
+        header = api.parse_safetensors_file_metadata(repo_id, lora.WEIGHTS_FILE,
+                                                     revision=commit, token=secret)
+    return HubAdapter(repo_id=repo_id, commit=commit,
+                      files=tuple(f for f in files if f.path in (lora.CONFIG_FILE,
+                                                                 lora.WEIGHTS_FILE)),
+                      config=config, tensors={name: list(tensor.shape)
+                                              for name, tensor in header.tensors.items()})
 
 
 def pin(*, endpoint: str, repo_id: str, revision: str | None = None,

@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+from engine.lora import LoraShape, device_bytes
+
 # Device kinds: a GPU node's, and a CPU node's (also the catalog's GPU-type slug for CPU nodes).
 GPU = "gpu"
 CPU = "cpu"
@@ -52,6 +54,8 @@ class ModelShape:
     sliding_window_layers: int = 0
     # The checkpoint's weights as its files state them; None: parameters x the dtype's bytes.
     weights_bytes: int | None = None
+    # Its linear layers' dimensions, for the device memory LoRA slots take; None: unknown.
+    lora: LoraShape | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class Request:
     kv_dtype: str = "auto"
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     block_tokens: int = GPU_BLOCK_TOKENS
+    # LoRA adapters held on the device at once (0: none), at most this rank.
+    lora_adapters: int = 0
+    lora_max_rank: int = 0
 
 
 def weight_bytes(model: ModelShape, dtype: str) -> int:
@@ -124,6 +131,7 @@ class Fit:
     kv_available_per_gpu: int
     overhead_bytes_per_gpu: int
     usable_bytes_per_gpu: int
+    lora_bytes_per_gpu: int = 0
 
     @property
     def fits(self) -> bool:
@@ -149,10 +157,20 @@ def evaluate(model: ModelShape, request: Request, accelerator: Accelerator, coun
     needed = request.concurrency * kv_bytes_for_request(
         model, tokens=request.context_length, kv_dtype=request.kv_dtype, tp=count,
         block_tokens=request.block_tokens)
-    available = usable - weights - RUNTIME_OVERHEAD_BYTES
+    adapters = lora_bytes(model, request, tp=count)
+    available = usable - weights - adapters - RUNTIME_OVERHEAD_BYTES
     return Fit(accelerator=accelerator, count=count, weight_bytes_per_gpu=weights,
                kv_needed_per_gpu=needed, kv_available_per_gpu=available,
-               overhead_bytes_per_gpu=RUNTIME_OVERHEAD_BYTES, usable_bytes_per_gpu=usable)
+               overhead_bytes_per_gpu=RUNTIME_OVERHEAD_BYTES, usable_bytes_per_gpu=usable,
+               lora_bytes_per_gpu=adapters)
+
+
+def lora_bytes(model: ModelShape, request: Request, *, tp: int) -> int:
+    """What the request's LoRA slots take on each GPU (engine.lora.device_bytes)."""
+    if not request.lora_adapters or model.lora is None:
+        return 0
+    return device_bytes(model.lora, adapters=request.lora_adapters,
+                        max_rank=request.lora_max_rank, tp=tp, dtype=request.weight_dtype)
 
 
 def valid_tp(model: ModelShape, count: int) -> bool:
@@ -179,6 +197,9 @@ def explain(model: ModelShape, request: Request, choice: Fit | None, fits: list[
     asked = (f"weights {gb_text(weight_bytes(model, request.weight_dtype))} "
              f"+ KV {gib_text(kv_total)} "
              f"for {request.concurrency} × {_k(request.context_length)} tokens")
+    if request.lora_adapters and model.lora is not None:
+        asked += (f" + LoRA {gib_text(lora_bytes(model, request, tp=1))} for "
+                  f"{request.lora_adapters} adapter(s) of rank {request.lora_max_rank}")
     if choice is None:
         best = max(fits, key=lambda fit: fit.kv_available_per_gpu, default=None)
         if best is None or best.kv_available_per_gpu <= 0:

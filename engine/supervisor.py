@@ -50,6 +50,11 @@ class EngineSpec:
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
     replica: str = ""
     trust_remote_code: bool = False  # an operator allowed the model's own code to run
+    # LoRA adapters held on the device at once (0: the engine serves none), their largest
+    # rank, and how many it keeps in host memory (0: as many as on the device).
+    lora_adapters: int = 0
+    lora_max_rank: int = 16
+    lora_host_adapters: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()  # flags beyond what a policy sets (gpu-check's loader)
 
@@ -76,6 +81,10 @@ def build_command(spec: EngineSpec,
     argv += kv.argv + list(spec.extra_args)
     if spec.trust_remote_code:
         argv.append("--trust-remote-code")
+    if spec.lora_adapters:
+        argv += ["--enable-lora", "--max-loras", str(spec.lora_adapters),
+                 "--max-lora-rank", str(spec.lora_max_rank),
+                 "--max-cpu-loras", str(max(spec.lora_adapters, spec.lora_host_adapters))]
     if spec.api_key:
         # vLLM checks the key under /v1 only; this checks it on every other path but /health.
         argv += ["--middleware", "engine.key_guard.RequireEngineKey"]
@@ -84,6 +93,9 @@ def build_command(spec: EngineSpec,
            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_SECONDS),
            OWNER_VARIABLE: spec.owner, REPLICA_VARIABLE: spec.replica, **kv.env,
            **spec.extra_env}
+    if spec.lora_adapters:
+        # Adapters added while the endpoint runs reach its engines without a restart.
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if spec.device == CPU:
         argv += ["--enforce-eager",  # no CUDA graphs on the CPU backend
                  "--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
@@ -191,6 +203,40 @@ def warm_up(client: httpx.Client, base: str, served_model_name: str, api_key: st
     if response.status_code != 200:
         raise EngineFailed(f"the engine failed its first completion ({response.status_code}): "
                            f"{response.text[:300]}")
+
+
+def load_adapter(*, host: str = "127.0.0.1", port: int, api_key: str, name: str,
+                 path: str) -> None:
+    """Load the LoRA adapter in folder `path` into a running engine under `name`; one it
+    already holds by that name is left as it is. Raises EngineFailed with the engine's
+    reason when it refuses the adapter."""
+    response = httpx.post(f"http://{host}:{port}/v1/load_lora_adapter", timeout=120.0,
+                          headers={"Authorization": f"Bearer {api_key}"},
+                          json={"lora_name": name, "lora_path": path})
+    if response.status_code != 200 and "already been loaded" not in response.text:
+        raise EngineFailed(f"the engine refused the adapter {name} "
+                           f"({response.status_code}): {response.text[:300]}")
+
+
+def unload_adapter(*, host: str = "127.0.0.1", port: int, api_key: str, name: str) -> None:
+    """Unload the LoRA adapter `name` from a running engine; one it does not hold is gone
+    already."""
+    response = httpx.post(f"http://{host}:{port}/v1/unload_lora_adapter", timeout=30.0,
+                          headers={"Authorization": f"Bearer {api_key}"},
+                          json={"lora_name": name})
+    if response.status_code not in (200, 404):
+        raise EngineFailed(f"the engine did not unload the adapter {name} "
+                           f"({response.status_code}): {response.text[:300]}")
+
+
+def served_adapters(*, host: str = "127.0.0.1", port: int, api_key: str,
+                    served_model_name: str) -> list[str]:
+    """The LoRA adapters a running engine serves now, by name."""
+    response = httpx.get(f"http://{host}:{port}/v1/models", timeout=10.0,
+                         headers={"Authorization": f"Bearer {api_key}"})
+    response.raise_for_status()
+    return sorted(item["id"] for item in response.json()["data"]
+                  if item["id"] != served_model_name)
 
 
 def read_kv_capacity(log_text: str) -> int | None:
