@@ -157,7 +157,8 @@ class APIKey(models.Model):
     digest = models.CharField(max_length=64, unique=True, editable=False)
     prefix = models.CharField(max_length=12, editable=False)
     last_four = models.CharField(max_length=4, editable=False)
-    endpoint_names = ArrayField(models.CharField(max_length=63), default=list, blank=True)
+    # Endpoints, or one LoRA adapter of an endpoint as `<endpoint>:<adapter>`.
+    endpoint_names = ArrayField(models.CharField(max_length=127), default=list, blank=True)
     purpose = models.CharField(max_length=10, choices=KeyPurpose.choices, default=KeyPurpose.API)
     requests_per_minute = models.PositiveIntegerField(
         null=True, blank=True, help_text="Empty means the deployment's default.")

@@ -122,8 +122,13 @@ class APIKeyInput(StrictSerializer):
     scope = serializers.ChoiceField(choices=Scope.choices, default=Scope.INFERENCE)
     expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
     endpoint_names = serializers.ListField(
-        child=serializers.SlugField(max_length=63), required=False, default=list, max_length=100,
-        help_text="Restrict the key to these endpoints; empty means every endpoint.",
+        child=serializers.RegexField(
+            r"^[A-Za-z0-9_-]+(:[A-Za-z0-9_-]+)?\Z", max_length=127,
+            error_messages={"invalid": "Name an endpoint, or one adapter of an endpoint as "
+                                       "endpoint:adapter."}),
+        required=False, default=list, max_length=100,
+        help_text="Restrict the key to these endpoints (and their adapters), or to single "
+                  "adapters as endpoint:adapter; empty means every endpoint.",
     )
     requests_per_minute = serializers.IntegerField(
         required=False, allow_null=True, default=None, min_value=1, max_value=LARGEST_LIMIT,

@@ -92,7 +92,8 @@ class UsageRecordAdmin(LedgerAdmin):
     fields = ["request_id", "idempotency_key", "organization", "endpoint", "replica", "key",
               "operation", "stream", "prompt_tokens", "completion_tokens", "cached_tokens",
               "status_code", "error_code", "client_disconnected", "started_at",
-              "time_to_first_token_ms", "duration_ms", "gateway_overhead_ms", "ingested_at"]
+              "time_to_first_token_ms", "duration_ms", "gateway_overhead_ms", "adapter",
+              "ingested_at"]
     readonly_fields = fields
 
 

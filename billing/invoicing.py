@@ -55,11 +55,13 @@ class Line:
     amount_cents: int
     description: str
     adjustment: bool = False
+    adapter: str = ""  # a token line's LoRA adapter; empty for the endpoint's model
 
     @property
     def key(self) -> tuple:
         """What makes two lines of one month bill the same thing."""
-        return self.kind, self.endpoint_id, self.gpu_type_id, self.phase, self.unit_price_usd
+        return (self.kind, self.endpoint_id, self.gpu_type_id, self.phase, self.unit_price_usd,
+                self.adapter)
 
 
 def month_bounds(month: date) -> tuple[datetime, datetime]:
@@ -101,10 +103,10 @@ def adjustment_lines(*, organization_id: UUID, before: date) -> list[Line]:
                                                           month=month)}
         billed = {
             (row["kind"], row["endpoint_id"], row["gpu_type_id"], row["phase"],
-             row["unit_price_usd"]): row
+             row["unit_price_usd"], row["adapter"]): row
             for row in InvoiceLine.objects.filter(invoice__organization_id=organization_id,
                                                   usage_month=month)
-            .values("kind", "endpoint_id", "gpu_type_id", "phase", "unit_price_usd")
+            .values("kind", "endpoint_id", "gpu_type_id", "phase", "unit_price_usd", "adapter")
             .annotate(quantity=Sum("quantity"), amount_cents=Sum("amount_cents"))
         }
         for key in sorted(due.keys() | billed.keys(), key=str):
@@ -152,7 +154,7 @@ def do_finalize_invoice(*, organization: Organization, month: date) -> Invoice |
             return None
         InvoiceLine.objects.bulk_create([
             InvoiceLine(invoice=invoice, kind=line.kind, endpoint_id=line.endpoint_id,
-                        gpu_type_id=line.gpu_type_id, phase=line.phase,
+                        adapter=line.adapter, gpu_type_id=line.gpu_type_id, phase=line.phase,
                         usage_month=line.usage_month, adjustment=line.adjustment,
                         period_start=line.period_start, period_end=line.period_end,
                         description=line.description[:200], quantity=line.quantity,
@@ -212,7 +214,7 @@ def _token_lines(organization_id: UUID, month: date) -> list[Line]:
     start, end = month_bounds(month)
     with connection.cursor() as cursor:
         cursor.execute("""
-            SELECT line.endpoint_id, endpoint.name, price.prompt_per_million_usd,
+            SELECT line.endpoint_id, endpoint.name, line.adapter, price.prompt_per_million_usd,
                    price.cached_per_million_usd, price.completion_per_million_usd,
                    min(line.hour), max(line.hour) + interval '1 hour',
                    sum(line.prompt_tokens - line.cached_tokens), sum(line.cached_tokens),
@@ -224,20 +226,20 @@ def _token_lines(organization_id: UUID, month: date) -> list[Line]:
                 WHERE model_id = endpoint.model_id AND effective_from <= line.hour
                 ORDER BY effective_from DESC LIMIT 1) price ON true
             WHERE line.organization_id = %s AND line.hour >= %s AND line.hour < %s
-            GROUP BY 1, 2, 3, 4, 5
-            ORDER BY 2, 3, 4, 5""", [organization_id, start, end])
+            GROUP BY 1, 2, 3, 4, 5, 6
+            ORDER BY 2, 3, 4, 5, 6""", [organization_id, start, end])
         rows = cursor.fetchall()
     # A row per price version; a version that changed another kind's price leaves this
     # kind's the same, and one kind at one price is one line (Line.key).
     counted: dict[tuple, tuple[datetime, datetime, int]] = {}
-    for endpoint_id, endpoint_name, *row in rows:
+    for endpoint_id, endpoint_name, adapter, *row in rows:
         prices, (first, last), tokens = row[0:3], row[3:5], row[5:8]
         for kind, price, count in zip(
                 (LineKind.PROMPT_TOKENS, LineKind.CACHED_TOKENS, LineKind.COMPLETION_TOKENS),
                 prices, tokens, strict=True):
             if not price or not count:
                 continue
-            key = (endpoint_id, endpoint_name, kind, price)
+            key = (endpoint_id, endpoint_name, adapter, kind, price)
             if key in counted:
                 was_first, was_last, was_count = counted[key]
                 first, last, count = min(was_first, first), max(was_last, last), was_count + count
@@ -246,25 +248,28 @@ def _token_lines(organization_id: UUID, month: date) -> list[Line]:
                  gpu_type_id=None, phase="", usage_month=month, period_start=first,
                  period_end=last, quantity=Decimal(count) / 1_000_000, unit=MILLION_TOKENS,
                  unit_price_usd=price, amount_cents=cents(count * price / 1_000_000),
-                 description=f"{endpoint_name}: {LineKind(kind).label}")
-            for (endpoint_id, endpoint_name, kind, price), (first, last, count)
+                 adapter=adapter, description=(f"{endpoint_name}"
+                                               + (f":{adapter}" if adapter else "")
+                                               + f": {LineKind(kind).label}"))
+            for (endpoint_id, endpoint_name, adapter, kind, price), (first, last, count)
             in counted.items()]
 
 
 def _line_from_billed(key: tuple, month: date) -> Line:
     """A line for something billed that the month's usage no longer comes to (an interval
     closed back at a lost node's last heartbeat, say), from its earlier lines."""
-    kind, endpoint_id, gpu_type_id, phase, unit_price = key
+    kind, endpoint_id, gpu_type_id, phase, unit_price, adapter = key
     earlier = (InvoiceLine.objects.filter(kind=kind, endpoint_id=endpoint_id,
                                           gpu_type_id=gpu_type_id, phase=phase,
-                                          unit_price_usd=unit_price, usage_month=month)
+                                          unit_price_usd=unit_price, adapter=adapter,
+                                          usage_month=month)
                .select_related("endpoint").first())
     assert earlier is not None, key  # the key is one of the month's billed lines
     return Line(kind=kind, endpoint_id=endpoint_id, endpoint_name=earlier.endpoint.name,
                 gpu_type_id=gpu_type_id, phase=phase, usage_month=month,
                 period_start=earlier.period_start, period_end=earlier.period_end,
                 quantity=Decimal(0), unit=earlier.unit, unit_price_usd=unit_price,
-                amount_cents=0, description=earlier.description)
+                amount_cents=0, description=earlier.description, adapter=adapter)
 
 
 # Finalised invoices whose month has hourly lines rolled up after they were finalised.

@@ -41,6 +41,9 @@ class UsageRecord(models.Model):
     # Wide enough for any request the gateway can serve (its overhead is at most its whole
     # duration, itself at most 2**31 ms as duration_ms).
     gateway_overhead_ms = models.DecimalField(max_digits=13, decimal_places=3)
+    adapter = models.CharField(max_length=63, blank=True, default="",
+                               help_text="The LoRA adapter it called; empty for the "
+                                         "endpoint's model.")
     ingested_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -116,10 +119,11 @@ class TokenHour(models.Model):
     prompt_tokens = models.BigIntegerField()
     completion_tokens = models.BigIntegerField()
     cached_tokens = models.BigIntegerField()
+    adapter = models.CharField(max_length=63, blank=True, default="")
     rolled_up_at = models.DateTimeField(help_text="When the rollup last wrote this hour.")
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["endpoint", "hour", "api_key"],
+        constraints = [models.UniqueConstraint(fields=["endpoint", "hour", "api_key", "adapter"],
                                                nulls_distinct=False,
                                                name="billing_token_hour_unique")]
         indexes = [models.Index(fields=["organization", "hour"]), models.Index(fields=["hour"])]
@@ -279,6 +283,8 @@ class InvoiceLine(models.Model):
     kind = models.CharField(max_length=20, choices=LineKind.choices)
     endpoint = models.ForeignKey("endpoints.Endpoint", on_delete=models.PROTECT,
                                  related_name="+")
+    adapter = models.CharField(max_length=63, blank=True, default="",
+                               help_text="The LoRA adapter whose tokens a token line bills.")
     gpu_type = models.ForeignKey("endpoints.GPUType", null=True, blank=True,
                                  on_delete=models.PROTECT, related_name="+")
     phase = models.CharField(max_length=10, blank=True, choices=BilledPhase.choices)

@@ -265,7 +265,8 @@ LINES = """
     INSERT INTO fresh_line
     SELECT date_bin('1 hour', record.started_at, '2000-01-01 00:00+00'),
            record.organization_id, record.endpoint_id, record.api_key_id, count(*),
-           sum(record.prompt_tokens), sum(record.completion_tokens), sum(record.cached_tokens)
+           sum(record.prompt_tokens), sum(record.completion_tokens), sum(record.cached_tokens),
+           record.adapter
     FROM (
         SELECT record.* FROM stale_hour CROSS JOIN LATERAL (
             SELECT * FROM billing_usagerecord
@@ -281,7 +282,7 @@ LINES = """
             OFFSET 0) AS record
         WHERE stale_hour.stale * 2 <= stale_hour.lined
     ) AS record
-    GROUP BY 1, 2, 3, 4"""
+    GROUP BY 1, 2, 3, 4, record.adapter"""
 
 
 def _roll_up_token_batch(cursor: _Cursor, *, after: tuple, batch: int
@@ -297,7 +298,8 @@ def _roll_up_token_batch(cursor: _Cursor, *, after: tuple, batch: int
             ON COMMIT DROP;
         CREATE TEMPORARY TABLE fresh_line (hour timestamptz, organization_id uuid,
             endpoint_id uuid, api_key_id uuid, requests bigint, prompt_tokens bigint,
-            completion_tokens bigint, cached_tokens bigint) ON COMMIT DROP""")
+            completion_tokens bigint, cached_tokens bigint, adapter varchar(63))
+            ON COMMIT DROP""")
     taken = _rewrite_token_hours(cursor, after=after, batch=batch)
     cursor.execute("DROP TABLE stale, stale_hour, fresh_line")
     return taken
@@ -329,7 +331,7 @@ def _rewrite_token_hours(cursor: _Cursor, *, after: tuple, batch: int) -> tuple[
     cursor.execute("""
         INSERT INTO billing_tokenhour (hour, organization_id, endpoint_id, api_key_id, requests,
                                        prompt_tokens, completion_tokens, cached_tokens,
-                                       rolled_up_at)
+                                       adapter, rolled_up_at)
         SELECT line.*, %s FROM fresh_line line JOIN stale USING (endpoint_id, hour)
         ORDER BY line.hour, line.endpoint_id""", [stamp])
     return taken, last

@@ -143,7 +143,7 @@ def usage_behind(*, organization: Organization, line: Line,
             .filter(Q(ended_at=None) | Q(ended_at__gt=line.period_start))
             .order_by("started_at", "id"))
     records = UsageRecord.objects.filter(organization=organization,
-                                         endpoint_id=line.endpoint_id,
+                                         endpoint_id=line.endpoint_id, adapter=line.adapter,
                                          started_at__gte=line.period_start,
                                          started_at__lt=line.period_end)
     if line.adjustment:
@@ -178,7 +178,8 @@ def _final(invoice: Invoice) -> InvoiceView:
                     period_start=line.period_start, period_end=line.period_end,
                     quantity=line.quantity, unit=line.unit, unit_price_usd=line.unit_price_usd,
                     amount_cents=line.amount_cents, description=line.description,
-                    adjustment=line.adjustment) for line in invoice.lines.all()])
+                    adjustment=line.adjustment, adapter=line.adapter)
+               for line in invoice.lines.all()])
 
 
 CURRENT_PRICE = gpu_price_at("now()")

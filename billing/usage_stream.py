@@ -71,6 +71,7 @@ class UsageReport:
     time_to_first_token_ms: int | None
     duration_ms: int
     gateway_overhead_ms: Decimal
+    adapter: str = ""  # the LoRA adapter it called; empty for the endpoint's model
 
     def encode(self) -> bytes:
         return orjson.dumps(self, default=str)

@@ -1,6 +1,11 @@
+from functools import cached_property
 from typing import Any
 
+from django.conf import settings
+from django.core.exceptions import ValidationError
+from django.core.files.uploadedfile import UploadedFile
 from django.db.models import QuerySet
+from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status, viewsets
@@ -12,10 +17,13 @@ from rest_framework.views import APIView
 from accounts.models import User
 from accounts.scoping import OrganizationScoped
 from endpoints import selectors, services
-from endpoints.models import Endpoint, GPUType, ModelSpec
+from endpoints.models import Adapter, Endpoint, GPUType, ModelSpec
 from endpoints.planning import plan, sizing_preview
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.serializers import (
+    AdapterInput,
+    AdapterSerializer,
+    AdapterUploadInput,
     EndpointInput,
     EndpointSerializer,
     EventSerializer,
@@ -81,8 +89,9 @@ def _sized(data: dict[str, Any]) -> dict[str, Any]:
     return plan(model=data["model"], context_length=data["context_length"],
                 concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
                 gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
-                host_tier_gib=data["host_tier_gib"],
-                disk_tier_gib=data["disk_tier_gib"]).summary
+                host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
+                lora_adapters=data["lora_adapters"],
+                lora_max_rank=data["lora_max_rank"]).summary
 
 
 class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin,
@@ -165,6 +174,71 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
 
     def _fresh(self, endpoint: Endpoint) -> Endpoint:
         return self.get_queryset().get(id=endpoint.id)
+
+
+class AdapterViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin,
+                     viewsets.GenericViewSet):
+    """The LoRA adapters an endpoint serves beside its model."""
+
+    serializer_class = AdapterSerializer
+    lookup_field = "name"
+
+    @cached_property
+    def endpoint(self) -> Endpoint:
+        return get_object_or_404(selectors.endpoints_of(organization=self.organization),
+                                 name=self.kwargs["endpoint_name"])
+
+    def get_queryset(self) -> QuerySet[Adapter]:
+        if getattr(self, "swagger_fake_view", False):
+            return Adapter.objects.none()
+        return selectors.adapters_of(endpoint=self.endpoint)
+
+    @extend_schema(request=AdapterInput, responses={201: AdapterSerializer})
+    def create(self, request: Request, **kwargs: str) -> Response:
+        """Add an adapter by its hub id, pinned to the commit its revision resolves to now.
+        Running replicas load it without a restart; one that does not fit the endpoint (its
+        base model, rank, target modules) is a 400 saying why."""
+        data = validated(AdapterInput, request)
+        adapter = services.do_add_adapter_from_hub(
+            endpoint=self.endpoint, actor_role=self.actor_role, added_by=self._user,
+            name=data["name"], repo_id=data["hf_repo"], revision=data["hf_revision"],
+            token=data["hf_token"])
+        return self._created(adapter)
+
+    @extend_schema(request={"multipart/form-data": AdapterUploadInput},
+                   responses={201: AdapterSerializer})
+    def upload(self, request: Request, **kwargs: str) -> Response:
+        """Add an adapter from its two files (at most KVRUN_ADAPTER_UPLOAD_MIB together),
+        judged as one from the hub."""
+        data = validated(AdapterUploadInput, request)
+        adapter = services.do_add_adapter_from_upload(
+            endpoint=self.endpoint, actor_role=self.actor_role, added_by=self._user,
+            name=data["name"], config_json=_read_upload(data["config"]),
+            weights=_read_upload(data["weights"]))
+        return self._created(adapter)
+
+    @property
+    def _user(self) -> User | None:
+        return self.request.user if isinstance(self.request.user, User) else None
+
+    def _created(self, adapter: Adapter) -> Response:
+        return Response(self.get_serializer(self.get_queryset().get(id=adapter.id)).data,
+                        status=status.HTTP_201_CREATED)
+
+    def destroy(self, request: Request, **kwargs: str) -> Response:
+        services.do_remove_adapter(adapter=self.get_object(), actor_role=self.actor_role)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+def _read_upload(upload: UploadedFile) -> bytes:
+    """An uploaded file's bytes, refused unread when it is over the upload limit."""
+    limit = settings.KVRUN_ADAPTER_UPLOAD_MIB * 1024 * 1024
+    if (upload.size or 0) > limit:
+        raise ValidationError({upload.field_name or "weights": [
+            f"{upload.name} takes {(upload.size or 0) / 2**20:.1f} MiB, more than uploads may "
+            f"({settings.KVRUN_ADAPTER_UPLOAD_MIB} MiB): publish the adapter on the hub and "
+            "add it by its id instead."]})
+    return upload.read()
 
 
 class OrganizationModelViewSet(OrganizationScoped, mixins.ListModelMixin,

@@ -10,11 +10,12 @@ model's).
 from celery import current_app
 from django.db import transaction
 
-from endpoints.models import Endpoint, Node, Replica
+from endpoints.models import Endpoint, Node, Replica, State
 
 START_REPLICA = "engine.start_replica"
 STOP_REPLICA = "engine.stop_replica"
 PULL_MODEL = "engine.pull_model"
+SYNC_ADAPTERS = "engine.sync_adapters"
 
 
 def send_start_after_commit(*, replica: Replica, node: Node) -> None:
@@ -28,6 +29,19 @@ def send_stop_after_commit(*, replica: Replica, node: Node) -> None:
 def _send_after_commit(task: str, *, replica: Replica, node: Node) -> None:
     replica_id, queue = str(replica.id), node.queue
     transaction.on_commit(lambda: current_app.send_task(task, args=[replica_id], queue=queue))
+
+
+def send_adapter_change_after_commit(*, endpoint: Endpoint) -> None:
+    """Once this transaction commits, have each ready replica of `endpoint` serve exactly its
+    adapters. A replica still starting reads them itself once it is ready, after this commit
+    (nodes.agent), so none is missed between the two."""
+    def send() -> None:
+        for replica in Replica.objects.filter(endpoint=endpoint, state=State.READY,
+                                              node__isnull=False).select_related("node"):
+            assert replica.node is not None
+            current_app.send_task(SYNC_ADAPTERS, args=[str(replica.id)],
+                                  queue=replica.node.queue)
+    transaction.on_commit(send)
 
 
 def reconcile_after_commit(endpoint: Endpoint) -> None:

@@ -6,6 +6,7 @@ from django.db import models
 from django.utils import timezone
 
 from endpoints.states import BilledPhase, State
+from engine import lora
 from engine.kv_policy import KVPolicy
 
 # The endpoint's contract, defined here once: the services, forms, serializers, wizard and
@@ -24,6 +25,14 @@ MAX_REPLICAS_PER_ENDPOINT = 16
 # A host tier beyond this is a typo, not a plan: the largest hosts have a few TiB of memory.
 MAX_HOST_TIER_GIB = 4096
 MAX_DISK_TIER_GIB = 65536
+# LoRA: adapters an engine holds on the device at once (vLLM's --max-loras), each taking
+# device memory at the largest rank whether used or not (engine.lora.device_bytes); beyond
+# this, a typo. Those kept in host memory, ready to swap in (--max-cpu-loras), cost no device
+# memory; 0 keeps as many as the device holds.
+MAX_LORA_ADAPTERS = 32
+MAX_LORA_HOST_ADAPTERS = 256
+DEFAULT_LORA_RANK = 16
+LORA_RANKS = lora.RANKS
 DEFAULT_IDLE_SECONDS = 900
 MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
 # The autoscaler judges a window by the engines' samples: one needs a few scrapes to say
@@ -59,6 +68,9 @@ class ModelSpec(models.Model):
     )
     layers = models.PositiveIntegerField()
     hidden_size = models.PositiveIntegerField()
+    intermediate_size = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The MLP's width: with the attention's, what LoRA "
+        "slots take on the device.")
     attention_heads = models.PositiveIntegerField()
     kv_heads = models.PositiveIntegerField()
     head_dim = models.PositiveIntegerField()
@@ -243,6 +255,14 @@ class Endpoint(models.Model):
     prefix_affinity = models.BooleanField(
         default=True, help_text="Send requests that share a prompt prefix to the same replica, "
                                 "where its cache holds that prefix (with two or more replicas).")
+    lora_adapters = models.PositiveSmallIntegerField(
+        default=0, help_text="LoRA adapters its engines hold on the device at once; 0 serves "
+                             "none.")
+    lora_max_rank = models.PositiveSmallIntegerField(
+        default=DEFAULT_LORA_RANK, help_text="The largest rank of an adapter it serves.")
+    lora_host_adapters = models.PositiveSmallIntegerField(
+        default=0, help_text="Adapters kept in host memory, ready to swap in; 0: as many as "
+                             "on the device.")
     policy_version = models.PositiveIntegerField(
         default=1, help_text="Raised by each change to what engines start with; replicas "
                              "started under an older one are replaced one at a time.")
@@ -325,6 +345,10 @@ class Replica(models.Model):
     port = models.PositiveIntegerField(null=True, blank=True)
     pid = models.PositiveIntegerField(null=True, blank=True)
     kv_cache_tokens = models.BigIntegerField(null=True, blank=True)
+    adapters = ArrayField(models.CharField(max_length=63), default=list, blank=True,
+                          help_text="The LoRA adapters its engine serves, as its agent last "
+                                    "read them: the gateway routes an adapter's requests to "
+                                    "these replicas only.")
     policy_version = models.PositiveIntegerField(
         default=1, help_text="The endpoint's policy version its engine started with.")
     restarts = models.PositiveSmallIntegerField(default=0)
@@ -339,6 +363,66 @@ class Replica(models.Model):
 
     def __str__(self) -> str:
         return f"{self.endpoint.name}/{str(self.id)[:8]}"
+
+
+class AdapterSource(models.TextChoices):
+    HUB = "hub", "Hugging Face hub"
+    UPLOAD = "upload", "upload"
+
+
+class Adapter(models.Model):
+    """A LoRA adapter an endpoint serves beside its model: clients call it as
+    `<endpoint>:<name>`. Its files come from the hub at a pinned commit, or were uploaded
+    (AdapterFile); each node writes them to its model cache and its engines load them from
+    there."""
+
+    endpoint = models.ForeignKey(Endpoint, on_delete=models.CASCADE, related_name="adapters")
+    name = models.SlugField(max_length=63, validators=[validate_endpoint_name])
+    source = models.CharField(max_length=6, choices=AdapterSource.choices)
+    hf_repo = models.CharField(max_length=200, blank=True)
+    hf_revision = models.CharField(max_length=200, blank=True)
+    hf_commit = models.CharField(max_length=40, blank=True)
+    files = models.JSONField(default=list, help_text="[{path, size, sha256}]")
+    hf_token_sealed = models.TextField(blank=True)
+    hf_token_last4 = models.CharField(max_length=4, blank=True)
+    base_model = models.CharField(max_length=200, blank=True,
+                                  help_text="The model it says it was trained on.")
+    rank = models.PositiveSmallIntegerField()
+    target_modules = ArrayField(models.CharField(max_length=40), default=list)
+    size_bytes = models.BigIntegerField()
+    added_by = models.ForeignKey("accounts.User", null=True, blank=True,
+                                 on_delete=models.SET_NULL, related_name="+")
+    added_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [models.UniqueConstraint(fields=["endpoint", "name"],
+                                               name="one_adapter_name_per_endpoint")]
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def folder(self) -> str:
+        """Its folder in a node's model cache: the commit's snapshot, or its upload's digest
+        (a change of weights is a new folder, so no engine's prefix cache mixes the two)."""
+        if self.source == AdapterSource.HUB:
+            return f"{self.hf_repo.replace('/', '--')}/{self.hf_commit}"
+        digest = next(f["sha256"] for f in self.files if f["path"] == lora.WEIGHTS_FILE)
+        return f"uploads/{digest}"
+
+
+class AdapterFile(models.Model):
+    """One file of an uploaded adapter, kept in the database until a node writes it out."""
+
+    adapter = models.ForeignKey(Adapter, on_delete=models.CASCADE, related_name="uploads")
+    path = models.CharField(max_length=100)
+    content = models.BinaryField()
+    sha256 = models.CharField(max_length=64)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["adapter", "path"],
+                                               name="one_upload_per_adapter_path")]
 
 
 class EndpointEvent(models.Model):

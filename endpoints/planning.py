@@ -20,6 +20,7 @@ from endpoints.models import DEFAULT_CONTEXT_LENGTH, GPUType, ModelSpec, NodeSta
 from endpoints.selectors import model_catalog
 from engine import sizing
 from engine.kv_policy import KVPolicy, refusals
+from engine.lora import LoraShape
 from engine.sizing import CPU, GPU
 
 # How to bring a node of a missing kind online, in words a newcomer can follow.
@@ -34,8 +35,19 @@ def shape_of(model: ModelSpec) -> sizing.ModelShape:
         max_context=model.max_context, attention_kind=model.attention_kind,
         kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.qk_rope_head_dim,
         sliding_window=model.sliding_window, sliding_window_layers=model.sliding_window_layers or 0,
-        weights_bytes=model.weights_bytes,
+        weights_bytes=model.weights_bytes, lora=lora_shape_of(model),
     )
+
+
+def lora_shape_of(model: ModelSpec) -> LoraShape | None:
+    """The dimensions LoRA adapters of `model` follow; None where its config did not state
+    its MLP's width (a catalog row from before it was kept)."""
+    if not model.intermediate_size:
+        return None
+    return LoraShape(layers=model.layers, hidden_size=model.hidden_size,
+                     intermediate_size=model.intermediate_size,
+                     attention_heads=model.attention_heads, kv_heads=model.kv_heads,
+                     head_dim=model.head_dim, vocab_size=model.vocab_size)
 
 
 def accelerator_of(gpu: GPUType) -> sizing.Accelerator:
@@ -52,7 +64,8 @@ def weight_dtype_of(model: ModelSpec) -> str:
 
 
 def request_for(model: ModelSpec, *, context_length: int, concurrency: int, kv_cache_dtype: str,
-                gpu: GPUType) -> sizing.Request:
+                gpu: GPUType, lora_adapters: int = 0, lora_max_rank: int = 0
+                ) -> sizing.Request:
     """What sizing evaluates on `gpu`: CPU engines use all of their memory and 128-token blocks."""
     is_cpu = gpu.slug == CPU
     return sizing.Request(
@@ -60,6 +73,7 @@ def request_for(model: ModelSpec, *, context_length: int, concurrency: int, kv_c
         weight_dtype=weight_dtype_of(model), kv_dtype=kv_cache_dtype,
         gpu_memory_utilization=1.0 if is_cpu else sizing.DEFAULT_GPU_MEMORY_UTILIZATION,
         block_tokens=sizing.CPU_BLOCK_TOKENS if is_cpu else sizing.GPU_BLOCK_TOKENS,
+        lora_adapters=lora_adapters, lora_max_rank=lora_max_rank,
     )
 
 
@@ -121,7 +135,8 @@ def online_gpu_type_ids() -> set[int]:
 
 def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dtype: str,
          gpu_type: GPUType | None = None, gpu_count: int | None = None,
-         host_tier_gib: int = 0, disk_tier_gib: int = 0) -> Plan:
+         host_tier_gib: int = 0, disk_tier_gib: int = 0, lora_adapters: int = 0,
+         lora_max_rank: int = 0) -> Plan:
     """The hardware for an endpoint, chosen or checked, with its KV policy admitted. Raises
     ValidationError naming the field to change: a GPU count vLLM cannot split the model
     over, a KV tier the chosen hardware's vLLM build cannot use (saying why), or `Unfit`
@@ -136,7 +151,8 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
             f"over {gpu_count} GPUs; choose a count that divides {model.attention_heads}."]})
     is_cpu = [gpu.slug for gpu in candidates] == [CPU]
     request = request_for(model, context_length=context_length, concurrency=concurrency,
-                          kv_cache_dtype=kv_cache_dtype, gpu=candidates[0])
+                          kv_cache_dtype=kv_cache_dtype, gpu=candidates[0],
+                          lora_adapters=lora_adapters, lora_max_rank=lora_max_rank)
     counts = (1,) if is_cpu else ((gpu_count,) if gpu_count else sizing.TP_SIZES)
     by_slug = {gpu.slug: gpu for gpu in candidates}
     decision = sizing.choose(shape_of(model), request,
@@ -333,6 +349,7 @@ def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decisio
         "kv_needed_bytes_per_gpu": choice.kv_needed_per_gpu,
         "kv_available_bytes_per_gpu": choice.kv_available_per_gpu,
         "runtime_overhead_bytes_per_gpu": choice.overhead_bytes_per_gpu,
+        "lora_bytes_per_gpu": choice.lora_bytes_per_gpu,
         "block_tokens": request.block_tokens,
         "kv_cache_tokens": kv_pool_bytes // per_token,
         "host_tier_gib": policy.host_tier_gib,

@@ -16,6 +16,7 @@ from endpoints.models import (
     DEFAULT_CONCURRENCY,
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_IDLE_SECONDS,
+    DEFAULT_LORA_RANK,
     DEFAULT_SCALE_DOWN_WINDOW_SECONDS,
     DEFAULT_SCALE_UP_WINDOW_SECONDS,
     CacheIsolation,
@@ -57,10 +58,11 @@ class EndpointPolicy(_Settings):
     """An endpoint's KV policy: the context and concurrency its KV cache is sized for, the
     cache's dtype, prefix caching and tiers, which its engines start with (a change replaces
     the replicas), and whose prefixes are shared and where requests go, which the gateway
-    applies (no restart)."""
+    applies (no restart); and the LoRA adapters its engines can hold."""
 
     ENGINE_FIELDS: ClassVar = ("context_length", "concurrency", "kv_cache_dtype",
-                               "prefix_caching", "host_tier_gib", "disk_tier_gib")
+                               "prefix_caching", "host_tier_gib", "disk_tier_gib",
+                               "lora_adapters", "lora_max_rank", "lora_host_adapters")
 
     context_length: int = DEFAULT_CONTEXT_LENGTH
     concurrency: int = DEFAULT_CONCURRENCY
@@ -70,6 +72,9 @@ class EndpointPolicy(_Settings):
     disk_tier_gib: int = 0
     cache_isolation: str = CacheIsolation.ORGANIZATION
     prefix_affinity: bool = True
+    lora_adapters: int = 0
+    lora_max_rank: int = DEFAULT_LORA_RANK
+    lora_host_adapters: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

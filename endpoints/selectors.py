@@ -9,6 +9,7 @@ from django.db.models import F, Prefetch, Q, QuerySet, Sum
 from accounts.models import Organization
 from accounts.selectors import Quota
 from endpoints.models import (
+    Adapter,
     DesiredState,
     Endpoint,
     GPUType,
@@ -35,9 +36,17 @@ def models_visible_to(*, organization: Organization | None) -> QuerySet[ModelSpe
     return ModelSpec.objects.filter(Q(organization__isnull=True) | Q(organization=organization))
 
 
-def hub_token_of(model: ModelSpec) -> str | None:
-    """The model's hub access token, opened for the one step that downloads its weights."""
-    return unseal(model.hf_token_sealed) if model.hf_token_sealed else None
+def adapters_of(*, endpoint: Endpoint) -> QuerySet[Adapter]:
+    """The endpoint's LoRA adapters, by name, with what counting their replicas needs."""
+    return (Adapter.objects.filter(endpoint=endpoint).select_related("endpoint")
+            .prefetch_related(Prefetch("endpoint__replicas", queryset=Replica.objects.filter(
+                state=State.READY))))
+
+
+def hub_token_of(source: ModelSpec | Adapter) -> str | None:
+    """A model's or an adapter's hub access token, opened for the one step that downloads
+    its files."""
+    return unseal(source.hf_token_sealed) if source.hf_token_sealed else None
 
 
 def models_of(*, organization: Organization) -> QuerySet[ModelSpec]:
@@ -119,7 +128,9 @@ def endpoints_for_gateway(*, organization_id: UUID | str) -> QuerySet[Endpoint]:
     return (Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
             .select_related("organization", "model")
             .prefetch_related(unended_replicas(),
-                              Prefetch("replicas", queryset=ready, to_attr="ready_replicas")))
+                              Prefetch("replicas", queryset=ready, to_attr="ready_replicas"),
+                              Prefetch("adapters", queryset=Adapter.objects.only(
+                                  "id", "endpoint_id", "name"))))
 
 
 def unended_replicas() -> Prefetch:

@@ -3,12 +3,17 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from endpoints.models import (
+    DEFAULT_LORA_RANK,
+    LORA_RANKS,
     MAX_CONCURRENCY,
     MAX_DISK_TIER_GIB,
     MAX_HOST_TIER_GIB,
     MAX_IDLE_SECONDS,
+    MAX_LORA_ADAPTERS,
+    MAX_LORA_HOST_ADAPTERS,
     MAX_REPLICAS_PER_ENDPOINT,
     MIN_CONTEXT_LENGTH,
+    Adapter,
     CacheIsolation,
     Endpoint,
     EndpointEvent,
@@ -65,6 +70,48 @@ class HubModelInput(StrictSerializer):
         help_text="For a gated or private repository: a read token. Kept sealed, never shown.")
 
 
+class AdapterInput(StrictSerializer):
+    """A LoRA adapter by its hub id."""
+
+    name = serializers.SlugField(max_length=63,
+                                 help_text="Clients call it as model \"<endpoint>:<name>\".")
+    hf_repo = serializers.CharField(max_length=200, help_text="The adapter's hub id: owner/name.")
+    hf_revision = serializers.CharField(
+        max_length=200, required=False, allow_blank=True, default="",
+        help_text="A branch, tag or commit; empty: the default branch. Pinned to its commit.")
+    hf_token = serializers.CharField(
+        max_length=400, required=False, allow_blank=True, default="", write_only=True,
+        help_text="For a gated or private repository: a read token. Kept sealed, never shown.")
+
+
+class AdapterUploadInput(StrictSerializer):
+    """A LoRA adapter's two files, as a multipart upload."""
+
+    name = serializers.SlugField(max_length=63,
+                                 help_text="Clients call it as model \"<endpoint>:<name>\".")
+    config = serializers.FileField(help_text="adapter_config.json")
+    weights = serializers.FileField(help_text="adapter_model.safetensors")
+
+
+class AdapterSerializer(serializers.ModelSerializer):
+    model = serializers.SerializerMethodField(help_text="What clients send as \"model\".")
+    replicas_serving = serializers.SerializerMethodField(
+        help_text="Ready replicas whose engines serve it now.")
+
+    class Meta:
+        model = Adapter
+        fields = ["name", "model", "source", "hf_repo", "hf_revision", "hf_commit",
+                  "hf_token_last4", "base_model", "rank", "target_modules", "size_bytes",
+                  "added_at", "replicas_serving"]
+
+    def get_model(self, adapter: Adapter) -> str:
+        return f"{adapter.endpoint.name}:{adapter.name}"
+
+    def get_replicas_serving(self, adapter: Adapter) -> int:
+        return sum(1 for replica in adapter.endpoint.replicas.all()
+                   if replica.state == State.READY and adapter.name in replica.adapters)
+
+
 class GPUTypeSerializer(serializers.ModelSerializer):
     memory_gib = serializers.SerializerMethodField()
 
@@ -96,7 +143,8 @@ class EndpointSerializer(serializers.ModelSerializer):
         model = Endpoint
         fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
                   "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
-                  "cache_isolation", "prefix_affinity", "policy_version", "min_replicas",
+                  "lora_adapters", "lora_max_rank", "lora_host_adapters", "cache_isolation",
+                  "prefix_affinity", "policy_version", "min_replicas",
                   "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
                   "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds",
                   "last_scaled_at", "desired_replicas", "desired_state", "state", "failure_reason",
@@ -156,6 +204,12 @@ class SizingInput(StrictSerializer):
     disk_tier_gib = serializers.IntegerField(
         default=0, min_value=0, max_value=MAX_DISK_TIER_GIB,
         help_text="Disk KV tier per replica, GiB (LMCache; needs a host tier); 0 for none.")
+    lora_adapters = serializers.IntegerField(
+        default=0, min_value=0, max_value=MAX_LORA_ADAPTERS,
+        help_text="LoRA adapters held on the device at once; 0 serves none.")
+    lora_max_rank = serializers.ChoiceField(
+        choices=LORA_RANKS, default=DEFAULT_LORA_RANK,
+        help_text="The largest rank of an adapter the endpoint serves.")
 
 
 class ScalingInput(StrictSerializer):
@@ -187,6 +241,10 @@ class EndpointInput(SizingInput, ScalingInput):
         help_text="Whose requests may reuse one another's cached prefixes.")
     prefix_affinity = serializers.BooleanField(
         default=True, help_text="Send requests sharing a prompt prefix to the same replica.")
+    lora_host_adapters = serializers.IntegerField(
+        default=0, min_value=0, max_value=MAX_LORA_HOST_ADAPTERS,
+        help_text="Adapters kept in host memory, ready to swap in; 0: as many as on the "
+                  "device.")
 
 
 class PolicyInput(StrictSerializer):
@@ -204,6 +262,11 @@ class PolicyInput(StrictSerializer):
                                              required=False)
     cache_isolation = serializers.ChoiceField(choices=CacheIsolation.choices, required=False)
     prefix_affinity = serializers.BooleanField(required=False)
+    lora_adapters = serializers.IntegerField(min_value=0, max_value=MAX_LORA_ADAPTERS,
+                                             required=False)
+    lora_max_rank = serializers.ChoiceField(choices=LORA_RANKS, required=False)
+    lora_host_adapters = serializers.IntegerField(min_value=0, max_value=MAX_LORA_HOST_ADAPTERS,
+                                                  required=False)
 
 
 class ScaleInput(StrictSerializer):

@@ -1,4 +1,5 @@
 from django.urls import path
+from rest_framework.parsers import MultiPartParser
 from rest_framework.routers import SimpleRouter
 
 from endpoints import api
@@ -9,6 +10,8 @@ router.register("gpu-types", api.GPUCatalogViewSet, basename="gpu-type")
 
 ENDPOINT = "organizations/<slug:org_slug>/endpoints/<slug:name>"
 endpoint = api.EndpointViewSet
+ADAPTERS = "organizations/<slug:org_slug>/endpoints/<slug:endpoint_name>/adapters"
+adapters = api.AdapterViewSet
 
 urlpatterns = [
     path("sizing/", api.size, name="api-sizing"),
@@ -26,6 +29,14 @@ urlpatterns = [
     path(f"{ENDPOINT}/stop/", endpoint.as_view({"post": "stop"}), name="api-endpoint-stop"),
     path(f"{ENDPOINT}/start/", endpoint.as_view({"post": "start"}), name="api-endpoint-start"),
     path(f"{ENDPOINT}/events/", endpoint.as_view({"get": "events"}), name="api-endpoint-events"),
+    path(f"{ADAPTERS}/", adapters.as_view({"get": "list", "post": "create"}),
+         name="api-endpoint-adapters"),
+    path(f"{ADAPTERS}/upload/",
+         adapters.as_view({"post": "upload"}, parser_classes=[MultiPartParser]),
+         name="api-endpoint-adapters-upload"),
+    path(f"{ADAPTERS}/<slug:name>/",
+         adapters.as_view({"get": "retrieve", "delete": "destroy"}),
+         name="api-endpoint-adapter"),
     path("organizations/<slug:org_slug>/models/",
          api.OrganizationModelViewSet.as_view({"get": "list", "post": "create"}),
          name="api-organization-models"),

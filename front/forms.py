@@ -15,13 +15,18 @@ from endpoints.models import (
     DEFAULT_CONCURRENCY,
     DEFAULT_CONTEXT_LENGTH,
     DEFAULT_IDLE_SECONDS,
+    DEFAULT_LORA_RANK,
     LONGEST_WINDOW_SECONDS,
+    LORA_RANKS,
     MAX_CONCURRENCY,
     MAX_DISK_TIER_GIB,
     MAX_HOST_TIER_GIB,
+    MAX_LORA_ADAPTERS,
+    MAX_LORA_HOST_ADAPTERS,
     MAX_REPLICAS_PER_ENDPOINT,
     MIN_CONTEXT_LENGTH,
     SHORTEST_WINDOW_SECONDS,
+    Adapter,
     CacheIsolation,
     Endpoint,
     GPUType,
@@ -39,7 +44,8 @@ class APIKeyForm(forms.Form):
                               "also the REST API")
     endpoint_names = forms.CharField(
         required=False, label="Only these endpoints",
-        help_text="Names separated by commas; empty: every endpoint of the organisation.")
+        help_text="Names separated by commas, an endpoint's adapter as endpoint:adapter; "
+                  "empty: every endpoint of the organisation.")
     requests_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT)
     tokens_per_minute = forms.IntegerField(required=False, min_value=1, max_value=LARGEST_LIMIT)
     expires_at = forms.DateTimeField(required=False, label="Expires at (UTC, optional)",
@@ -64,10 +70,13 @@ class APIKeyForm(forms.Form):
     def clean_endpoint_names(self) -> list[str]:
         names = sorted({name for name in re.split(r"[\s,]+", self.cleaned_data["endpoint_names"])
                         if name})
-        known = set(self.endpoints.filter(name__in=names).values_list("name", flat=True))
+        known = set(self.endpoints.filter(name__in={name.partition(":")[0] for name in names})
+                    .values_list("name", flat=True))
+        known |= {f"{endpoint}:{adapter}" for endpoint, adapter in Adapter.objects.filter(
+            endpoint__in=self.endpoints).values_list("endpoint__name", "name")}
         unknown = [name for name in names if name not in known]
         if unknown:
-            raise ValidationError(f"No endpoint named {', '.join(unknown)} in this "
+            raise ValidationError(f"No endpoint or adapter named {', '.join(unknown)} in this "
                                   "organisation; check the names on the Endpoints page.")
         return names
 
@@ -128,6 +137,15 @@ class SizingForm(forms.Form):
         help_text="Beyond host memory, on the node's disk (LMCache; needs a host tier). GPU "
                   "nodes only; 0 for none.")
 
+    lora_adapters = forms.IntegerField(
+        min_value=0, max_value=MAX_LORA_ADAPTERS, initial=0, required=False,
+        label="LoRA adapters on the device at once",
+        help_text="Fine-tunes of this model served beside it (model \"endpoint:adapter\"); "
+                  "each slot takes device memory at the largest rank. 0 for none.")
+    lora_max_rank = forms.TypedChoiceField(
+        choices=[(rank, rank) for rank in LORA_RANKS], coerce=int, initial=DEFAULT_LORA_RANK,
+        required=False, empty_value=DEFAULT_LORA_RANK, label="Largest adapter rank")
+
     def __init__(self, *args: object, organization: Organization, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         # The public catalog and the organisation's own models; nobody else's.
@@ -138,6 +156,9 @@ class SizingForm(forms.Form):
 
     def clean_disk_tier_gib(self) -> int:
         return self.cleaned_data["disk_tier_gib"] or 0
+
+    def clean_lora_adapters(self) -> int:
+        return self.cleaned_data["lora_adapters"] or 0
 
 
 class KVRoutingFields(forms.Form):
@@ -171,10 +192,18 @@ class EndpointForm(SizingForm, KVRoutingFields):
         min_value=1, initial=DEFAULT_IDLE_SECONDS, required=False,
         label="Idle time before zero (s)",
         help_text="With fewest replicas 0: how long without a request before it scales to zero.")
+    lora_host_adapters = forms.IntegerField(
+        min_value=0, max_value=MAX_LORA_HOST_ADAPTERS, initial=0, required=False,
+        label="LoRA adapters kept in host memory",
+        help_text="Ready to swap onto the device without reading them again; 0: as many as "
+                  "on the device.")
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         _show_idle_floor(self)
+
+    def clean_lora_host_adapters(self) -> int:
+        return self.cleaned_data["lora_host_adapters"] or 0
 
 
 def _refuse_idle_time(seconds: int) -> None:
@@ -205,8 +234,13 @@ class PolicyForm(KVRoutingFields):
     prefix_caching = SizingForm.base_fields["prefix_caching"]
     host_tier_gib = SizingForm.base_fields["host_tier_gib"]
     disk_tier_gib = SizingForm.base_fields["disk_tier_gib"]
+    lora_adapters = SizingForm.base_fields["lora_adapters"]
+    lora_max_rank = SizingForm.base_fields["lora_max_rank"]
+    lora_host_adapters = EndpointForm.base_fields["lora_host_adapters"]
     clean_host_tier_gib = SizingForm.clean_host_tier_gib
     clean_disk_tier_gib = SizingForm.clean_disk_tier_gib
+    clean_lora_adapters = SizingForm.clean_lora_adapters
+    clean_lora_host_adapters = EndpointForm.clean_lora_host_adapters
 
     @classmethod
     def of(cls, endpoint: Endpoint) -> "PolicyForm":

@@ -80,11 +80,14 @@ def snippets(name: str, gateway: str) -> dict[str, str]:
 
 
 def memory_bar(summary: dict, device: int) -> list[dict[str, object]]:
-    """One GPU's memory as bar segments: weights, the KV cache asked for, runtime, headroom."""
+    """One GPU's memory as bar segments: weights, LoRA adapters' slots (where it has any),
+    the KV cache asked for, runtime, headroom."""
     weights = summary["weight_bytes_per_gpu"]
+    adapters = summary.get("lora_bytes_per_gpu", 0)  # sized before adapters were served: 0
     kv = summary["kv_needed_bytes_per_gpu"]
     overhead = summary["runtime_overhead_bytes_per_gpu"]
-    headroom = max(0, device - weights - kv - overhead)
+    headroom = max(0, device - weights - adapters - kv - overhead)
+    segments = (("weights", weights), ("LoRA adapters", adapters), ("KV cache", kv),
+                ("runtime", overhead), ("headroom", headroom))
     return [{"name": name, "bytes": value, "percent": round(100 * value / device, 1)}
-            for name, value in (("weights", weights), ("KV cache", kv),
-                                ("runtime", overhead), ("headroom", headroom))]
+            for name, value in segments if value or name != "LoRA adapters"]

@@ -345,7 +345,10 @@ class Gateway:
 
 
 def _allowed(identity: KeyIdentity, name: str) -> bool:
-    return not identity.endpoint_names or name in identity.endpoint_names
+    """A key restricted to endpoints calls those and their adapters; one restricted to
+    `<endpoint>:<adapter>` calls that adapter."""
+    return (not identity.endpoint_names or name in identity.endpoint_names
+            or name.partition(":")[0] in identity.endpoint_names)
 
 
 def _model_not_found(name: str) -> GatewayError:

@@ -81,12 +81,20 @@ class Route:
     starting_since: float | None = None  # when its replica starting now was asked for (epoch)
     upstreams: tuple[Upstream, ...] = field(default=())
     ring: Ring = field(default=Ring(points=(), owners=()))
+    # A LoRA adapter's route is named `<endpoint>:<adapter>`: its endpoint's, with only the
+    # replicas whose engines serve the adapter.
+    adapter: str = ""
+
+    @property
+    def endpoint_name(self) -> str:
+        return self.name.removesuffix(f":{self.adapter}") if self.adapter else self.name
 
 
 @dataclass(frozen=True)
 class _ReplicaRow:
     replica_id: str
     base_url: str
+    adapters: tuple[str, ...] = ()
 
 
 def _base_url(address: str, port: int) -> str:
@@ -120,9 +128,14 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
         # Prefetched by endpoints_for_gateway, to an attribute the model does not declare.
         ready = endpoint.ready_replicas  # type: ignore[attr-defined]
         replicas = tuple(_ReplicaRow(replica_id=str(replica.id),
-                                     base_url=_base_url(replica.node.address, replica.port))
+                                     base_url=_base_url(replica.node.address, replica.port),
+                                     adapters=tuple(replica.adapters))
                          for replica in ready)
         rows.append((route, replicas))
+        for adapter in endpoint.adapters.all():
+            rows.append((replace(route, name=f"{endpoint.name}:{adapter.name}",
+                                 adapter=adapter.name),
+                         tuple(row for row in replicas if adapter.name in row.adapters)))
     return rows
 
 

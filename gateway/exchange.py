@@ -105,6 +105,7 @@ class Exchange:
             time_to_first_token_ms=self.ttft_ms,
             duration_ms=round(self.elapsed_ms()),
             gateway_overhead_ms=Decimal(f"{self.overhead_ms():.3f}"),
+            adapter=self.route.adapter,
         )
 
     def interrupted_report(self) -> UsageReport:

@@ -46,7 +46,10 @@ class InFlight:
                                   labels=["organization", "endpoint", "replica"])
         counts: dict[tuple[str, str, str], int] = {}
         for directory in list(self.directories):
+            # An adapter's route shares its endpoint's upstreams and their counts.
             for route in directory.known_routes():
+                if route.adapter:
+                    continue
                 for upstream in route.upstreams:
                     labels = (route.organization_slug, route.name, upstream.replica_id)
                     counts[labels] = counts.get(labels, 0) + upstream.in_flight
@@ -64,7 +67,7 @@ def observe(exchange: Exchange) -> None:
     route = exchange.route
     if route is None:
         return
-    labels = (route.organization_slug, route.name)
+    labels = (route.organization_slug, route.endpoint_name)
     OVERHEAD.labels(*labels).observe(exchange.overhead_ms() / 1000)
     if exchange.ttft_ms is not None:
         TIME_TO_FIRST_TOKEN.labels(*labels).observe(exchange.ttft_ms / 1000)

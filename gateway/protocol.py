@@ -48,8 +48,12 @@ def parse_request(body: bytes) -> dict[str, Any]:
 
 
 def model_entry(route: Route) -> dict[str, Any]:
-    return {"id": route.name, "object": "model", "created": route.created,
-            "owned_by": route.organization_slug}
+    """How `route` is listed in /v1/models; an adapter names its endpoint as its parent."""
+    entry = {"id": route.name, "object": "model", "created": route.created,
+             "owned_by": route.organization_slug}
+    if route.adapter:
+        entry["parent"] = route.endpoint_name
+    return entry
 
 
 def estimated_prompt_tokens(payload: dict[str, Any]) -> int:

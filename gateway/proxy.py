@@ -64,7 +64,9 @@ class Proxy:
         salt = cache_salt(identity.organization_id,
                           identity.id if route.cache_isolation == CacheIsolation.KEY else None)
         payload["cache_salt"] = salt
-        affinity = (prefix_key(payload, salt=salt)
+        # Each adapter's prefixes are cached apart (vLLM hashes blocks with the adapter), so
+        # each has its own place on the ring.
+        affinity = (prefix_key(payload, salt=f"{salt}:{route.adapter}")
                     if route.prefix_affinity and len(route.upstreams) > 1 else None)
         if exchange.stream:
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

@@ -277,6 +277,9 @@ KVRUN_HUB_URL = env.str("KVRUN_HUB_URL", default="https://huggingface.co").rstri
 KVRUN_REMOTE_CODE_REPOS = env.list("KVRUN_REMOTE_CODE_REPOS", default=[])
 # Disk a node agent keeps for downloaded weights (its model cache, under KVRUN_MODEL_DIR).
 KVRUN_MODEL_CACHE_GIB = env.int("KVRUN_MODEL_CACHE_GIB", default=100)
+# An uploaded LoRA adapter's files, at most; kept in the database until nodes write them out.
+# Larger adapters come from the hub.
+KVRUN_ADAPTER_UPLOAD_MIB = env.int("KVRUN_ADAPTER_UPLOAD_MIB", default=64)
 KVRUN_ENGINE_LOG_DIR = Path(env.str("KVRUN_ENGINE_LOG_DIR",
                                     default=str(KVRUN_STATE_DIR / "engines")))
 # How long a stopped replica's engine log stays on its node (its last lines stay on the row).

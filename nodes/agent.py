@@ -36,9 +36,10 @@ from endpoints.lifecycle import (
     do_set_replica_progress,
     do_transition_replica,
 )
-from endpoints.models import ModelSpec, Node, Replica, State
+from endpoints.models import Adapter, ModelSpec, Node, Replica, State
 from endpoints.states import PROGRESS
 from engine import kv_policy, metrics, model_cache, offload_check, processes, supervisor
+from engine.hub import HubRefusal
 from engine.sizing import CPU, GIB, GPU
 from kvrun.common.digests import engine_api_key
 from nodes import weights
@@ -70,6 +71,8 @@ class NodeAgent:
         self._stopping: set[int] = set()  # process groups a stop is already on
         self._shutting_down = threading.Event()
         self._next_log_sweep = 0.0  # monotonic
+        # Held while an engine's adapters are changed: the last to finish reports the set.
+        self._adapters_lock = threading.Lock()
 
     def start_replica(self, replica_id: str) -> None:
         """Start the replica's engine and wait until it serves. A second delivery of the same start
@@ -123,6 +126,9 @@ class NodeAgent:
                 self._forget_and_stop(str(replica.id), process)
             _record_failure(replica.id, str(exc), log, from_states=[State.LOADING])
             return
+        # Adapters before the first request, then again once ready: one added between the
+        # two was sent to the replicas ready when it was added, which this was not yet.
+        self._serve_adapters(replica, host=spec.host, port=port)
         capacity = supervisor.read_kv_capacity(log.read_text(errors="replace"))
         ready = do_transition_replica(
             replica_id=replica.id, from_states=[State.LOADING], to_state=State.READY,
@@ -131,8 +137,55 @@ class NodeAgent:
             kv_cache_tokens=capacity, ready_at=timezone.now(), restarts=0,
             log_tail=supervisor.tail(log),
         )
+        if ready:
+            self._serve_adapters(replica, host=spec.host, port=port)
         if ready and (spec.kv_policy.host_tier_gib or spec.kv_policy.disk_tier_gib):
             _in_background(_test_offload, replica.id, spec)
+
+    def sync_adapters(self, replica_id: str) -> None:
+        """Make a ready replica's engine serve exactly its endpoint's adapters now: load those
+        added (fetching their files first), unload those removed."""
+        replica = (Replica.objects.select_related("endpoint", "node")
+                   .filter(id=replica_id, state=State.READY, port__isnull=False).first())
+        if replica is not None and replica.node is not None and replica.port is not None:
+            self._serve_adapters(replica, host=replica.node.address, port=replica.port)
+
+    def _serve_adapters(self, replica: Replica, *, host: str, port: int) -> None:
+        """An adapter that cannot be fetched or that the engine refuses becomes an event of
+        the replica; the others are served. The replica's `adapters` say what it serves."""
+        endpoint = replica.endpoint
+        if not endpoint.lora_adapters:
+            return
+        api_key = engine_api_key(replica.id)
+        with self._adapters_lock:
+            try:
+                wanted = {f"{endpoint.name}:{adapter.name}": adapter
+                          for adapter in Adapter.objects.filter(endpoint_id=endpoint.id)}
+                served = set(supervisor.served_adapters(
+                    host=host, port=port, api_key=api_key, served_model_name=endpoint.name))
+                for name in sorted(served - wanted.keys()):
+                    supervisor.unload_adapter(host=host, port=port, api_key=api_key, name=name)
+                for name in sorted(wanted.keys() - served):
+                    try:
+                        folder = weights.adapter_dir(wanted[name], node_name=self.name)
+                        supervisor.load_adapter(host=host, port=port, api_key=api_key,
+                                                name=name, path=str(folder))
+                    except (supervisor.EngineFailed, model_cache.DownloadFailed,
+                            model_cache.CacheFull, HubRefusal, OSError) as exc:
+                        logger.warning("replica %s: adapter %s not served: %s", replica.id,
+                                       name, exc)
+                        do_note_replica(replica_id=replica.id, message=(
+                            f"adapter {wanted[name].name} could not be served: "
+                            f"{weights.failure_reason(exc)}"))
+                now = supervisor.served_adapters(host=host, port=port, api_key=api_key,
+                                                 served_model_name=endpoint.name)
+            except (httpx.HTTPError, supervisor.EngineFailed) as exc:
+                # The engine stopped answering: the heartbeat finds out what became of it.
+                logger.warning("replica %s: its adapters could not be changed: %s", replica.id,
+                               exc)
+                return
+            Replica.objects.filter(id=replica.id).update(
+                adapters=[name.split(":", 1)[1] for name in now])
 
     def _download(self, replica: Replica, log: Path) -> bool:
         """Fetch the replica's weights into this node's model cache (starting → downloading),
@@ -349,6 +402,9 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
         api_key=engine_api_key(replica.id),
         owner=owner(replica.node.name),
         replica=str(replica.id),
+        lora_adapters=endpoint.lora_adapters,
+        lora_max_rank=endpoint.lora_max_rank,
+        lora_host_adapters=endpoint.lora_host_adapters,
     )
 
 

@@ -3,7 +3,7 @@ They take replica ids, or a model's id."""
 
 from celery import shared_task
 
-from endpoints.dispatch import PULL_MODEL, START_REPLICA, STOP_REPLICA
+from endpoints.dispatch import PULL_MODEL, START_REPLICA, STOP_REPLICA, SYNC_ADAPTERS
 from nodes import agent
 
 
@@ -22,3 +22,10 @@ def stop_replica(replica_id: str) -> None:
 @shared_task(name=PULL_MODEL, ignore_result=True, acks_late=True)
 def pull_model(model_id: int) -> None:
     agent.serving().pull_model(model_id)
+
+
+# Makes the engine serve exactly its endpoint's adapters now, whatever came before: safe to
+# deliver twice or late.
+@shared_task(name=SYNC_ADAPTERS, ignore_result=True, acks_late=True)
+def sync_adapters(replica_id: str) -> None:
+    agent.serving().sync_adapters(replica_id)

@@ -2,19 +2,22 @@
 folder, or the node's model cache, which downloads a hub model's pinned files once and keeps
 them (engine.model_cache). Engines always load from a folder here, offline."""
 
+import hashlib
+import shutil
+import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
 from django.conf import settings
 
-from endpoints.models import ModelSpec, Replica
+from endpoints.models import Adapter, AdapterSource, ModelSpec, Replica
 from endpoints.selectors import hub_token_of
 from endpoints.services import do_pin_model
 from endpoints.states import ON_NODE, State
 from engine import demo_model
 from engine.hub import HubFile, HubRefusal
-from engine.model_cache import ModelCache, Progress
+from engine.model_cache import DownloadFailed, ModelCache, Progress
 from engine.sizing import GIB
 from kvrun.common.sealing import InvalidToken
 from nodes.services import do_record_model_cache
@@ -74,12 +77,51 @@ def fetch(*, model: ModelSpec, node_name: str,
 
 
 def in_use(node_name: str) -> set[Path]:
-    """The cached snapshots of the models this node's replicas use or are about to."""
+    """The cached snapshots of the models this node's replicas use or are about to, and of
+    their endpoints' adapters."""
     cache = model_cache()
-    return {cache.snapshot(repo, commit) for repo, commit in Replica.objects.filter(
-        node__name=node_name, state__in=ON_NODE | {State.STOPPING}).exclude(
-        endpoint__model__hf_commit="").values_list("endpoint__model__hf_repo",
-                                                    "endpoint__model__hf_commit")}
+    replicas = Replica.objects.filter(node__name=node_name, state__in=ON_NODE | {State.STOPPING})
+    models = replicas.exclude(endpoint__model__hf_commit="").values_list(
+        "endpoint__model__hf_repo", "endpoint__model__hf_commit")
+    adapters = Adapter.objects.filter(
+        endpoint__in=replicas.values("endpoint"), source=AdapterSource.HUB).values_list(
+        "hf_repo", "hf_commit")
+    return {cache.snapshot(repo, commit) for repo, commit in [*models, *adapters]}
+
+
+def adapter_dir(adapter: Adapter, *, node_name: str) -> Path:
+    """The folder an engine loads `adapter` from on this node: its hub commit, fetched into
+    the model cache (and checked) on first use, or its upload, written from the database and
+    checked against the digests taken when it was added. Raises what fetch raises, and
+    DownloadFailed for an upload that does not match its digest."""
+    cache = model_cache()
+    if adapter.source == AdapterSource.HUB:
+        return cache.fetch(endpoint=settings.KVRUN_HUB_URL, repo_id=adapter.hf_repo,
+                           commit=adapter.hf_commit, token=hub_token_of(adapter),
+                           files=[HubFile(**file) for file in adapter.files],
+                           in_use=lambda: in_use(node_name))
+    target = cache.root / adapter.folder
+    if target.is_dir():
+        return target
+    # Written beside, then renamed: an engine never reads half an adapter, and two writers
+    # at once each finish their own copy (the second rename finds the first's and keeps it).
+    partial = target.with_name(f"{target.name}.{uuid.uuid4().hex}.partial")
+    partial.mkdir(parents=True)
+    try:
+        for upload in adapter.uploads.all():
+            content = bytes(upload.content)
+            if hashlib.sha256(content).hexdigest() != upload.sha256:
+                raise DownloadFailed(f"the uploaded {upload.path} of adapter {adapter.name} "
+                                     "does not match the digest taken when it was added")
+            (partial / upload.path).write_bytes(content)
+        try:
+            partial.rename(target)
+        except OSError:
+            if not target.is_dir():
+                raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
 
 
 def report(node_name: str) -> None:

@@ -21,12 +21,13 @@ from billing import usage_stream as stream
 from billing.ingestion import INGEST_LOCK
 from endpoints.models import Endpoint, Node
 from endpoints.services import do_load_catalogs
-from engine import demo_model
+from engine import demo_model, lora
 from engine.build import EngineBuild
 from engine.devices import HostResources
 from engine.processes import free_port
 from kvrun.celery import app as celery_app
 from nodes.services import do_register_node
+from nodes.weights import DEMO_SLUG
 from tests.factories import (
     UserFactory,
     api_key,
@@ -185,10 +186,16 @@ def cpu_node(db: None) -> Node:
 
 @pytest.fixture(scope="session")
 def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hub]:
-    """A hub on loopback (bench/hub_server.py) holding the demo model as kvrun/demo."""
+    """A hub on loopback (bench/hub_server.py) holding the demo model as kvrun/demo, and
+    LoRA adapters of it: kvrun/demo-lora-a and -b (rank 8, apart by their seeds) and
+    kvrun/demo-lora-r16 (rank 16)."""
     server = Hub(tmp_path_factory.mktemp("hub")).start()
     server.publish("kvrun/demo", demo_model.build(tmp_path_factory.mktemp("demo") / "demo"),
                    licence="apache-2.0")
+    for name, seed, rank in (("a", 1, 8), ("b", 2, 8), ("r16", 3, 16)):
+        server.publish(f"kvrun/demo-lora-{name}", lora.build_demo_adapter(
+            tmp_path_factory.mktemp(f"lora-{name}"), seed=seed, base_model=DEMO_SLUG,
+            shape=demo_model.lora_shape(), rank=rank))
     yield server
     server.stop()
 

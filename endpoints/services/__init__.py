@@ -2,6 +2,11 @@
 the package itself keeps working. Nodes register and heartbeat through their agent
 (nodes.services)."""
 
+from endpoints.services.adapters import (
+    do_add_adapter_from_hub,
+    do_add_adapter_from_upload,
+    do_remove_adapter,
+)
 from endpoints.services.catalog import CATALOG_DIR, do_import_model, do_load_catalogs
 from endpoints.services.deployment import (
     RESERVED_NAMES,
@@ -26,7 +31,8 @@ from endpoints.services.scaling import (
 )
 
 __all__ = [
-    "CATALOG_DIR", "RESERVED_NAMES", "context_length_refusal", "do_add_model_from_hub",
+    "CATALOG_DIR", "RESERVED_NAMES", "context_length_refusal", "do_add_adapter_from_hub",
+    "do_add_adapter_from_upload", "do_add_model_from_hub", "do_remove_adapter",
     "do_autoscale_endpoint",
     "do_change_endpoint_policy", "do_change_endpoint_scaling", "do_create_endpoint",
     "do_delete_endpoint", "do_drain_node", "do_import_model", "do_load_catalogs",

@@ -10,7 +10,11 @@ from accounts.services import require_manager
 from endpoints.dispatch import reconcile_after_commit
 from endpoints.lifecycle import do_stop_replica
 from endpoints.models import (
+    LORA_RANKS,
+    MAX_LORA_ADAPTERS,
+    MAX_LORA_HOST_ADAPTERS,
     MIN_CONTEXT_LENGTH,
+    AttentionKind,
     DesiredState,
     Endpoint,
     EndpointEvent,
@@ -20,7 +24,7 @@ from endpoints.models import (
     State,
     validate_endpoint_name,
 )
-from endpoints.planning import plan
+from endpoints.planning import lora_shape_of, plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services.quota import hold_quota
 from endpoints.services.scaling import scaling_errors
@@ -39,6 +43,31 @@ def context_length_refusal(*, model: ModelSpec, context_length: int) -> str | No
         return (f"{model.name} supports at most {model.max_context:,} tokens of context; "
                 f"ask for {model.max_context:,} or fewer.")
     return None
+
+
+def lora_refusals(*, model: ModelSpec, policy: EndpointPolicy) -> dict[str, list[str]]:
+    """What is wrong with `policy`'s LoRA settings for `model`, by field; empty when nothing."""
+    errors: dict[str, list[str]] = {}
+    if policy.lora_max_rank not in LORA_RANKS:
+        errors["lora_max_rank"] = [f"Choose a rank vLLM takes: "
+                                   f"{', '.join(str(rank) for rank in LORA_RANKS)}."]
+    if not 0 <= policy.lora_adapters <= MAX_LORA_ADAPTERS:
+        errors["lora_adapters"] = [f"Hold between 0 (no adapters) and {MAX_LORA_ADAPTERS} "
+                                   "adapters on the device at once."]
+    elif policy.lora_adapters and lora_shape_of(model) is None:
+        errors["lora_adapters"] = [f"kvrun does not know {model.name}'s layer sizes, so it "
+                                   "cannot size LoRA adapters for it; serve adapters on a "
+                                   "model added from the hub, or ask an operator."]
+    elif policy.lora_adapters and model.attention_kind == AttentionKind.MLA:
+        errors["lora_adapters"] = [f"{model.name} uses latent attention, whose LoRA layers "
+                                   "kvrun cannot size yet; serve adapters on another model."]
+    host = policy.lora_host_adapters
+    if host and not policy.lora_adapters <= host <= MAX_LORA_HOST_ADAPTERS:
+        errors["lora_host_adapters"] = [
+            f"Keep between {max(1, policy.lora_adapters)} (the adapters on the device) and "
+            f"{MAX_LORA_HOST_ADAPTERS} adapters in host memory, or 0 for as many as on the "
+            "device."]
+    return errors
 
 
 def do_create_endpoint(
@@ -70,12 +99,14 @@ def do_create_endpoint(
     if refusal := context_length_refusal(model=model, context_length=policy.context_length):
         errors["context_length"] = [refusal]
     errors.update(scaling_errors(scaling))
+    errors.update(lora_refusals(model=model, policy=policy))
     if errors:
         raise ValidationError(errors)
     decided = plan(model=model, context_length=policy.context_length,
                    concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
                    gpu_type=gpu_type, gpu_count=gpu_count, host_tier_gib=policy.host_tier_gib,
-                   disk_tier_gib=policy.disk_tier_gib)
+                   disk_tier_gib=policy.disk_tier_gib, lora_adapters=policy.lora_adapters,
+                   lora_max_rank=policy.lora_max_rank)
     try:
         with transaction.atomic():
             hold_quota(organization_id=organization.id, new_endpoint=True,

@@ -11,7 +11,7 @@ from endpoints.dispatch import reconcile_after_commit
 from endpoints.models import Endpoint, EndpointEvent
 from endpoints.planning import plan
 from endpoints.policies import EndpointPolicy
-from endpoints.services.deployment import context_length_refusal
+from endpoints.services.deployment import context_length_refusal, lora_refusals
 
 
 def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
@@ -37,10 +37,13 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
         if refusal := context_length_refusal(model=locked.model,
                                              context_length=policy.context_length):
             raise ValidationError({"context_length": [refusal]})
+        if errors := lora_refusals(model=locked.model, policy=policy):
+            raise ValidationError(errors)
         decided = plan(model=locked.model, context_length=policy.context_length,
                        concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
                        gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
-                       host_tier_gib=policy.host_tier_gib, disk_tier_gib=policy.disk_tier_gib)
+                       host_tier_gib=policy.host_tier_gib, disk_tier_gib=policy.disk_tier_gib,
+                       lora_adapters=policy.lora_adapters, lora_max_rank=policy.lora_max_rank)
         wanted = policy.as_fields()
         changed = [name for name, value in wanted.items() if value != getattr(locked, name)]
         if not changed:

@@ -1,0 +1,99 @@
+"""LoRA adapters end to end: an endpoint with LoRA slots on a real vLLM CPU engine, adapters
+from the hub on loopback and by upload, served through the gateway of a web process and
+metered per adapter."""
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from django.core.exceptions import ValidationError
+from rest_framework.test import APIClient
+
+from accounts.models import Organization
+from bench.hub_server import Hub
+from endpoints.models import Adapter, Endpoint, Node, Replica, State
+from endpoints.services import do_add_adapter_from_hub, do_add_adapter_from_upload
+from engine import demo_model, lora
+from kvrun.common.digests import engine_api_key
+from nodes.weights import DEMO_SLUG
+from tests.e2e.test_provisioning import delete_and_settle
+from tests.factories import inference_key
+from tests.helpers import drive, records_for, wait_until
+
+pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
+
+READY_WITHIN = 240
+PROMPT = "The key-value cache holds the attention keys and values of every token"
+
+
+def answer(web: str, secret: str, model: str) -> httpx.Response:
+    return httpx.post(f"{web}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {secret}"},
+                      json={"model": model, "prompt": PROMPT, "max_tokens": 12,
+                            "temperature": 0})
+
+
+def serves(replica: Replica, adapters: list[str]) -> bool:
+    replica.refresh_from_db()
+    return replica.adapters == adapters
+
+
+def test_adapters_answer_apart_arrive_without_a_restart_and_are_metered_each(
+        ready_node: Node, web: str, owner_api: APIClient, org: Organization, hub: Hub,
+        hub_url: str, tmp_path: Path) -> None:
+    created = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {
+        "name": "tuned", "model": DEMO_SLUG, "context_length": 2048, "concurrency": 4,
+        "gpu_type": "cpu", "lora_adapters": 2, "lora_max_rank": 8}, format="json")
+    assert created.status_code == 201, created.content
+    endpoint = Endpoint.objects.get(name="tuned", deleted_at=None)
+    assert created.json()["sizing"]["lora_bytes_per_gpu"] == lora.device_bytes(
+        demo_model.lora_shape(), adapters=2, max_rank=8)
+    # Added while the first replica starts: it loads the adapter before it takes traffic.
+    do_add_adapter_from_hub(endpoint=endpoint, actor_role="owner", added_by=None, name="a",
+                            repo_id="kvrun/demo-lora-a")
+    assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY,
+                 READY_WITHIN), endpoint.events.values_list("message", flat=True)
+    replica = Replica.objects.get(endpoint=endpoint, state=State.READY)
+    assert wait_until(lambda: serves(replica, ["a"]), 30), replica.events.values_list(
+        "message", flat=True)
+    _, secret = inference_key(org)
+    base, first = (answer(web, secret, model) for model in ("tuned", "tuned:a"))
+    assert base.status_code == first.status_code == 200, (base.text, first.text)
+
+    # Added while the endpoint runs: served without a restart.
+    folder = lora.build_demo_adapter(tmp_path / "b", seed=2, base_model=DEMO_SLUG,
+                                     shape=demo_model.lora_shape())
+    added = time.monotonic()
+    do_add_adapter_from_upload(
+        endpoint=endpoint, actor_role="owner", added_by=None, name="b",
+        config_json=(folder / lora.CONFIG_FILE).read_bytes(),
+        weights=(folder / lora.WEIGHTS_FILE).read_bytes())
+    assert wait_until(lambda: answer(web, secret, "tuned:b").status_code == 200, 60)
+    ready_after = time.monotonic() - added
+    second = answer(web, secret, "tuned:b")
+    texts = [response.json()["choices"][0]["text"] for response in (base, first, second)]
+    assert len(set(texts)) == 3, texts  # the base and each adapter answer apart
+    assert Replica.objects.filter(endpoint=endpoint).count() == 1
+    assert Replica.objects.get(id=replica.id).ready_at == replica.ready_at  # not restarted
+    print(f"adapter served {ready_after:.2f} s after it was added")
+
+    # Metered per adapter.
+    request_ids = [response.headers["x-request-id"] for response in (base, first, second)]
+    assert {record.request_id: record.adapter for record in records_for(request_ids)} == dict(
+        zip(request_ids, ["", "a", "b"], strict=True))
+
+    with pytest.raises(ValidationError, match="rank 16, above this endpoint's largest LoRA"):
+        do_add_adapter_from_hub(endpoint=endpoint, actor_role="owner", added_by=None,
+                                name="big", repo_id="kvrun/demo-lora-r16")
+
+    # Removed: the engine unloads it and the gateway no longer knows it.
+    assert owner_api.delete(f"/api/v1/organizations/{org.slug}/endpoints/tuned/adapters/a/"
+                            ).status_code == 204
+    assert wait_until(lambda: serves(replica, ["b"]), 30)
+    listed = httpx.get(f"http://127.0.0.1:{replica.port}/v1/models",
+                       headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"})
+    assert [model["id"] for model in listed.json()["data"]] == ["tuned", "tuned:b"]
+    assert wait_until(lambda: answer(web, secret, "tuned:a").status_code == 404, 30)
+    assert not Adapter.objects.filter(name="a").exists()
+    delete_and_settle(owner_api, org, "tuned")
