@@ -211,6 +211,18 @@ def hourly_run_rate(*, organization: Organization) -> Decimal:
         return cursor.fetchone()[0]
 
 
+def tokens_by_adapter(*, endpoint_id: UUID, hours: int = 24, now: datetime | None = None
+                      ) -> dict[str, dict[str, int]]:
+    """Requests and tokens of each of the endpoint's adapters ("" for its model) over the last
+    `hours` whole hours and this one, as rolled up."""
+    since = hour_of((now or timezone.now()) - timedelta(hours=hours))
+    rows = (TokenHour.objects.filter(endpoint_id=endpoint_id, hour__gte=since)
+            .values("adapter").annotate(requests=Sum("requests"), prompt=Sum("prompt_tokens"),
+                                        completion=Sum("completion_tokens")))
+    return {row["adapter"]: {"requests": row["requests"], "prompt_tokens": row["prompt"],
+                             "completion_tokens": row["completion"]} for row in rows}
+
+
 def month_to_date_by_endpoint(*, organization: Organization, now: datetime | None = None
                               ) -> dict[UUID, int]:
     """Cents each endpoint has cost this month so far, as its draft lines price it."""

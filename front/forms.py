@@ -2,6 +2,7 @@ import re
 import secrets
 from datetime import datetime
 from decimal import Decimal
+from typing import Any
 
 from django import forms
 from django.conf import settings
@@ -102,6 +103,39 @@ class HubModelForm(forms.Form):
                                widget=forms.PasswordInput(render_value=False),
                                help_text="For a gated or private repository: a read token. "
                                          "Kept sealed; only its last four characters show.")
+
+
+class AdapterForm(HubModelForm):
+    """A LoRA adapter of an endpoint, by its Hugging Face id."""
+
+    name = forms.SlugField(max_length=63, label="Adapter name",
+                           help_text="Clients call it as model \"endpoint:name\".",
+                           error_messages={"invalid": "Use letters, digits and hyphens only, "
+                                                      "such as legal-v2."})
+    field_order = ["name", "hf_repo", "hf_revision", "hf_token"]
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.fields["hf_repo"].widget.attrs["placeholder"] = "owner/my-lora"
+        self.fields["hf_repo"].error_messages["required"] = "Paste the adapter's id, owner/name."
+
+
+class AdapterUploadForm(forms.Form):
+    """A LoRA adapter of an endpoint, from its two files."""
+
+    name = AdapterForm.base_fields["name"]
+    config = forms.FileField(label="adapter_config.json")
+    weights = forms.FileField(label="adapter_model.safetensors")
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean() or {}
+        limit = settings.KVRUN_ADAPTER_UPLOAD_MIB * 1024 * 1024
+        if sum(upload.size for upload in (data.get("config"), data.get("weights"))
+               if upload is not None) > limit:
+            raise ValidationError(f"The adapter's files take more than uploads may "
+                                  f"({settings.KVRUN_ADAPTER_UPLOAD_MIB} MiB): publish it on "
+                                  "the hub and add it by its id instead.")
+        return data
 
 
 class SizingForm(forms.Form):

@@ -7,6 +7,7 @@ import json
 
 from django.utils import timezone
 
+from billing.selectors import tokens_by_adapter
 from endpoints import selectors
 from endpoints.models import Endpoint
 from endpoints.states import COMING_UP, ENDPOINT_AT_REST, State
@@ -14,6 +15,29 @@ from endpoints.states import COMING_UP, ENDPOINT_AT_REST, State
 LOG_LINES = 15
 EVENTS_SHOWN = 20
 SNIPPET_MAX_TOKENS = 64
+
+
+def adapters(endpoint: Endpoint) -> list[dict[str, object]]:
+    """Each LoRA adapter of the endpoint: what clients call it, where it came from, how many
+    ready replicas serve it, and its last day's requests and tokens; the base model first,
+    for comparison, when any adapter exists."""
+    rows = list(selectors.adapters_of(endpoint=endpoint))
+    if not rows:
+        return []
+    used = tokens_by_adapter(endpoint_id=endpoint.id)
+    ready = [replica for replica in endpoint.replicas.all() if replica.state == State.READY]
+    nothing = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
+    shown: list[dict[str, object]] = [{"name": "", "model": endpoint.name, "base": True,
+                                       **used.get("", nothing)}]
+    for adapter in rows:
+        source = (f"{adapter.hf_repo} @ {adapter.hf_commit[:12]}" if adapter.hf_repo
+                  else f"upload, {adapter.size_bytes / 1024**2:.1f} MiB")
+        shown.append({
+            "name": adapter.name, "model": f"{endpoint.name}:{adapter.name}", "base": False,
+            "source": source, "rank": adapter.rank, "targets": ", ".join(adapter.target_modules),
+            "serving": sum(1 for replica in ready if adapter.name in replica.adapters),
+            "replicas": len(ready), **used.get(adapter.name, nothing)})
+    return shown
 
 
 def wake_seconds(endpoint: Endpoint) -> float | None:

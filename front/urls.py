@@ -1,7 +1,7 @@
 from django.urls import path
 
 from billing.urls import MonthConverter  # noqa: F401  registers <month:...>
-from front.views import billing, endpoints, keys, kv, organization, playground, wizard
+from front.views import adapters, billing, endpoints, keys, kv, organization, playground, wizard
 
 urlpatterns = [
     path("", endpoints.home, name="dashboard"),
@@ -34,6 +34,12 @@ urlpatterns = [
          name="endpoint-start"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/delete/", endpoints.delete_endpoint,
          name="endpoint-delete"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/adapters/", adapters.add_adapter,
+         name="adapter-add"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/adapters/upload/", adapters.upload_adapter,
+         name="adapter-upload"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/adapters/<slug:adapter>/remove/",
+         adapters.remove_adapter, name="adapter-remove"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/playground/", playground.playground,
          name="playground"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/playground/chat/", playground.chat,

@@ -21,7 +21,8 @@ from django.views.decorators.http import require_POST
 
 from accounts.selectors import playground_key_of
 from accounts.services import do_issue_playground_key
-from endpoints.models import Endpoint
+from endpoints.models import Adapter, Endpoint
+from endpoints.selectors import adapters_of
 from front.scoping import Member, endpoint_of, membership
 from kvrun.common.digests import playground_secret
 
@@ -40,7 +41,7 @@ def playground(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
     endpoint = endpoint_of(member, name)
     return render(request, "front/playground.html", {
         "member": member, "organization": member.organization, "endpoint": endpoint,
-        "section": "endpoints"})
+        "adapters": adapters_of(endpoint=endpoint), "section": "endpoints"})
 
 
 @login_required
@@ -54,9 +55,14 @@ async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
     except Http404:
         return _error(404, "No such endpoint in this organisation.")
     try:
-        payload = {**_payload(request.body), "model": endpoint.name}
+        payload = _payload(request.body)
     except ValueError as exc:
         return _error(400, str(exc))
+    adapter = payload.pop("adapter")
+    if adapter and not await Adapter.objects.filter(endpoint=endpoint, name=adapter).aexists():
+        return _error(400, f"Endpoint {endpoint.name} has no adapter {adapter!r}; pick one "
+                           "from the list.")
+    payload["model"] = f"{endpoint.name}:{adapter}" if adapter else endpoint.name
     if payload["max_tokens"] >= endpoint.context_length:
         return _error(400, f"Max tokens must leave room for the prompt in this endpoint's "
                            f"{endpoint.context_length:,}-token context; ask for fewer.")
@@ -138,9 +144,12 @@ def _payload(body: bytes) -> dict[str, Any]:
     temperature = data.get("temperature", 0.7)
     if not isinstance(temperature, int | float) or not 0 <= temperature <= 2:
         raise ValueError("'temperature' must be between 0 and 2.")
+    adapter = data.get("adapter") or ""
+    if not isinstance(adapter, str):
+        raise ValueError("'adapter' must be an adapter's name, or empty for the base model.")
     return {"messages": [{"role": m["role"], "content": m["content"]} for m in messages],
             "max_tokens": max_tokens, "temperature": temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "adapter": adapter}
 
 
 def _error(status: int, message: str) -> JsonResponse:

@@ -15,18 +15,24 @@ from billing.selectors import month_to_date_by_endpoint, window_costs
 from endpoints.models import Endpoint
 from endpoints.planning import accelerator_of
 from front import presenters
-from front.forms import PolicyForm, ScalingForm
+from front.forms import AdapterForm, AdapterUploadForm, PolicyForm, ScalingForm
 from front.scoping import Member, endpoint_of, membership
 from kvrun.common.forms import add_service_errors
 from telemetry.models import Advice
 
-SettingsForm = ScalingForm | PolicyForm
+SettingsForm = ScalingForm | PolicyForm | AdapterForm | AdapterUploadForm
+# Where the page shows each form (a refused one as it was sent).
+FORM_NAMES = {ScalingForm: "scaling_form", PolicyForm: "policy_form",
+              AdapterForm: "adapter_form", AdapterUploadForm: "upload_form"}
 
 
 def endpoint_page(request: HttpRequest, member: Member, endpoint: Endpoint, *,
-                  scaling_form: ScalingForm | None = None,
-                  policy_form: PolicyForm | None = None, status: int = 200) -> HttpResponse:
-    """The endpoint's page; with a settings form that was refused, that form as sent."""
+                  refused: SettingsForm | None = None, status: int = 200) -> HttpResponse:
+    """The endpoint's page; with a form that was refused, that form as sent."""
+    forms = {"policy_form": PolicyForm.of(endpoint), "scaling_form": ScalingForm.of(endpoint),
+             "adapter_form": AdapterForm(), "upload_form": AdapterUploadForm()}
+    if refused is not None:
+        forms[FORM_NAMES[type(refused)]] = refused
     gateway = settings.KVRUN_GATEWAY_URL
     device = accelerator_of(endpoint.gpu_type).memory_bytes
     sized = "weight_bytes_per_gpu" in endpoint.sizing  # absent only on hand-made rows
@@ -36,8 +42,7 @@ def endpoint_page(request: HttpRequest, member: Member, endpoint: Endpoint, *,
     return render(request, "front/endpoint.html", {
         "costs": costs, "month_cents": month,
         "advice": Advice.objects.filter(endpoint=endpoint, resolved_at=None),
-        "policy_form": policy_form or PolicyForm.of(endpoint),
-        "scaling_form": scaling_form or ScalingForm.of(endpoint),
+        **forms, "adapters": presenters.adapters(endpoint),
         "memory": presenters.memory_bar(endpoint.sizing, device) if sized else None,
         "device_bytes": device, "member": member, "organization": member.organization,
         "endpoint": endpoint, "section": "endpoints",
@@ -78,5 +83,4 @@ def change_settings(request: HttpRequest, org_slug: str, name: str, form: Settin
         return redirect("endpoint", org_slug=org_slug, name=name)
     except ValidationError as exc:
         add_service_errors(form, exc)
-    forms = {"scaling_form": form} if isinstance(form, ScalingForm) else {"policy_form": form}
-    return endpoint_page(request, member, endpoint, status=400, **forms)
+    return endpoint_page(request, member, endpoint, refused=form, status=400)

@@ -48,6 +48,7 @@
         body: JSON.stringify({
           messages: (system ? [{ role: "system", content: system }] : []).concat(history),
           max_tokens: Number(form.max_tokens.value), temperature: Number(form.temperature.value),
+          adapter: form.adapter ? form.adapter.value : "",
         }),
       });
       if (!response.ok) {

@@ -208,3 +208,30 @@ def test_an_organisation_with_the_longest_slug_is_invoiced(cpu_node: Node) -> No
     assert finalize_at(FEB_1 + timedelta(hours=2)) == 1
 
     assert Invoice.objects.get().number == f"KVR-202601-{organization.slug}"
+
+
+def test_tokens_are_billed_per_adapter_and_adjusted_per_adapter(
+        cpu_endpoint: Endpoint, key: APIKey) -> None:
+    TokenPrice.objects.create(model=cpu_endpoint.model,
+                              completion_per_million_usd=Decimal("100"),
+                              effective_from=datetime(2025, 1, 1, tzinfo=UTC))
+    for adapter, tokens in (("", 10_000), ("legal", 20_000), ("legal", 5_000),
+                            ("support", 1_000)):
+        record(cpu_endpoint, key, datetime(2026, 1, 20, tzinfo=UTC), completion_tokens=tokens,
+               adapter=adapter)
+    finalize_at(FEB_1 + timedelta(hours=2))
+
+    january = Invoice.objects.get(month=JAN)
+    assert lines_of(january) == [
+        ("chat: completion tokens", Decimal("0.01"), Decimal("100"), 100),
+        ("chat:legal: completion tokens", Decimal("0.025"), Decimal("100"), 250),
+        ("chat:support: completion tokens", Decimal("0.001"), Decimal("100"), 10)]
+    assert list(january.lines.values_list("adapter", flat=True)) == ["", "legal", "support"]
+
+    record(cpu_endpoint, key, datetime(2026, 1, 31, tzinfo=UTC), completion_tokens=2_000,
+           adapter="legal")
+    finalize_at(MAR_1 + timedelta(hours=2))
+
+    assert lines_of(Invoice.objects.get(month=FEB)) == [
+        ("Adjustment for January 2026: chat:legal: completion tokens, recorded after its "
+         "invoice", Decimal("0.002"), Decimal("100"), 20)]

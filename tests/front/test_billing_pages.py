@@ -174,3 +174,21 @@ def test_every_page_of_a_held_organisation_says_why(member_client: Client, org: 
     response = member_client.get(f"/orgs/{org.slug}/")
 
     assert b"The monthly budget of $1.00 is reached." in response.content
+
+
+def test_an_adapter_s_tokens_are_a_line_of_their_own_with_its_records(
+        owner_client: Client, org: Organization, billed: Endpoint) -> None:
+    key, _ = inference_key(org)
+    for adapter, tokens in (("legal", 2_000), ("", 500)):
+        record(billed, key, NOW - timedelta(hours=1), completion_tokens=tokens, adapter=adapter)
+    with time_machine.travel(NOW, tick=False):
+        do_roll_up_usage()
+        rows = list(csv.DictReader(io.StringIO(owner_client.get(
+            f"/orgs/{org.slug}/billing/2026-02/csv/").content.decode())))
+        tokens = [(row["line"], row["endpoint"], row["adapter"], row["amount_usd"])
+                  for row in rows if row["kind"] == "completion_tokens"]
+        assert [line[1:] for line in tokens] == [("chat", "", "0.05"), ("chat", "legal", "0.20")]
+        legal = owner_client.get(f"/orgs/{org.slug}/billing/2026-02/lines/{tokens[1][0]}/")
+
+    assert [(row.adapter, row.completion_tokens) for row in legal.context["rows"]] == [
+        ("legal", 2_000)]
