@@ -209,28 +209,29 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_pays_for_what_it_g
 def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Served) -> None:
     key, secret = inference_key(served.first)
     max_tokens = 2000
-    attempts = 0
-    while attempts < 5:
-        attempts += 1
+    for attempt in range(5):
+        # Named, so that its record is known: a client that left before the gateway let its
+        # request in has none (the engine never saw it either).
+        named = f"leave-{uuid.uuid4()}-{attempt}"
         before = served.metrics()["vllm:generation_tokens_total"]
         try:  # a non-streamed answer comes only when it is done: the client gives up first
             httpx.post(f"{served.web}/v1/completions", timeout=httpx.Timeout(10, read=0.1),
-                       headers={"Authorization": f"Bearer {secret}"},
+                       headers={"Authorization": f"Bearer {secret}", "Idempotency-Key": named},
                        json={"model": "chat", "prompt": "Write a long story",
                              "max_tokens": max_tokens, "ignore_eos": True})
         except httpx.ReadTimeout:
             pass
-        assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 10)
+        assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 30)
         generated = served.metrics()["vllm:generation_tokens_total"] - before
-        if generated < max_tokens:  # the engine was still generating when the client left
+        if 0 < generated < max_tokens:  # the engine ran it, and stopped when the client left
             break
-    assert generated < max_tokens, "the engine kept generating for a client that had left"
+    assert 0 < generated < max_tokens, "the engine kept generating for a client that had left"
 
     def recorded() -> bool:
         ingest_usage.delay()
-        return UsageRecord.objects.filter(api_key=key).count() == attempts
+        return UsageRecord.objects.filter(api_key=key, idempotency_key=named).exists()
     assert wait_until(recorded, 30, interval=0.5)
-    record = UsageRecord.objects.filter(api_key=key).latest("started_at")
+    record = UsageRecord.objects.get(api_key=key, idempotency_key=named)
     assert (record.status_code, record.client_disconnected) == (499, True)
     # No usage came back: the engine's own tokenizer counted the prompt.
     assert record.prompt_tokens == served.client(secret).completions.create(
@@ -289,16 +290,21 @@ LONG_ANSWER = 1900  # tokens, as in the trial that found streams billed as nothi
 
 
 def streamed_tokens(base: str, secret: str, *, max_tokens: int, got: dict[str, int],
-                    on_token: Callable[[int, bool], None]) -> None:
+                    on_token: Callable[[int, bool], None], statuses: list[object]) -> None:
     """Stream a completion, keeping in `got` by request id the completion tokens received
     (the engine's running usage, which the client asks to see); `on_token(tokens, last)` at
-    each whole event with a token."""
+    each whole event with a token. Its status, or what failed before one came, goes in
+    `statuses`. It waits for its answer however long the engine queues it."""
     body = {"model": "chat", "prompt": "Once upon a time", "max_tokens": max_tokens,
             "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    answered = False
     try:
-        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60,
+        with httpx.stream("POST", f"{base}/v1/completions", json=body,
+                          timeout=httpx.Timeout(10, read=None),
                           headers={"Authorization": f"Bearer {secret}"}) as response:
+            statuses.append(response.status_code)
+            answered = True
             request_id = response.headers["x-request-id"]
             got[request_id] = 0
             for line in response.iter_lines():
@@ -310,8 +316,9 @@ def streamed_tokens(base: str, secret: str, *, max_tokens: int, got: dict[str, i
                     got[request_id] = event["usage"]["completion_tokens"]
                     on_token(got[request_id],
                              any(choice["finish_reason"] for choice in event["choices"]))
-    except httpx.TransportError:
-        pass
+    except httpx.TransportError as exc:
+        if not answered:
+            statuses.append(repr(exc))
 
 
 def billed_after_the_lease(request_ids: Iterable[str]) -> dict[str, int]:
@@ -331,27 +338,36 @@ def test_a_web_process_killed_mid_stream_bills_each_stream_what_its_client_recei
     port = free_port()
     web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT_REDIS)
     got: dict[str, int] = {}
+    statuses: list[object] = []
+    half_way = threading.Event()
 
-    def kill_at_half(tokens: int, last: bool) -> None:
-        # Half-way through one stream, and never before each of the six has had a token: a
-        # stream the engine started late would otherwise be killed with nothing to bill.
-        if (tokens >= LONG_ANSWER // 2 and len(got) == 6 and all(got.values())
-                and web.poll() is None):
-            web.send_signal(signal.SIGKILL)
+    def note(tokens: int, last: bool) -> None:
+        # Half-way through one stream, once each of the six has had a token: a stream the
+        # engine started late would otherwise be cut with nothing to bill.
+        if tokens >= LONG_ANSWER // 2 and len(got) == 6 and all(got.values()):
+            half_way.set()
 
     try:
+        # Its key and routes read, and its connections open, before the streams race for them.
+        warm = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                          headers={"Authorization": f"Bearer {secret}"},
+                          json={"model": "chat", "prompt": "Once", "max_tokens": 1})
+        assert warm.status_code == 200, warm.text
         clients = [threading.Thread(target=streamed_tokens, args=(
             f"http://127.0.0.1:{port}", secret), kwargs={
-                "max_tokens": LONG_ANSWER, "got": got, "on_token": kill_at_half})
+                "max_tokens": LONG_ANSWER, "got": got, "on_token": note, "statuses": statuses})
             for _ in range(6)]
         for client in clients:
             client.start()
+        assert half_way.wait(120), (got, statuses)
+        web.send_signal(signal.SIGKILL)
         for client in clients:
             client.join(60)
     finally:
         stop(web)
     billed = billed_after_the_lease(got)
 
+    assert statuses == [200] * 6, statuses
     assert len(got) == 6 and all(0 < tokens < LONG_ANSWER for tokens in got.values()), got
     # At least all but the lag; at most the event the process died sending, which may hold
     # several tokens (vLLM merges them for a client that falls behind).
@@ -364,6 +380,7 @@ def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
         served: Served) -> None:
     _, secret = inference_key(served.first)
     got: dict[str, int] = {}
+    statuses: list[object] = []
     for _ in range(3):
         port = free_port()
         web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT_REDIS)
@@ -374,10 +391,10 @@ def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
 
         try:
             streamed_tokens(f"http://127.0.0.1:{port}", secret, max_tokens=300, got=got,
-                            on_token=kill_at_the_end)
+                            on_token=kill_at_the_end, statuses=statuses)
             web.wait(10)
         finally:
             stop(web)
 
-    assert set(got.values()) == {300}
+    assert statuses == [200] * 3 and set(got.values()) == {300}, (statuses, got)
     assert billed_after_the_lease(got) == got
