@@ -9,16 +9,25 @@ Against the hub on loopback (bench/hub_server.py), with a control worker and a n
             engine logs once it runs;
   starts    the first start downloads; each later one starts from the node's cache: the
             bytes the hub sent for them, and kvrun's own time to ready over the engine's
-            own start, in-run (engine starts vary too much between runs for a ratio).
+            own start, in-run (engine starts vary too much between runs for a ratio);
+  adapters  an endpoint with LoRA slots, through a web process's gateway: the time from
+            adding an adapter (from the hub) to its first answer on the running endpoint;
+            completion tokens per second with four adapters interleaved against the base
+            model alone on the same engine, alternating rounds (a ratio of medians); and
+            whether the usage records per adapter equal the requests sent to it.
 Writes bench/results/models.json.
 """
 
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import django
@@ -29,15 +38,24 @@ django.setup()
 import httpx  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from accounts.models import Role, User  # noqa: E402
+from accounts.models import Organization, Role, User  # noqa: E402
 from accounts.services import do_create_organization  # noqa: E402
+from bench import seed  # noqa: E402
 from bench.hub_server import Hub  # noqa: E402
-from bench.provision import kvrun_start, start_processes  # noqa: E402
+from bench.provision import delete_and_settle, kvrun_start, start_processes, start_web  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
-from endpoints.models import ModelSpec, Node  # noqa: E402
+from billing.ingestion import do_ingest_usage  # noqa: E402
+from billing.models import UsageRecord  # noqa: E402
+from endpoints.models import Endpoint, ModelSpec, Node, State  # noqa: E402
 from endpoints.planning import plan  # noqa: E402
-from endpoints.services import do_add_model_from_hub, do_load_catalogs  # noqa: E402
-from engine import demo_model, hf_checkpoint, hub  # noqa: E402
+from endpoints.policies import EndpointPolicy  # noqa: E402
+from endpoints.services import (  # noqa: E402
+    do_add_adapter_from_hub,
+    do_add_model_from_hub,
+    do_create_endpoint,
+    do_load_catalogs,
+)
+from engine import demo_model, hf_checkpoint, hub, lora  # noqa: E402
 from engine.model_cache import ModelCache  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
 
@@ -49,6 +67,8 @@ GOALS = [
          unit="B"),
     Goal("cached_start_overhead_s", "kvrun's own time to ready from cached weights, in-run",
          below=2, unit="s"),
+    Goal("adapter_records_exact", "usage records per adapter equal the requests sent to it",
+         at_least=True),
 ]
 SHOWN = [
     Figure("repository_bytes", "the downloaded repository", "B"),
@@ -59,7 +79,12 @@ SHOWN = [
     Figure("kv_tokens_logged", "KV tokens vLLM logged"),
     Figure("first_start_s", "first start, downloading included", "s"),
     Figure("cached_start_s", "start from the node's cache, median", "s"),
+    Figure("adapter_ready_s", "an adapter added to a running endpoint, to its first answer, "
+                              "median", "s"),
+    Figure("adapter_tps_ratio", "tokens/s, 4 adapters interleaved / the base model alone"),
 ]
+ADAPTERS = 4
+ADAPTER_REQUESTS, ADAPTER_TOKENS = 16, 64  # per round, 4 at a time
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "4"))
 SHARDS, SHARD_BYTES = 4, 256 * 2**20
 CONTEXT_LENGTH, CONCURRENCY = 2048, 4
@@ -154,6 +179,7 @@ def measure(served: Hub, scratch: Path) -> int:
             own.append(engine_own)
             print(f"start {round_number + 1} from the cache: {elapsed:.2f} s "
                   f"(engine itself {engine_own:.2f} s)", flush=True)
+        adapters = measure_adapters(served, organization, model, scratch, children)
     finally:
         for child in children:
             child.terminate()
@@ -176,6 +202,7 @@ def measure(served: Hub, scratch: Path) -> int:
         "cached_start_bytes": sent,
         "cached_start_overhead_s": round(statistics.median(
             t - e for t, e in zip(cached, own, strict=True)), 3),
+        **adapters,
         "plain_runs_s": [round(x, 3) for x in plain],
         "kvrun_runs_s": [round(x, 3) for x in fetched],
     }
@@ -187,8 +214,92 @@ def measure(served: Hub, scratch: Path) -> int:
           f"{logged:,}")
     print(f"  {'first start (downloads)':<40}{result['first_start_s']:>9.2f} s")
     print(f"  {'start from the cache':<40}{result['cached_start_s']:>9.2f} s")
+    print(f"  {'adapter added to first answer':<40}{result['adapter_ready_s']:>9.2f} s")
+    print(f"  {'tokens/s, 4 adapters / base alone':<40}{result['adapter_tps_ratio']:>9.3f}")
     print_goals(result, GOALS)
     return 0 if met else 1
+
+
+def measure_adapters(served: Hub, organization: Organization, model: ModelSpec, scratch: Path,
+                     children: list[subprocess.Popen]) -> dict[str, object]:
+    """The adapters' figures, on an endpoint with four LoRA slots of `model`."""
+    for number in range(ADAPTERS):
+        served.publish(f"bench/lora-{number}", lora.build_demo_adapter(
+            scratch / f"lora-{number}", seed=number, base_model=model.hf_repo,
+            shape=demo_model.lora_shape()))
+    endpoint = do_create_endpoint(
+        organization=organization, actor_role=Role.OWNER, created_by=None, name="bench-lora",
+        model=model, policy=EndpointPolicy(context_length=CONTEXT_LENGTH,
+                                           concurrency=CONCURRENCY, lora_adapters=ADAPTERS,
+                                           lora_max_rank=8))
+    wait_for(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 300)
+    web = start_web(children)
+    _, secret = seed.key(organization)
+    with httpx.Client(base_url=web, timeout=120,
+                      headers={"Authorization": f"Bearer {secret}"}) as client:
+        ready = []
+        for number in range(ADAPTERS):
+            added = time.monotonic()
+            do_add_adapter_from_hub(endpoint=endpoint, actor_role=Role.OWNER, added_by=None,
+                                    name=f"a{number}", repo_id=f"bench/lora-{number}")
+            wait_for(lambda n=number: complete(client, f"bench-lora:a{n}", 1)[0] == 200, 60)
+            ready.append(time.monotonic() - added)
+            print(f"adapter {number + 1} served {ready[-1]:.2f} s after it was added",
+                  flush=True)
+        base_tps, mixed_tps, sent = [], [], Counter[str]()
+        request_ids: list[str] = []
+        for round_number in range(ROUNDS):
+            for mixed in (False, True)[::1 if round_number % 2 == 0 else -1]:
+                names = [f"bench-lora:a{n % ADAPTERS}" if mixed else "bench-lora"
+                         for n in range(ADAPTER_REQUESTS)]
+                tps, ids = throughput(client, names)
+                (mixed_tps if mixed else base_tps).append(tps)
+                sent.update(name.partition(":")[2] for name in names)
+                request_ids += ids
+            print(f"round {round_number + 1}: base {base_tps[-1]:.1f} tokens/s, "
+                  f"4 adapters {mixed_tps[-1]:.1f} tokens/s", flush=True)
+    stored = Counter[str]()
+    deadline = time.monotonic() + 60
+    while sum(stored.values()) < len(request_ids) and time.monotonic() < deadline:
+        do_ingest_usage()
+        stored = Counter(UsageRecord.objects.filter(request_id__in=request_ids)
+                         .values_list("adapter", flat=True))
+    delete_and_settle(endpoint)
+    return {"adapter_ready_s": round(statistics.median(ready), 3),
+            "adapter_ready_runs_s": [round(x, 3) for x in ready],
+            "adapter_tps_ratio": round(statistics.median(mixed_tps)
+                                       / statistics.median(base_tps), 3),
+            "adapter_base_tps": round(statistics.median(base_tps), 1),
+            "adapter_mixed_tps": round(statistics.median(mixed_tps), 1),
+            "adapter_requests": dict(sorted(sent.items())),
+            "adapter_records": dict(sorted(stored.items())),
+            "adapter_records_exact": stored == sent}
+
+
+def complete(client: httpx.Client, model: str, max_tokens: int) -> tuple[int, int, str]:
+    """(status, completion tokens, request id) of one completion through the gateway."""
+    answer = client.post("/v1/completions", json={
+        "model": model, "prompt": "Every prompt token and every generated token is metered",
+        "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0})
+    tokens = answer.json()["usage"]["completion_tokens"] if answer.status_code == 200 else 0
+    return answer.status_code, tokens, answer.headers.get("x-request-id", "")
+
+
+def throughput(client: httpx.Client, names: list[str]) -> tuple[float, list[str]]:
+    """Completion tokens per second over `names`' requests, CONCURRENCY at a time."""
+    started = time.monotonic()
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        answers = list(pool.map(lambda name: complete(client, name, ADAPTER_TOKENS), names))
+    elapsed = time.monotonic() - started
+    assert all(status == 200 for status, _, _ in answers), answers
+    return sum(tokens for _, tokens, _ in answers) / elapsed, [ids for _, _, ids in answers]
+
+
+def wait_for(ready: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        assert time.monotonic() < deadline, "not ready in time"
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":

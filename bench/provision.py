@@ -95,11 +95,16 @@ def kvrun_start(organization: object, model: ModelSpec, name: str) -> tuple[floa
     spawned = replica.events.get(state=State.LOADING).at
     served = replica.events.get(state=State.READY).at
     engine_own = (served - spawned).total_seconds()
+    delete_and_settle(endpoint)
+    return elapsed, engine_own, replica.kv_cache_tokens
+
+
+def delete_and_settle(endpoint: Endpoint) -> None:
+    """Delete the endpoint and wait until every replica of it has stopped."""
     do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
     while Replica.objects.filter(endpoint=endpoint).exclude(state=State.STOPPED).exists():
         app.send_task("endpoints.reconcile", args=[str(endpoint.id)])
         time.sleep(0.5)
-    return elapsed, engine_own, replica.kv_cache_tokens
 
 
 def start_processes(logs: Path) -> list[subprocess.Popen]:

@@ -48,6 +48,8 @@ class Goal:
 
 def bound(goal: dict) -> str:
     """A goal (as stored) in words: "≤ 2.2", "≥ 500,000 records/s"."""
+    if goal.get("at_least") is True:
+        return "yes"
     for key, sign in (("at_most", "≤"), ("below", "<"), ("at_least", "≥")):
         if goal.get(key) is not None:
             return f"{sign} {shown_value(goal[key], goal.get('unit', ''))}"
