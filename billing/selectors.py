@@ -223,6 +223,18 @@ def tokens_by_adapter(*, endpoint_id: UUID, hours: int = 24, now: datetime | Non
                              "completion_tokens": row["completion"]} for row in rows}
 
 
+def tokens_by_model(*, organization: Organization, month: date) -> list[dict[str, Any]]:
+    """Requests and tokens of `month` per endpoint and LoRA adapter (an empty adapter: the
+    endpoint's model), as rolled up, by endpoint name then adapter."""
+    start, end = month_bounds(month)
+    rows = (TokenHour.objects.filter(organization=organization, hour__gte=start, hour__lt=end)
+            .values("endpoint__name", "adapter")
+            .annotate(requests=Sum("requests"), prompt_tokens=Sum("prompt_tokens"),
+                      completion_tokens=Sum("completion_tokens"))
+            .order_by("endpoint__name", "adapter"))
+    return [dict(row) for row in rows]
+
+
 def month_to_date_by_endpoint(*, organization: Organization, now: datetime | None = None
                               ) -> dict[UUID, int]:
     """Cents each endpoint has cost this month so far, as its draft lines price it."""

@@ -33,6 +33,8 @@ MAX_LORA_ADAPTERS = 32
 MAX_LORA_HOST_ADAPTERS = 256
 DEFAULT_LORA_RANK = 16
 LORA_RANKS = lora.RANKS
+LORA_RANK_REFUSAL = (f"Choose a rank vLLM takes: {', '.join(map(str, LORA_RANKS[:-1]))} or "
+                     f"{LORA_RANKS[-1]}.")
 DEFAULT_IDLE_SECONDS = 900
 MAX_IDLE_SECONDS = 30 * 24 * 3600  # a month; beyond, the endpoint may as well not scale to zero
 # The autoscaler judges a window by the engines' samples: one needs a few scrapes to say

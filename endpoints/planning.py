@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db.models import QuerySet
 
-from endpoints.models import DEFAULT_CONTEXT_LENGTH, GPUType, ModelSpec, NodeState
+from endpoints.models import DEFAULT_CONTEXT_LENGTH, AttentionKind, GPUType, ModelSpec, NodeState
 from endpoints.selectors import model_catalog
 from engine import sizing
 from engine.kv_policy import KVPolicy, refusals
@@ -61,6 +61,18 @@ def weight_dtype_of(model: ModelSpec) -> str:
     if model.default_dtype in sizing.WEIGHT_BYTES_PER_PARAM:
         return model.default_dtype
     return "bfloat16"
+
+
+def lora_refusal(model: ModelSpec) -> str | None:
+    """Why endpoints of `model` cannot hold LoRA adapters, in words; None when they can."""
+    if model.attention_kind == AttentionKind.MLA:
+        return (f"{model.name} uses latent attention, whose LoRA layers kvrun cannot size yet; "
+                "serve adapters on another model.")
+    if lora_shape_of(model) is None:
+        return (f"kvrun does not know {model.name}'s layer sizes, so it cannot size LoRA "
+                "adapters for it; serve adapters on a model added from the hub, or ask an "
+                "operator.")
+    return None
 
 
 def request_for(model: ModelSpec, *, context_length: int, concurrency: int, kv_cache_dtype: str,
@@ -145,6 +157,8 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     if not candidates:
         raise ValidationError({"gpu_type": ["The GPU catalog is empty; an operator loads it "
                                             "with `python manage.py load_catalogs`."]})
+    if lora_adapters and (refusal := lora_refusal(model)):
+        raise ValidationError({"lora_adapters": [refusal]})
     if gpu_count and not sizing.valid_tp(shape_of(model), gpu_count):
         raise ValidationError({"gpu_count": [
             f"{model.name} has {model.attention_heads} attention heads, which vLLM cannot split "

@@ -4,6 +4,7 @@ from rest_framework import serializers
 
 from endpoints.models import (
     DEFAULT_LORA_RANK,
+    LORA_RANK_REFUSAL,
     LORA_RANKS,
     MAX_CONCURRENCY,
     MAX_DISK_TIER_GIB,
@@ -209,6 +210,7 @@ class SizingInput(StrictSerializer):
         help_text="LoRA adapters held on the device at once; 0 serves none.")
     lora_max_rank = serializers.ChoiceField(
         choices=LORA_RANKS, default=DEFAULT_LORA_RANK,
+        error_messages={"invalid_choice": LORA_RANK_REFUSAL},
         help_text="The largest rank of an adapter the endpoint serves.")
 
 
@@ -264,7 +266,8 @@ class PolicyInput(StrictSerializer):
     prefix_affinity = serializers.BooleanField(required=False)
     lora_adapters = serializers.IntegerField(min_value=0, max_value=MAX_LORA_ADAPTERS,
                                              required=False)
-    lora_max_rank = serializers.ChoiceField(choices=LORA_RANKS, required=False)
+    lora_max_rank = serializers.ChoiceField(choices=LORA_RANKS, required=False,
+                                            error_messages={"invalid_choice": LORA_RANK_REFUSAL})
     lora_host_adapters = serializers.IntegerField(min_value=0, max_value=MAX_LORA_HOST_ADAPTERS,
                                                   required=False)
 

@@ -39,7 +39,6 @@ from endpoints.lifecycle import (
 from endpoints.models import Adapter, ModelSpec, Node, Replica, State
 from endpoints.states import PROGRESS
 from engine import kv_policy, metrics, model_cache, offload_check, processes, supervisor
-from engine.hub import HubRefusal
 from engine.sizing import CPU, GIB, GPU
 from kvrun.common.digests import engine_api_key
 from nodes import weights
@@ -170,8 +169,7 @@ class NodeAgent:
                         folder = weights.adapter_dir(wanted[name], node_name=self.name)
                         supervisor.load_adapter(host=host, port=port, api_key=api_key,
                                                 name=name, path=str(folder))
-                    except (supervisor.EngineFailed, model_cache.DownloadFailed,
-                            model_cache.CacheFull, HubRefusal, OSError) as exc:
+                    except Exception as exc:  # whatever the cause, only this adapter fails
                         logger.warning("replica %s: adapter %s not served: %s", replica.id,
                                        name, exc)
                         do_note_replica(replica_id=replica.id, message=(
@@ -185,7 +183,7 @@ class NodeAgent:
                                exc)
                 return
             Replica.objects.filter(id=replica.id).update(
-                adapters=[name.split(":", 1)[1] for name in now])
+                adapters=[name.partition(":")[2] for name in now])
 
     def _download(self, replica: Replica, log: Path) -> bool:
         """Fetch the replica's weights into this node's model cache (starting → downloading),

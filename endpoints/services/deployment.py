@@ -10,11 +10,11 @@ from accounts.services import require_manager
 from endpoints.dispatch import reconcile_after_commit
 from endpoints.lifecycle import do_stop_replica
 from endpoints.models import (
+    LORA_RANK_REFUSAL,
     LORA_RANKS,
     MAX_LORA_ADAPTERS,
     MAX_LORA_HOST_ADAPTERS,
     MIN_CONTEXT_LENGTH,
-    AttentionKind,
     DesiredState,
     Endpoint,
     EndpointEvent,
@@ -24,7 +24,7 @@ from endpoints.models import (
     State,
     validate_endpoint_name,
 )
-from endpoints.planning import lora_shape_of, plan
+from endpoints.planning import lora_refusal, plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services.quota import hold_quota
 from endpoints.services.scaling import scaling_errors
@@ -49,18 +49,12 @@ def lora_refusals(*, model: ModelSpec, policy: EndpointPolicy) -> dict[str, list
     """What is wrong with `policy`'s LoRA settings for `model`, by field; empty when nothing."""
     errors: dict[str, list[str]] = {}
     if policy.lora_max_rank not in LORA_RANKS:
-        errors["lora_max_rank"] = [f"Choose a rank vLLM takes: "
-                                   f"{', '.join(str(rank) for rank in LORA_RANKS)}."]
+        errors["lora_max_rank"] = [LORA_RANK_REFUSAL]
     if not 0 <= policy.lora_adapters <= MAX_LORA_ADAPTERS:
         errors["lora_adapters"] = [f"Hold between 0 (no adapters) and {MAX_LORA_ADAPTERS} "
                                    "adapters on the device at once."]
-    elif policy.lora_adapters and lora_shape_of(model) is None:
-        errors["lora_adapters"] = [f"kvrun does not know {model.name}'s layer sizes, so it "
-                                   "cannot size LoRA adapters for it; serve adapters on a "
-                                   "model added from the hub, or ask an operator."]
-    elif policy.lora_adapters and model.attention_kind == AttentionKind.MLA:
-        errors["lora_adapters"] = [f"{model.name} uses latent attention, whose LoRA layers "
-                                   "kvrun cannot size yet; serve adapters on another model."]
+    elif policy.lora_adapters and (refusal := lora_refusal(model)):
+        errors["lora_adapters"] = [refusal]
     host = policy.lora_host_adapters
     if host and not policy.lora_adapters <= host <= MAX_LORA_HOST_ADAPTERS:
         errors["lora_host_adapters"] = [

@@ -67,6 +67,8 @@ def billing(request: HttpRequest, org_slug: str, budget_form: BudgetForm | None 
         "projected_cents": spend.so_far_cents + cents(spend.run_rate_usd * hours_left),
         "month": spend.month,
         "invoices": selectors.invoices_of(organization=organization, now=now),
+        "tokens_by_model": selectors.tokens_by_model(organization=organization,
+                                                     month=spend.month),
         "daily": {"days": [f"{row['day']:%Y-%m-%d}" for row in daily],
                   "gpu_hours": [float(round(row["gpu_hours"], 3)) for row in daily],
                   "prompt_tokens": [row["prompt_tokens"] for row in daily],

@@ -202,3 +202,17 @@ def test_the_key_cache_holds_json_that_no_one_can_smuggle_code_into(
     assert orjson.loads(stored)["id"] == str(key.id)  # JSON, where Django would pickle
     with django_assert_num_queries(0):
         assert get_key_identity(secret=secret) == identity
+
+
+def test_a_key_names_endpoints_or_single_adapters(owner_api: APIClient,
+                                                  org: Organization) -> None:
+    created = owner_api.post(keys_url(org), {"name": "lawyers", "endpoint_names": [
+        "chat", "chat:legal"]}, format="json")
+    refused = owner_api.post(keys_url(org), {"name": "odd", "endpoint_names": [
+        "chat:legal:v2"]}, format="json")
+
+    assert created.status_code == 201, created.content
+    assert APIKey.objects.get().endpoint_names == ["chat", "chat:legal"]
+    assert refused.status_code == 400
+    assert refused.json()["error"]["fields"]["endpoint_names"] == {
+        "0": ["Name an endpoint, or one adapter of an endpoint as endpoint:adapter."]}

@@ -34,6 +34,15 @@ def answer(web: str, secret: str, model: str) -> httpx.Response:
                             "temperature": 0})
 
 
+def cached_tokens(web: str, secret: str, model: str, prompt: str) -> int:
+    response = httpx.post(f"{web}/v1/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {secret}"},
+                          json={"model": model, "prompt": prompt, "max_tokens": 1})
+    assert response.status_code == 200, response.text
+    return (response.json()["usage"].get("prompt_tokens_details") or {}).get(
+        "cached_tokens") or 0
+
+
 def serves(replica: Replica, adapters: list[str]) -> bool:
     replica.refresh_from_db()
     return replica.adapters == adapters
@@ -82,6 +91,13 @@ def test_adapters_answer_apart_arrive_without_a_restart_and_are_metered_each(
     request_ids = [response.headers["x-request-id"] for response in (base, first, second)]
     assert {record.request_id: record.adapter for record in records_for(request_ids)} == dict(
         zip(request_ids, ["", "a", "b"], strict=True))
+
+    # Prefix caches never mix: a prompt the model has cached is new to an adapter.
+    long_prompt = " ".join([PROMPT] * 30)  # a few 128-token blocks on the CPU engine
+    cached = [cached_tokens(web, secret, model, long_prompt)
+              for model in ("tuned", "tuned", "tuned:a", "tuned:a", "tuned:b")]
+    assert cached[0] == 0 and cached[1] >= 128, cached
+    assert cached[2] == 0 and cached[3] >= 128 and cached[4] == 0, cached
 
     with pytest.raises(ValidationError, match="rank 16, above this endpoint's largest LoRA"):
         do_add_adapter_from_hub(endpoint=endpoint, actor_role="owner", added_by=None,

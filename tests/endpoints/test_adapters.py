@@ -236,3 +236,56 @@ def test_another_organisation_s_endpoint_has_no_adapters_to_see(
     assert stranger.get(adapters_url(org)).status_code == 404
     assert stranger.post(adapters_url(org), {"name": "x", "hf_repo": "kvrun/demo-lora-a"},
                          format="json").status_code == 404
+
+
+def test_lora_slots_are_sized_and_changed_like_the_rest_of_the_kv_policy(
+        owner_api: APIClient, org: Organization, cpu_node: Node) -> None:
+    created = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {
+        "name": "tuned", "model": weights.DEMO_SLUG, "context_length": 2048, "concurrency": 2,
+        "gpu_type": "cpu", "lora_adapters": 2, "lora_max_rank": 8}, format="json")
+    assert created.status_code == 201, created.content
+    slots = lora.device_bytes(demo_model.lora_shape(), adapters=2, max_rank=8)
+    assert created.json()["sizing"]["lora_bytes_per_gpu"] == slots
+    assert "+ LoRA" in created.json()["sizing"]["explanation"]
+
+    changed = owner_api.patch(f"/api/v1/organizations/{org.slug}/endpoints/tuned/policy/",
+                              {"lora_adapters": 4, "lora_max_rank": 16}, format="json")
+
+    assert changed.status_code == 200, changed.content
+    endpoint = Endpoint.objects.get(name="tuned")
+    assert (endpoint.lora_adapters, endpoint.lora_max_rank, endpoint.policy_version) == (4, 16, 2)
+    assert endpoint.sizing["lora_bytes_per_gpu"] == 4 * slots  # twice the slots, twice the rank
+    assert "restarts" in changed.json()["rollout"]
+
+
+@pytest.mark.parametrize(("body", "field", "words"), [
+    ({"lora_max_rank": 7}, "lora_max_rank",
+     "Choose a rank vLLM takes: 1, 8, 16, 32, 64, 128, 256, 320 or 512."),
+    ({"lora_adapters": 4, "lora_host_adapters": 2}, "lora_host_adapters",
+     "Keep between 4 (the adapters on the device) and 256"),
+    ({"lora_adapters": 33}, "lora_adapters", "less than or equal to 32"),
+])
+def test_lora_settings_out_of_range_are_refused(owner_api: APIClient, org: Organization,
+                                                cpu_node: Node, body: dict, field: str,
+                                                words: str) -> None:
+    response = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {
+        "name": "tuned", "model": weights.DEMO_SLUG, "context_length": 2048, "concurrency": 2,
+        "gpu_type": "cpu", **body}, format="json")
+
+    assert response.status_code == 400
+    assert words in " ".join(response.json()["error"]["fields"][field]), response.json()
+    assert not Endpoint.objects.exists()
+
+
+def test_a_latent_attention_model_takes_no_lora_slots(owner_api: APIClient, org: Organization,
+                                                      cpu_node: Node) -> None:
+    response = owner_api.post(f"/api/v1/organizations/{org.slug}/sizing/", {
+        "model": "deepseek-v3", "context_length": 4096, "concurrency": 1, "lora_adapters": 1},
+        format="json")
+    created = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {
+        "name": "deep", "model": "deepseek-v3", "context_length": 4096, "concurrency": 1,
+        "lora_adapters": 1}, format="json")
+
+    for refused in (response, created):
+        assert refused.status_code == 400
+        assert "latent attention" in refused.json()["error"]["fields"]["lora_adapters"][0]

@@ -192,3 +192,18 @@ def test_an_adapter_s_tokens_are_a_line_of_their_own_with_its_records(
 
     assert [(row.adapter, row.completion_tokens) for row in legal.context["rows"]] == [
         ("legal", 2_000)]
+
+
+def test_the_usage_page_splits_the_month_s_tokens_by_adapter(
+        owner_client: Client, org: Organization, billed: Endpoint) -> None:
+    key, _ = inference_key(org)
+    for adapter, tokens in (("legal", 2_000), ("legal", 1_000), ("", 500)):
+        record(billed, key, NOW - timedelta(hours=1), completion_tokens=tokens, adapter=adapter)
+    with time_machine.travel(NOW, tick=False):
+        do_roll_up_usage()
+        response = owner_client.get(f"/orgs/{org.slug}/billing/")
+
+    assert [(row["endpoint__name"], row["adapter"], row["requests"], row["completion_tokens"])
+            for row in response.context["tokens_by_model"]] == [
+        ("chat", "", 1, 500), ("chat", "legal", 2, 3_000)]
+    assert "<code>chat:legal</code>" in response.content.decode()

@@ -7,6 +7,7 @@ from django.test import Client
 
 from accounts.models import APIKey, KeyPurpose, Organization, User
 from accounts.services import do_issue_playground_key
+from endpoints.models import Adapter
 from tests.factories import api_key, ready_endpoint
 
 pytestmark = pytest.mark.django_db
@@ -124,3 +125,20 @@ def test_a_hidden_field_s_error_is_shown_too(owner_client: Client, org: Organiza
     assert response.status_code == 400
     assert b"Creation token: Ensure this value has at most 32 characters" in response.content
     assert not APIKey.objects.exists()
+
+
+def test_a_key_can_be_restricted_to_one_adapter_of_an_endpoint(owner_client: Client,
+                                                                org: Organization) -> None:
+    endpoint = ready_endpoint(org, "chat", ports=[])
+    Adapter.objects.create(endpoint=endpoint, name="legal", source="hub", rank=8, size_bytes=1,
+                           hf_repo="acme/legal-lora", hf_commit="ab" * 20)
+
+    refused = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
+        "name": "lawyers", "scope": "inference", "endpoint_names": "chat:tax"})
+    created = owner_client.post(f"/orgs/{org.slug}/keys/new/", {
+        "name": "lawyers", "scope": "inference", "endpoint_names": "chat:legal"})
+
+    assert refused.status_code == 400
+    assert b"No endpoint or adapter named chat:tax" in refused.content
+    assert created.status_code == 200
+    assert APIKey.objects.get().endpoint_names == ["chat:legal"]
