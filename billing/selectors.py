@@ -88,6 +88,21 @@ def usage_by_minute(*, endpoint_id: UUID, minutes: int = 60, now: datetime | Non
     )
 
 
+def tokens_by_minute_and_adapter(*, endpoint_id: UUID, minutes: int = 60,
+                                 now: datetime | None = None) -> list[Mapping[str, Any]]:
+    """Generated tokens per minute and LoRA adapter ("" for the endpoint's model) over the
+    same minutes as usage_by_minute, for minutes that saw any."""
+    now = now or timezone.now()
+    since = now.replace(second=0, microsecond=0) - timedelta(minutes=minutes - 1)
+    return list(
+        UsageRecord.objects.filter(endpoint_id=endpoint_id, started_at__gte=since)
+        .annotate(minute=TruncMinute("started_at"))
+        .values("minute", "adapter")
+        .annotate(completion_tokens=Coalesce(Sum("completion_tokens"), 0))
+        .order_by("minute", "adapter")
+    )
+
+
 @dataclass(frozen=True)
 class InvoiceView:
     """A month's invoice as the customer reads it: finalised (stored) or the draft."""

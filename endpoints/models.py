@@ -1,4 +1,6 @@
+import hashlib
 import uuid
+from collections.abc import Iterable
 
 from django.contrib.postgres.fields import ArrayField
 from django.core.validators import RegexValidator
@@ -410,8 +412,15 @@ class Adapter(models.Model):
         (a change of weights is a new folder, so no engine's prefix cache mixes the two)."""
         if self.source == AdapterSource.HUB:
             return f"{self.hf_repo.replace('/', '--')}/{self.hf_commit}"
-        digest = next(f["sha256"] for f in self.files if f["path"] == lora.WEIGHTS_FILE)
-        return f"uploads/{digest}"
+        # Both files: the same weights under another config (alpha, targets) are another
+        # adapter.
+        both = "".join(sorted(f["sha256"] for f in self.files))
+        return f"uploads/{hashlib.sha256(both.encode()).hexdigest()}"
+
+    def serving(self, replicas: Iterable["Replica"]) -> int:
+        """How many of `replicas` are ready and serve it."""
+        return sum(1 for replica in replicas
+                   if replica.state == State.READY and self.name in replica.adapters)
 
 
 class AdapterFile(models.Model):

@@ -68,6 +68,9 @@ def lora_refusal(model: ModelSpec) -> str | None:
     if model.attention_kind == AttentionKind.MLA:
         return (f"{model.name} uses latent attention, whose LoRA layers kvrun cannot size yet; "
                 "serve adapters on another model.")
+    if model.active_parameters is not None:
+        return (f"{model.name} is a mixture of experts, whose experts' LoRA layers kvrun "
+                "cannot size yet; serve adapters on a dense model.")
     if lora_shape_of(model) is None:
         return (f"kvrun does not know {model.name}'s layer sizes, so it cannot size LoRA "
                 "adapters for it; serve adapters on a model added from the hub, or ask an "

@@ -109,8 +109,7 @@ class AdapterSerializer(serializers.ModelSerializer):
         return f"{adapter.endpoint.name}:{adapter.name}"
 
     def get_replicas_serving(self, adapter: Adapter) -> int:
-        return sum(1 for replica in adapter.endpoint.replicas.all()
-                   if replica.state == State.READY and adapter.name in replica.adapters)
+        return adapter.serving(adapter.endpoint.replicas.all())
 
 
 class GPUTypeSerializer(serializers.ModelSerializer):

@@ -169,9 +169,18 @@ def inspect_adapter(*, endpoint: str, repo_id: str, revision: str | None = None,
             path = api.hf_hub_download(repo_id, lora.CONFIG_FILE, revision=commit,
                                        token=secret, local_dir=scratch,
                                        etag_timeout=TIMEOUT_SECONDS)
-            config = dict(json.loads(Path(path).read_text()))
-        header = api.parse_safetensors_file_metadata(repo_id, lora.WEIGHTS_FILE,
-                                                     revision=commit, token=secret)
+            try:
+                config = json.loads(Path(path).read_text())
+            except ValueError:
+                config = None
+        if not isinstance(config, dict):
+            raise HubRefusal("hf_repo", f"{repo_id}'s {lora.CONFIG_FILE} is not a JSON object.")
+        try:
+            header = api.parse_safetensors_file_metadata(repo_id, lora.WEIGHTS_FILE,
+                                                         revision=commit, token=secret)
+        except SafetensorsParsingError as exc:
+            raise HubRefusal("hf_repo", f"{repo_id}'s {lora.WEIGHTS_FILE} is not a safetensors "
+                             "file.") from exc
     return HubAdapter(repo_id=repo_id, commit=commit,
                       files=tuple(f for f in files if f.path in (lora.CONFIG_FILE,
                                                                  lora.WEIGHTS_FILE)),

@@ -82,7 +82,16 @@ class AdapterConfig:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
             raise AdapterRefusal("adapter_config.json states no rank: its 'r' must be a "
                                  "positive whole number.")
-        ranks = [rank, *(config.get("rank_pattern") or {}).values()]
+        pattern = config.get("rank_pattern") or {}
+        if not isinstance(pattern, dict) or not all(
+                isinstance(r, int) and not isinstance(r, bool) and r >= 1
+                for r in pattern.values()):
+            raise AdapterRefusal("adapter_config.json's rank_pattern must map module names to "
+                                 "positive whole ranks.")
+        ranks = [rank, *pattern.values()]
+        alpha = config.get("lora_alpha") or rank
+        if not isinstance(alpha, int | float) or isinstance(alpha, bool):
+            raise AdapterRefusal("adapter_config.json's lora_alpha must be a number.")
         targets = config.get("target_modules")
         if isinstance(targets, str):
             raise AdapterRefusal("adapter_config.json names its target modules by a pattern "
@@ -99,7 +108,7 @@ class AdapterConfig:
         if unsupported:
             raise AdapterRefusal(f"This adapter uses {', '.join(unsupported)}, which vLLM cannot "
                                  "serve: train it as a plain LoRA adapter.")
-        return cls(rank=max(int(r) for r in ranks), alpha=float(config.get("lora_alpha") or rank),
+        return cls(rank=max(ranks), alpha=float(alpha),
                    target_modules=tuple(sorted(str(t) for t in targets)),
                    base_model=str(config.get("base_model_name_or_path") or ""))
 
@@ -154,9 +163,9 @@ def read_header(data: bytes) -> dict[str, list[int]]:
     (length,) = struct.unpack("<Q", data[:8])
     try:
         header = json.loads(data[8:8 + length])
-        return {name: list(entry["shape"]) for name, entry in header.items()
+        return {name: [int(size) for size in entry["shape"]] for name, entry in header.items()
                 if name != "__metadata__"}
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise AdapterRefusal(f"{WEIGHTS_FILE} is not a safetensors file.") from exc
 
 

@@ -230,13 +230,14 @@ def unload_adapter(*, host: str = "127.0.0.1", port: int, api_key: str, name: st
 
 
 def served_adapters(*, host: str = "127.0.0.1", port: int, api_key: str,
-                    served_model_name: str) -> list[str]:
-    """The LoRA adapters a running engine serves now, by name."""
+                    served_model_name: str) -> dict[str, str]:
+    """The LoRA adapters a running engine serves now: each one's name, and the folder it
+    was loaded from."""
     response = httpx.get(f"http://{host}:{port}/v1/models", timeout=10.0,
                          headers={"Authorization": f"Bearer {api_key}"})
     response.raise_for_status()
-    return sorted(item["id"] for item in response.json()["data"]
-                  if item["id"] != served_model_name)
+    return {item["id"]: str(item.get("root") or "") for item in response.json()["data"]
+            if item["id"] != served_model_name}
 
 
 def read_kv_capacity(log_text: str) -> int | None:

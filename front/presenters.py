@@ -25,7 +25,7 @@ def adapters(endpoint: Endpoint) -> list[dict[str, object]]:
     if not rows:
         return []
     used = tokens_by_adapter(endpoint_id=endpoint.id)
-    ready = [replica for replica in endpoint.replicas.all() if replica.state == State.READY]
+    replicas = list(endpoint.replicas.all())
     nothing = {"requests": 0, "prompt_tokens": 0, "completion_tokens": 0}
     shown: list[dict[str, object]] = [{"name": "", "model": endpoint.name, "base": True,
                                        **used.get("", nothing)}]
@@ -35,9 +35,17 @@ def adapters(endpoint: Endpoint) -> list[dict[str, object]]:
         shown.append({
             "name": adapter.name, "model": f"{endpoint.name}:{adapter.name}", "base": False,
             "source": source, "rank": adapter.rank, "targets": ", ".join(adapter.target_modules),
-            "serving": sum(1 for replica in ready if adapter.name in replica.adapters),
-            "replicas": len(ready), **used.get(adapter.name, nothing)})
+            "serving": adapter.serving(replicas),
+            "replicas": sum(1 for replica in replicas if replica.state == State.READY),
+            **used.get(adapter.name, nothing)})
     return shown
+
+
+def model_names(endpoint: Endpoint) -> list[str]:
+    """What clients call the endpoint: its name, then each adapter's `<endpoint>:<adapter>`."""
+    return [endpoint.name, *(f"{endpoint.name}:{name}" for name in
+                             selectors.adapters_of(endpoint=endpoint).values_list("name",
+                                                                                  flat=True))]
 
 
 def wake_seconds(endpoint: Endpoint) -> float | None:

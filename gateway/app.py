@@ -309,13 +309,22 @@ class Gateway:
                              endpoint_id="")
 
     async def _route(self, identity: KeyIdentity, name: str) -> Route:
-        route = (await self.directory.routes(identity.organization_id)).get(name)
+        routes = await self.directory.routes(identity.organization_id)
+        route = routes.get(name)
         if route is None:
             raise _model_not_found(name)
         if not _allowed(identity, name):
             allowed = ", ".join(identity.endpoint_names)
             raise GatewayError(403, f"This API key may call only these endpoints: {allowed}. "
                                "Use a key without that restriction.", code="permission_denied")
+        endpoint = routes[route.endpoint_name]
+        if route.adapter and not route.upstreams and endpoint.upstreams:
+            # Its endpoint serves, but no engine has loaded the adapter: no cold start to wait for.
+            raise GatewayError(503, f"No replica of {route.endpoint_name!r} serves the adapter "
+                               f"{route.adapter!r} yet: it was added moments ago, or its "
+                               "replicas could not load it (the endpoint's events in the "
+                               "dashboard say why). Retry in a few seconds.",
+                               code="adapter_not_ready", headers=[(b"retry-after", b"5")])
         if not route.upstreams and not route.scales_to_zero:
             raise _not_ready(route)
         return route

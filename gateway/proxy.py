@@ -65,8 +65,9 @@ class Proxy:
                           identity.id if route.cache_isolation == CacheIsolation.KEY else None)
         payload["cache_salt"] = salt
         # Each adapter's prefixes are cached apart (vLLM hashes blocks with the adapter), so
-        # each has its own place on the ring.
-        affinity = (prefix_key(payload, salt=f"{salt}:{route.adapter}")
+        # each has its own place on the ring; the model's stay where they were.
+        ring_salt = f"{salt}:{route.adapter}" if route.adapter else salt
+        affinity = (prefix_key(payload, salt=ring_salt)
                     if route.prefix_affinity and len(route.upstreams) > 1 else None)
         if exchange.stream:
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
@@ -135,7 +136,7 @@ class Proxy:
         tried: set[Upstream] = set()
         while (upstream := choose_upstream(route, tried=tried, key=affinity)) is not None:
             if affinity is not None and not tried and upstream is not route.ring.owner(affinity):
-                observed.SPILLS.labels(route.organization_slug, route.name).inc()
+                observed.SPILLS.labels(route.organization_slug, route.endpoint_name).inc()
             tried.add(upstream)
             upstream.in_flight += 1
             upstream.served += 1
@@ -158,7 +159,7 @@ class Proxy:
             finally:
                 exchange.upstream_seconds += time.perf_counter() - waited
             return exchange.response
-        raise GatewayError(503, f"No replica of endpoint {route.name!r} accepted the request; "
+        raise GatewayError(503, f"No replica of {route.name!r} accepted the request; "
                            "kvrun is restarting it. Retry in a few seconds.",
                            code="engine_unavailable", headers=[(b"retry-after", b"5")])
 

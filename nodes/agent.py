@@ -70,8 +70,9 @@ class NodeAgent:
         self._stopping: set[int] = set()  # process groups a stop is already on
         self._shutting_down = threading.Event()
         self._next_log_sweep = 0.0  # monotonic
-        # Held while an engine's adapters are changed: the last to finish reports the set.
-        self._adapters_lock = threading.Lock()
+        # By replica: held while its engine's adapters are changed, so the last change to
+        # finish reports what it serves.
+        self._adapter_locks: dict[str, threading.Lock] = {}
 
     def start_replica(self, replica_id: str) -> None:
         """Start the replica's engine and wait until it serves. A second delivery of the same start
@@ -92,7 +93,8 @@ class NodeAgent:
         if not do_transition_replica(replica_id=replica.id, from_states=[coming_from],
                                      to_state=State.LOADING, message="starting the engine",
                                      port=port, policy_version=replica.endpoint.policy_version,
-                                     download_seconds=downloaded, download_done_at=None):
+                                     download_seconds=downloaded, download_done_at=None,
+                                     adapters=[]):
             return
         process = None
         try:
@@ -151,20 +153,26 @@ class NodeAgent:
 
     def _serve_adapters(self, replica: Replica, *, host: str, port: int) -> None:
         """An adapter that cannot be fetched or that the engine refuses becomes an event of
-        the replica; the others are served. The replica's `adapters` say what it serves."""
+        the replica; the others are served. One the engine holds from other files (removed,
+        then added again under its name) is loaded anew. The replica's `adapters` say what it
+        serves."""
         endpoint = replica.endpoint
         if not endpoint.lora_adapters:
             return
         api_key = engine_api_key(replica.id)
-        with self._adapters_lock:
+        with self._lock:
+            lock = self._adapter_locks.setdefault(str(replica.id), threading.Lock())
+        with lock:  # one change of this engine's adapters at a time; other replicas go on
             try:
                 wanted = {f"{endpoint.name}:{adapter.name}": adapter
                           for adapter in Adapter.objects.filter(endpoint_id=endpoint.id)}
-                served = set(supervisor.served_adapters(
-                    host=host, port=port, api_key=api_key, served_model_name=endpoint.name))
-                for name in sorted(served - wanted.keys()):
+                served = supervisor.served_adapters(
+                    host=host, port=port, api_key=api_key, served_model_name=endpoint.name)
+                stale = {name for name, folder in served.items() if name not in wanted
+                         or folder != str(weights.adapter_folder(wanted[name]))}
+                for name in sorted(stale):
                     supervisor.unload_adapter(host=host, port=port, api_key=api_key, name=name)
-                for name in sorted(wanted.keys() - served):
+                for name in sorted(wanted.keys() - (served.keys() - stale)):
                     try:
                         folder = weights.adapter_dir(wanted[name], node_name=self.name)
                         supervisor.load_adapter(host=host, port=port, api_key=api_key,
@@ -183,7 +191,7 @@ class NodeAgent:
                                exc)
                 return
             Replica.objects.filter(id=replica.id).update(
-                adapters=[name.partition(":")[2] for name in now])
+                adapters=sorted(name.partition(":")[2] for name in now))
 
     def _download(self, replica: Replica, log: Path) -> bool:
         """Fetch the replica's weights into this node's model cache (starting → downloading),

@@ -89,31 +89,39 @@ def in_use(node_name: str) -> set[Path]:
     return {cache.snapshot(repo, commit) for repo, commit in [*models, *adapters]}
 
 
+def adapter_folder(adapter: Adapter) -> Path:
+    """Where `adapter`'s files are on this node once fetched or written out."""
+    return model_cache().root / adapter.folder
+
+
 def adapter_dir(adapter: Adapter, *, node_name: str) -> Path:
     """The folder an engine loads `adapter` from on this node: its hub commit, fetched into
     the model cache (and checked) on first use, or its upload, written from the database and
     checked against the digests taken when it was added. Raises what fetch raises, and
-    DownloadFailed for an upload that does not match its digest."""
-    cache = model_cache()
+    DownloadFailed for an upload that does not match, or that was removed meanwhile."""
     if adapter.source == AdapterSource.HUB:
-        return cache.fetch(endpoint=settings.KVRUN_HUB_URL, repo_id=adapter.hf_repo,
-                           commit=adapter.hf_commit, token=hub_token_of(adapter),
-                           files=[HubFile(**file) for file in adapter.files],
-                           in_use=lambda: in_use(node_name))
-    target = cache.root / adapter.folder
-    if target.is_dir():
+        return model_cache().fetch(
+            endpoint=settings.KVRUN_HUB_URL, repo_id=adapter.hf_repo, commit=adapter.hf_commit,
+            token=hub_token_of(adapter), files=[HubFile(**file) for file in adapter.files],
+            in_use=lambda: in_use(node_name))
+    target = adapter_folder(adapter)
+    wanted = {file["path"]: file["sha256"] for file in adapter.files}
+    if all((target / path).is_file() for path in wanted):
         return target
     # Written beside, then renamed: an engine never reads half an adapter, and two writers
     # at once each finish their own copy (the second rename finds the first's and keeps it).
     partial = target.with_name(f"{target.name}.{uuid.uuid4().hex}.partial")
     partial.mkdir(parents=True)
     try:
-        for upload in adapter.uploads.all():
+        uploads = {upload.path: upload for upload in adapter.uploads.all()}
+        if uploads.keys() != wanted.keys():
+            raise DownloadFailed(f"adapter {adapter.name} was removed while it was written out")
+        for path, upload in uploads.items():
             content = bytes(upload.content)
-            if hashlib.sha256(content).hexdigest() != upload.sha256:
-                raise DownloadFailed(f"the uploaded {upload.path} of adapter {adapter.name} "
-                                     "does not match the digest taken when it was added")
-            (partial / upload.path).write_bytes(content)
+            if hashlib.sha256(content).hexdigest() != wanted[path]:
+                raise DownloadFailed(f"the uploaded {path} of adapter {adapter.name} does not "
+                                     "match the digest taken when it was added")
+            (partial / path).write_bytes(content)
         try:
             partial.rename(target)
         except OSError:

@@ -138,7 +138,10 @@ def _insert(adapter: Adapter, *, uploads: Mapping[str, bytes]) -> Adapter:
     try:
         adapter.full_clean(exclude=["endpoint", "files", "target_modules", "added_by"])
     except ValidationError as exc:
-        raise ValidationError({"name": exc.message_dict.get("name", exc.messages)}) from exc
+        # The name is the person's; the rest came from the adapter's files or repository.
+        source = "hf_repo" if adapter.source == AdapterSource.HUB else "config"
+        raise ValidationError({("name" if field == "name" else source): messages
+                               for field, messages in exc.message_dict.items()}) from exc
     try:
         with transaction.atomic():
             adapter.save(force_insert=True)

@@ -8,7 +8,7 @@ from django.db import transaction
 
 from accounts.services import require_manager
 from endpoints.dispatch import reconcile_after_commit
-from endpoints.models import Endpoint, EndpointEvent
+from endpoints.models import Adapter, Endpoint, EndpointEvent
 from endpoints.planning import plan
 from endpoints.policies import EndpointPolicy
 from endpoints.services.deployment import context_length_refusal, lora_refusals
@@ -37,7 +37,8 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
         if refusal := context_length_refusal(model=locked.model,
                                              context_length=policy.context_length):
             raise ValidationError({"context_length": [refusal]})
-        if errors := lora_refusals(model=locked.model, policy=policy):
+        if errors := lora_refusals(model=locked.model, policy=policy) or _adapters_left_out(
+                locked, policy):
             raise ValidationError(errors)
         decided = plan(model=locked.model, context_length=policy.context_length,
                        concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
@@ -71,3 +72,19 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
         reconcile_after_commit(endpoint)
     endpoint.refresh_from_db()
     return outcome
+
+
+def _adapters_left_out(endpoint: Endpoint, policy: EndpointPolicy) -> dict[str, list[str]]:
+    """The endpoint's adapters that `policy` could no longer serve, by the field that would
+    leave them out: none may be lost silently (their requests would wait without end)."""
+    adapters = list(Adapter.objects.filter(endpoint=endpoint).order_by("-rank", "name"))
+    if adapters and not policy.lora_adapters:
+        names = ", ".join(adapter.name for adapter in adapters)
+        return {"lora_adapters": [f"{endpoint.name} serves the adapters {names}: remove them "
+                                  "first, or keep at least one LoRA slot."]}
+    over = [adapter for adapter in adapters if adapter.rank > policy.lora_max_rank]
+    if over:
+        names = ", ".join(f"{adapter.name} (rank {adapter.rank})" for adapter in over)
+        return {"lora_max_rank": [f"{endpoint.name} serves {names}: keep the largest rank at "
+                                  f"{over[0].rank} or more, or remove them first."]}
+    return {}

@@ -1,7 +1,7 @@
 """Endpoints: the list, one endpoint's page with its live status and charts, and the
 actions on it (scale, stop, start, delete)."""
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.contrib import messages
@@ -16,6 +16,7 @@ from django.views.decorators.http import require_POST
 from billing.selectors import (
     last_hour_totals,
     month_to_date_by_endpoint,
+    tokens_by_minute_and_adapter,
     usage_by_minute,
     window_costs,
 )
@@ -101,7 +102,15 @@ def endpoint_usage(request: HttpRequest, org_slug: str, name: str) -> JsonRespon
     idle = {"requests": 0, "failed": 0, "refused": 0, "prompt_tokens": 0, "completion_tokens": 0,
             "ttft_p50_ms": None, "ttft_p95_ms": None}
     series = [rows.get(minute, idle) for minute in minutes]
+    # Generated tokens per minute of the model and of each adapter, keyed "model:<name>".
+    by_model: dict[str, dict[datetime, int]] = {
+        f"model:{model}": {} for model in presenters.model_names(endpoint)}
+    for row in tokens_by_minute_and_adapter(endpoint_id=endpoint.id, now=now):
+        model = f"model:{endpoint.name}" + (f":{row['adapter']}" if row["adapter"] else "")
+        by_model.setdefault(model, {})[row["minute"]] = row["completion_tokens"]
     return JsonResponse({
+        **{model: [round(tokens.get(minute, 0) / 60, 3) for minute in minutes]
+           for model, tokens in by_model.items()},
         "minutes": [int(minute.timestamp()) for minute in minutes],
         "requests_per_second": [round(row["requests"] / 60, 4) for row in series],
         "tokens_per_second": [round(row["completion_tokens"] / 60, 3) for row in series],

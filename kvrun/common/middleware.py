@@ -19,7 +19,7 @@ class BodySizeLimitMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        limit = body_limit(request.path)
         try:
             length = int(request.META.get("CONTENT_LENGTH") or 0)
         except ValueError:
@@ -39,8 +39,8 @@ def limit_body(app: ASGIApp) -> ASGIApp:
     after an upload of any size has been stored.
     """
     async def limited(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        if scope["type"] != "http" or limit is None:
+        limit = body_limit(scope["path"]) if scope["type"] == "http" else None
+        if limit is None:
             await app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length", b"")
@@ -61,6 +61,21 @@ def limit_body(app: ASGIApp) -> ASGIApp:
 
         await app(scope, counted, send)
     return limited
+
+
+# The routes that take a LoRA adapter's files (the REST API's and the dashboard's); what a
+# multipart body adds around the files is far below this margin.
+UPLOAD_PATH_SUFFIX = "/adapters/upload/"
+MULTIPART_MARGIN_BYTES = 64 * 1024
+
+
+def body_limit(path: str) -> int | None:
+    """The largest body `path` takes: an adapter's upload limit on the routes that take one,
+    DATA_UPLOAD_MAX_MEMORY_SIZE everywhere else."""
+    if path.endswith(UPLOAD_PATH_SUFFIX):
+        return settings.KVRUN_ADAPTER_UPLOAD_MIB * 2**20 + MULTIPART_MARGIN_BYTES
+    limit: int | None = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+    return limit
 
 
 async def _send_too_large(send: Any, limit: int) -> None:

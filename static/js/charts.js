@@ -5,7 +5,8 @@
 // (data-stepped: each count holds until the next point).
 (() => {
   const count = new Intl.NumberFormat();
-  const COLOURS = ["#2f54eb", "#e8590c", "#868e96"];
+  const COLOURS = ["#2f54eb", "#e8590c", "#868e96", "#7a5af8", "#12b76a", "#c11574",
+                   "#0e9384", "#b54708"];
 
   function size(el) {
     return { width: Math.max(240, el.clientWidth), height: 160 };
@@ -46,8 +47,10 @@
             } } },
             // Counts of replicas: whole numbers on the axis.
             ...("stepped" in el.dataset ? { axes: [{}, { incrs: [1, 2, 5, 10, 20, 50] }] } : {}),
+            // A series keyed "model:<name>" is labelled by the model's name.
             series: [{}, ...names.map((name, i) => ({
-              label: name.replaceAll("_", " "), stroke: COLOURS[i], width: 2,
+              label: name.startsWith("model:") ? name.slice(6) : name.replaceAll("_", " "),
+              stroke: COLOURS[i % COLOURS.length], width: 2,
               ...("stepped" in el.dataset
                 ? { paths: uPlot.paths.stepped({ align: 1 }), points: { show: false } }
                 : { points: { show: true, size: 5 } }),

@@ -112,4 +112,15 @@ def test_adapters_answer_apart_arrive_without_a_restart_and_are_metered_each(
     assert [model["id"] for model in listed.json()["data"]] == ["tuned", "tuned:b"]
     assert wait_until(lambda: answer(web, secret, "tuned:a").status_code == 404, 30)
     assert not Adapter.objects.filter(name="a").exists()
+
+    # Its name taken again by other weights: those are served, not the engine's old ones.
+    other = lora.build_demo_adapter(tmp_path / "a2", seed=9, base_model=DEMO_SLUG,
+                                    shape=demo_model.lora_shape())
+    do_add_adapter_from_upload(
+        endpoint=endpoint, actor_role="owner", added_by=None, name="a",
+        config_json=(other / lora.CONFIG_FILE).read_bytes(),
+        weights=(other / lora.WEIGHTS_FILE).read_bytes())
+    assert wait_until(lambda: answer(web, secret, "tuned:a").status_code == 200, 60)
+    again = answer(web, secret, "tuned:a").json()["choices"][0]["text"]
+    assert again not in texts, (again, texts)
     delete_and_settle(owner_api, org, "tuned")

@@ -277,15 +277,88 @@ def test_lora_settings_out_of_range_are_refused(owner_api: APIClient, org: Organ
     assert not Endpoint.objects.exists()
 
 
-def test_a_latent_attention_model_takes_no_lora_slots(owner_api: APIClient, org: Organization,
-                                                      cpu_node: Node) -> None:
+@pytest.mark.parametrize(("model", "words"), [("deepseek-v3", "latent attention"),
+                                           ("mixtral-8x7b-instruct-v0.1", "mixture of experts")])
+def test_a_model_whose_lora_layers_are_not_sized_takes_no_slots(
+        owner_api: APIClient, org: Organization, cpu_node: Node, model: str, words: str) -> None:
     response = owner_api.post(f"/api/v1/organizations/{org.slug}/sizing/", {
-        "model": "deepseek-v3", "context_length": 4096, "concurrency": 1, "lora_adapters": 1},
+        "model": model, "context_length": 4096, "concurrency": 1, "lora_adapters": 1},
         format="json")
     created = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {
-        "name": "deep", "model": "deepseek-v3", "context_length": 4096, "concurrency": 1,
+        "name": "deep", "model": model, "context_length": 4096, "concurrency": 1,
         "lora_adapters": 1}, format="json")
 
     for refused in (response, created):
         assert refused.status_code == 400
-        assert "latent attention" in refused.json()["error"]["fields"]["lora_adapters"][0]
+        assert words in refused.json()["error"]["fields"]["lora_adapters"][0]
+
+
+def test_an_upload_of_several_mib_is_taken(owner_api: APIClient, org: Organization,
+                                           endpoint: Endpoint, tmp_path: Path) -> None:
+    Endpoint.objects.filter(id=endpoint.id).update(lora_max_rank=256)
+    folder = lora.build_demo_adapter(tmp_path / "big", seed=6, base_model=weights.DEMO_SLUG,
+                                     shape=demo_model.lora_shape(), rank=256)
+    assert (folder / lora.WEIGHTS_FILE).stat().st_size > 1024**2  # past Django's own limit
+
+    answer = add(owner_api, org, name="big", **upload(folder))
+
+    assert answer["status"] == 201, answer
+    assert Adapter.objects.get().rank == 256
+
+
+def test_the_same_weights_under_another_config_are_another_folder(endpoint: Endpoint) -> None:
+    files = [{"path": lora.WEIGHTS_FILE, "size": 1, "sha256": "a" * 64},
+             {"path": lora.CONFIG_FILE, "size": 1, "sha256": "b" * 64}]
+    first = Adapter(endpoint=endpoint, name="x", source="upload", files=files)
+    other = Adapter(endpoint=endpoint, name="y", source="upload",
+                    files=[files[0], {**files[1], "sha256": "c" * 64}])
+    assert first.folder != other.folder and first.folder.startswith("uploads/")
+
+
+def test_an_upload_removed_while_it_is_written_out_leaves_nothing(
+        owner_api: APIClient, org: Organization, endpoint: Endpoint, cpu_node: Node,
+        tmp_path: Path, settings: object) -> None:
+    settings.KVRUN_MODEL_DIR = tmp_path / "models"  # type: ignore[attr-defined]
+    folder = lora.build_demo_adapter(tmp_path / "up", seed=5, base_model=weights.DEMO_SLUG,
+                                     shape=demo_model.lora_shape())
+    assert add(owner_api, org, name="support", **upload(folder))["status"] == 201
+    adapter = Adapter.objects.get()
+    AdapterFile.objects.all().delete()  # removed between the agent's read and its write
+
+    with pytest.raises(Exception, match="was removed while it was written out"):
+        weights.adapter_dir(adapter, node_name=cpu_node.name)
+    assert not weights.adapter_folder(adapter).exists()
+    assert not list(weights.adapter_folder(adapter).parent.glob("*.partial"))
+
+
+def test_a_policy_change_keeps_room_for_the_adapters_served(
+        owner_api: APIClient, org: Organization, endpoint: Endpoint, hub: Hub,
+        hub_url: str) -> None:
+    assert add(owner_api, org, name="legal", hf_repo="kvrun/demo-lora-a")["status"] == 201
+    policy = f"/api/v1/organizations/{org.slug}/endpoints/chat/policy/"
+
+    no_slots = owner_api.patch(policy, {"lora_adapters": 0}, format="json")
+    lower = owner_api.patch(policy, {"lora_max_rank": 1}, format="json")
+
+    assert no_slots.status_code == 400 and lower.status_code == 400
+    assert no_slots.json()["error"]["fields"]["lora_adapters"] == [
+        "chat serves the adapters legal: remove them first, or keep at least one LoRA slot."]
+    assert lower.json()["error"]["fields"]["lora_max_rank"] == [
+        "chat serves legal (rank 8): keep the largest rank at 8 or more, or remove them first."]
+    endpoint.refresh_from_db()
+    assert (endpoint.lora_adapters, endpoint.lora_max_rank, endpoint.policy_version) == (2, 8, 1)
+
+
+def test_a_hub_adapter_with_a_broken_config_is_refused(
+        owner_api: APIClient, org: Organization, endpoint: Endpoint, hub: Hub, hub_url: str,
+        tmp_path: Path) -> None:
+    folder = lora.build_demo_adapter(tmp_path / "broken", seed=8, base_model=weights.DEMO_SLUG,
+                                     shape=demo_model.lora_shape())
+    (folder / lora.CONFIG_FILE).write_text("[1, 2, 3]")
+    hub.publish("kvrun/broken-lora", folder)
+
+    answer = add(owner_api, org, name="broken", hf_repo="kvrun/broken-lora")
+
+    assert answer["status"] == 400
+    assert answer["hf_repo"] == ["kvrun/broken-lora's adapter_config.json is not a JSON object."]
+    assert not Adapter.objects.exists()

@@ -56,6 +56,9 @@ def test_an_adapter_made_for_the_model_is_admitted() -> None:
     (config(), {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": [8, 4096]},
      "where this model needs [8, 128]"),
     (config(), {}, "holds no tensors"),
+    (config(rank_pattern=["q_proj"]), tensors(), "rank_pattern must map module names"),
+    (config(rank_pattern={"q_proj": "sixteen"}), tensors(), "rank_pattern must map"),
+    (config(lora_alpha="high"), tensors(), "lora_alpha must be a number"),
 ])
 def test_an_adapter_that_does_not_fit_is_refused_saying_why(stated: dict, shapes: dict,
                                                             words: str) -> None:
@@ -85,6 +88,9 @@ def test_a_file_that_is_not_safetensors_is_refused() -> None:
         lora.read_header(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     with pytest.raises(lora.AdapterRefusal, match="not a safetensors file"):
         lora.read_header(b"abc")
+    listed = b"[1, 2]"
+    with pytest.raises(lora.AdapterRefusal, match="not a safetensors file"):
+        lora.read_header(len(listed).to_bytes(8, "little") + listed)
 
 
 def test_device_memory_counts_every_slot_at_the_largest_rank() -> None:

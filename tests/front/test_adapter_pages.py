@@ -7,6 +7,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import time_machine
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
 from django.utils import timezone
@@ -18,7 +19,8 @@ from billing.rollup import hour_of
 from endpoints.models import Adapter, Endpoint, Replica
 from engine import demo_model, lora
 from nodes.weights import DEMO_SLUG
-from tests.factories import ready_endpoint
+from tests.billing.helpers import record
+from tests.factories import inference_key, ready_endpoint
 
 pytestmark = pytest.mark.django_db
 
@@ -142,3 +144,20 @@ def test_the_playground_offers_the_adapters_and_refuses_an_unknown_one(
     assert refused.status_code == 400
     assert refused.json()["error"]["message"] == (
         "Endpoint chat has no adapter 'nope'; pick one from the list.")
+
+
+def test_the_usage_charts_split_generated_tokens_by_adapter(
+        owner_client: Client, org: Organization, endpoint: Endpoint) -> None:
+    Adapter.objects.create(endpoint=endpoint, name="legal", source="hub", rank=8, size_bytes=1,
+                           hf_repo="acme/legal-lora", hf_commit="ab" * 20)
+    key, _ = inference_key(org)
+    now = timezone.now().replace(second=30)
+    with time_machine.travel(now, tick=False):  # the records' minute is the chart's last
+        for adapter, tokens in (("legal", 600), ("legal", 60), ("", 120)):
+            record(endpoint, key, now, completion_tokens=tokens, adapter=adapter)
+        usage = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/usage/").json()
+        page = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/").content.decode()
+
+    assert usage["model:chat:legal"][-1] == 11.0 and usage["model:chat"][-1] == 2.0
+    assert sum(usage["model:chat:legal"]) == 11.0 and usage["tokens_per_second"][-1] == 13.0
+    assert 'data-series="model:chat,model:chat:legal"' in page

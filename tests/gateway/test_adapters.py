@@ -52,7 +52,10 @@ def test_an_adapter_no_replica_serves_yet_is_not_ready_and_an_unknown_one_not_fo
     waiting = gateway.post(secret, {"model": "chat:draft", "prompt": "hello"})
     unknown = gateway.post(secret, {"model": "chat:nope", "prompt": "hello"})
 
-    assert waiting.status_code == 503 and "chat:draft" in waiting.json()["error"]["message"]
+    assert waiting.status_code == 503 and waiting.headers["retry-after"] == "5"
+    assert waiting.json()["error"]["code"] == "adapter_not_ready"
+    assert waiting.json()["error"]["message"].startswith(
+        "No replica of 'chat' serves the adapter 'draft' yet")
     assert unknown.status_code == 404
     assert unknown.json()["error"]["code"] == "model_not_found"
 

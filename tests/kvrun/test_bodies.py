@@ -94,3 +94,17 @@ def test_deeply_nested_json_is_a_400_that_says_so(api: APIClient, depth: int) ->
     response = api.post("/api/v1/signup/", {"email": "ada@example.com",
                                             "password": "analytical engine 1843"}, format="json")
     assert response.status_code == 201
+
+
+def test_an_adapter_upload_may_pass_the_limit_up_to_its_own(settings: object) -> None:
+    settings.KVRUN_ADAPTER_UPLOAD_MIB = 2  # type: ignore[attr-defined]
+    path = "/api/v1/organizations/acme/endpoints/chat/adapters/upload/"
+    pieces = 2 * settings.DATA_UPLOAD_MAX_MEMORY_SIZE // PIECE  # type: ignore[attr-defined]
+
+    taken, read = call(path, pieces, [(b"transfer-encoding", b"chunked")])
+    refused, _ = call(path, 1, [(b"content-length", str(3 * 2**20).encode())])
+
+    assert taken["status"] != 413 and read == pieces  # read whole, then judged by the view
+    assert refused["status"] == 413
+    assert f"limit of {2 * 2**20 + 64 * 1024} bytes" in json.loads(refused["body"])["error"][
+        "message"]
