@@ -106,8 +106,12 @@ def do_ingest_usage(*, batch: int = 1000, max_batches: int = 100) -> int:
             ids = [entry_id for entry_id, _ in entries]
             payloads = [fields.get(usage_stream.FIELD, b"") for _, fields in entries]
             _store(redis, payloads)
-            redis.xack(usage_stream.STREAM, usage_stream.GROUP, *ids)
-            redis.xdel(usage_stream.STREAM, *ids)
+            # Both or neither: a run killed between the two left entries acknowledged but
+            # never deleted, which no consumer reads again and the stream kept for ever.
+            done = redis.pipeline(transaction=True)
+            done.xack(usage_stream.STREAM, usage_stream.GROUP, *ids)
+            done.xdel(usage_stream.STREAM, *ids)
+            done.execute()
             handled += len(ids)
             lock.extend(INGEST_LOCK_SECONDS, replace_ttl=True)
         return handled + _store_interrupted(redis, lock, batch=batch,
