@@ -127,6 +127,10 @@ class AdapterUploadForm(forms.Form):
     config = forms.FileField(label="adapter_config.json")
     weights = forms.FileField(label="adapter_model.safetensors")
 
+    def __init__(self, *args: object, **kwargs: Any) -> None:
+        # Beside AdapterForm on one page: ids of its own for the name both have.
+        super().__init__(*args, auto_id="id_upload_%s", **kwargs)
+
     def clean(self) -> dict[str, Any]:
         data = super().clean() or {}
         limit = settings.KVRUN_ADAPTER_UPLOAD_MIB * 1024 * 1024

@@ -14,6 +14,7 @@ from playwright.sync_api import Page, expect
 
 from bench.hub_server import Hub
 from billing.models import UsageRecord
+from billing.rollup import do_roll_up_usage
 from billing.tasks import ingest_usage
 from endpoints.models import Endpoint, ModelSpec, Node, State
 from engine import demo_model, lora
@@ -79,15 +80,26 @@ def test_a_pasted_hugging_face_id_is_sized_launched_downloaded_and_chatted_with_
     hub.publish(f"{repo}-legal", lora.build_demo_adapter(
         tmp_path / "legal", seed=7, base_model=repo, shape=demo_model.lora_shape()))
     page.get_by_text("Add an adapter from Hugging Face").click()
-    page.get_by_label("Adapter name").fill("legal")
+    page.locator("#adapter-hub").get_by_label("Adapter name").fill("legal")
     page.locator("#adapter-hub").get_by_label("Hugging Face id").fill(f"{repo}-legal")
     page.get_by_role("button", name="Add adapter").click()
     expect(page.locator(".flash.success")).to_contain_text("Adapter legal added from")
+    # A second one, uploaded from its two files.
+    support = lora.build_demo_adapter(tmp_path / "support", seed=8, base_model=repo,
+                                      shape=demo_model.lora_shape())
+    page.get_by_text("Upload an adapter").click()
+    upload = page.locator("#adapter-upload")
+    upload.get_by_label("Adapter name").fill("support")
+    upload.get_by_label(lora.CONFIG_FILE).set_input_files(support / lora.CONFIG_FILE)
+    upload.get_by_label(lora.WEIGHTS_FILE).set_input_files(support / lora.WEIGHTS_FILE)
+    page.get_by_role("button", name="Upload adapter").click()
+    expect(page.locator(".flash.success")).to_contain_text("Adapter support added from")
     endpoint = Endpoint.objects.get(name="mine")
     assert drive(lambda: endpoint.replicas.filter(state=State.READY,
-                                                  adapters=["legal"]).exists(), 30)
+                                                  adapters=["legal", "support"]).exists(), 30)
     page.reload()
-    expect(page.locator("#adapters")).to_contain_text("1 of 1 ready replica")
+    expect(page.locator("#adapters tbody tr")).to_have_count(3)
+    expect(page.locator("#adapters")).not_to_contain_text("0 of 1 ready replica")
     shot("models-04-adapters")
 
     page.get_by_role("link", name="Open the playground").click()
@@ -101,10 +113,23 @@ def test_a_pasted_hugging_face_id_is_sized_launched_downloaded_and_chatted_with_
     expect(page.locator(".message.assistant .stats").nth(1)).to_contain_text("TTFT",
                                                                              timeout=60_000)
     assert page.locator(".message.assistant .content").nth(1).inner_text().strip()
+    page.get_by_label("Model", exact=True).select_option("support")
+    page.get_by_label("Message").fill("Hello, support")
+    page.get_by_role("button", name="Send").click()
+    expect(page.locator(".message.assistant .stats").nth(2)).to_contain_text("TTFT",
+                                                                             timeout=60_000)
     shot("models-05-playground")
 
+    # Usage per adapter, on the usage page.
     def recorded() -> bool:
         ingest_usage.delay()
-        return UsageRecord.objects.filter(endpoint=endpoint, adapter="legal",
-                                          status_code=200).exists()
+        return UsageRecord.objects.filter(endpoint=endpoint, status_code=200).values(
+            "adapter").distinct().count() == 3
     assert wait_until(recorded, 30, interval=0.5)
+    do_roll_up_usage()
+    page.get_by_role("link", name="Usage & billing").click()
+    tokens = page.locator("section", has=page.get_by_role("heading", name=re.compile(
+        "by endpoint and adapter")))
+    for model in ("mine", "mine:legal", "mine:support"):
+        expect(tokens.get_by_role("cell", name=model, exact=True)).to_be_visible()
+    shot("models-06-usage")
