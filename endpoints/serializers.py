@@ -71,25 +71,18 @@ class HubModelInput(StrictSerializer):
         help_text="For a gated or private repository: a read token. Kept sealed, never shown.")
 
 
-class AdapterInput(StrictSerializer):
+class AdapterNameInput(StrictSerializer):
+    name = serializers.SlugField(max_length=63,
+                                 help_text="Clients call it as model \"<endpoint>:<name>\".")
+
+
+class AdapterInput(AdapterNameInput, HubModelInput):
     """A LoRA adapter by its hub id."""
 
-    name = serializers.SlugField(max_length=63,
-                                 help_text="Clients call it as model \"<endpoint>:<name>\".")
-    hf_repo = serializers.CharField(max_length=200, help_text="The adapter's hub id: owner/name.")
-    hf_revision = serializers.CharField(
-        max_length=200, required=False, allow_blank=True, default="",
-        help_text="A branch, tag or commit; empty: the default branch. Pinned to its commit.")
-    hf_token = serializers.CharField(
-        max_length=400, required=False, allow_blank=True, default="", write_only=True,
-        help_text="For a gated or private repository: a read token. Kept sealed, never shown.")
 
-
-class AdapterUploadInput(StrictSerializer):
+class AdapterUploadInput(AdapterNameInput):
     """A LoRA adapter's two files, as a multipart upload."""
 
-    name = serializers.SlugField(max_length=63,
-                                 help_text="Clients call it as model \"<endpoint>:<name>\".")
     config = serializers.FileField(help_text="adapter_config.json")
     weights = serializers.FileField(help_text="adapter_model.safetensors")
 

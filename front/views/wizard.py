@@ -176,7 +176,7 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
                                 host_tier_gib=data["host_tier_gib"],
                                 disk_tier_gib=data["disk_tier_gib"],
                                 lora_adapters=data["lora_adapters"],
-                                lora_max_rank=int(data["lora_max_rank"]))
+                                lora_max_rank=data["lora_max_rank"])
     except planning.Unfit as exc:
         return {"sizing_form": form, "advice": exc.advice}
     except ValidationError as exc:  # a KV tier the chosen hardware's engine cannot use
