@@ -70,6 +70,11 @@ def engines_online() -> tuple[set[str], set[str], int]:
     return architectures, versions, largest_cache
 
 
+def node_takes_replicas(*, name: str) -> bool:
+    """Whether node `name` is registered, online and not draining."""
+    return Node.objects.filter(name=name, state=NodeState.ONLINE, draining=False).exists()
+
+
 def gpu_catalog() -> QuerySet[GPUType]:
     return GPUType.objects.all()
 

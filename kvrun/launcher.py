@@ -363,6 +363,10 @@ def run() -> int:
             )
         # The URLs once they answer: a port already taken ends the run here, with its cause.
         wait_until_listening(dict(children)["web"], int(port), host=host)
+        # An endpoint is sized for the hardware online when it is created: one created before
+        # this node registers would wait for a GPU that never comes.
+        subprocess.run([sys.executable, "manage.py", "wait_for_node", node_name], cwd=BASE_DIR,
+                       env=env)
         log(f"create your first endpoint: {base}/endpoints/new/")
         log(f"dashboard: {base}/   API docs: {base}/api/docs/   console: {base}/admin/")
         log("Ctrl-C stops every process.")

@@ -156,8 +156,9 @@ def test_make_run_stops_everything_and_fails_when_one_of_its_processes_dies(
     launch = Launch(state_dir, port)
     launch.read_until("Ctrl-C stops every process")
     processes = descendants(launch.process.pid)
+    # Its argv, or once beat has set its process title one string: "[celery beat] … beat …".
     [beat] = [pid for pid in processes
-              if b"beat" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]
+              if b"beat" in Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").split()]
 
     os.kill(beat, signal.SIGKILL)
     code = launch.process.wait(90)
@@ -374,6 +375,8 @@ def test_ctrl_c_while_an_engine_loads_leaves_no_engine(state_dir: Path) -> None:
                          json={"name": "interrupted", "model": "kvrun-demo-tiny",
                                "context_length": 2048, "concurrency": 4})
     assert created.status_code == 201, created.text
+    # Sized for this node, online before the run said it was up.
+    assert created.json()["gpu_type"] == "cpu", created.text
 
     # Its engine has started its workers and loads: it puts off SIGTERM until it has loaded.
     assert wait_until(lambda: any(len(group_members(pid)) > 1

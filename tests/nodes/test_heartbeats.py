@@ -1,6 +1,7 @@
 """What a node's heartbeat reports (the engines its agent runs) and what kvrun makes of it."""
 
 import pytest
+from django.core.management import CommandError, call_command
 
 from accounts.models import Role
 from endpoints.models import Endpoint, ModelSpec, Node, NodeState, Replica, State
@@ -101,3 +102,14 @@ def test_a_node_s_vllm_build_survives_its_registering_again_until_it_reads_a_new
     node = Node.objects.get(name="gpu-1")
     assert (node.vllm_version, node.architectures) == (
         "0.33.0", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+
+
+def test_waiting_for_a_node_ends_once_it_takes_replicas_and_fails_while_it_does_not(
+        node: Node) -> None:
+    call_command("wait_for_node", "gpu-1", timeout=0)
+
+    Node.objects.filter(name="gpu-1").update(draining=True)
+    with pytest.raises(CommandError, match="node gpu-1 has not registered within 0 s"):
+        call_command("wait_for_node", "gpu-1", timeout=0)
+    with pytest.raises(CommandError, match="node gpu-2 has not registered"):
+        call_command("wait_for_node", "gpu-2", timeout=0)
