@@ -30,7 +30,6 @@ from kvrun.common.digests import cache_salt
 
 logger = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_SECONDS = 3.0
 # Idle engine connections are dropped before the engine would close them (its keep-alive,
 # engine.supervisor.KEEP_ALIVE_SECONDS).
 POOLED_IDLE_SECONDS = 4
@@ -44,7 +43,7 @@ class Proxy:
         self.session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=POOLED_IDLE_SECONDS),
             timeout=aiohttp.ClientTimeout(
-                total=None, sock_connect=CONNECT_TIMEOUT_SECONDS,
+                total=None, sock_connect=settings.KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS,
                 sock_read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS),
             auto_decompress=False,
         )
@@ -128,12 +127,14 @@ class Proxy:
     async def _connect(self, exchange: Exchange, body: bytes, affinity: int | None
                        ) -> aiohttp.ClientResponse:
         """The engine's response headers from the replica its prompt's `affinity` picks, or
-        the least busy ready one; a replica that refuses the connection (nothing was sent)
-        is skipped for the next one."""
+        the least busy ready one. A replica that refuses the connection, or does not accept
+        it within KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS, was sent nothing: the next one is
+        tried. One that refused is passed over for a few seconds; one that was slow, no."""
         route = exchange.route
         assert route is not None
         path = ENGINE_PATHS[exchange.operation]
         tried: set[Upstream] = set()
+        slow = False
         while (upstream := choose_upstream(route, tried=tried, key=affinity)) is not None:
             if affinity is not None and not tried and upstream is not route.ring.owner(affinity):
                 observed.SPILLS.labels(route.organization_slug, route.endpoint_name).inc()
@@ -153,12 +154,24 @@ class Proxy:
                 exchange.upstream = None
                 mark_down(upstream)
                 continue
-            except (aiohttp.ClientError, TimeoutError):
+            except aiohttp.ConnectionTimeoutError:
+                upstream.in_flight -= 1
+                exchange.upstream = None
+                slow = True
+                continue
+            except (aiohttp.ClientError, TimeoutError) as error:
+                logger.warning("%s: %s failed before it answered: %r", exchange.request_id,
+                               upstream.base_url, error)
                 raise GatewayError(502, "The engine did not answer; retry.",
                                    code="engine_error") from None
             finally:
                 exchange.upstream_seconds += time.perf_counter() - waited
             return exchange.response
+        if slow:
+            wait = settings.KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS
+            raise GatewayError(503, f"No replica of {route.name!r} accepted the connection "
+                               f"within {wait:g} s: it is overloaded. Retry in a few seconds.",
+                               code="engine_unavailable", headers=[(b"retry-after", b"5")])
         raise GatewayError(503, f"No replica of {route.name!r} accepted the request; "
                            "kvrun is restarting it. Retry in a few seconds.",
                            code="engine_unavailable", headers=[(b"retry-after", b"5")])

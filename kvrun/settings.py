@@ -202,6 +202,11 @@ KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE = env.int(
     "KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE", default=30)
 # How long the gateway serves an endpoint's ready replicas from memory before asking again.
 KVRUN_GATEWAY_ROUTE_CACHE_SECONDS = env.float("KVRUN_GATEWAY_ROUTE_CACHE_SECONDS", default=2.0)
+# Longest wait for an engine to accept a connection; past it the next replica is tried
+# (nothing was sent). Seconds pass where none is lost: a gateway starved of CPU by engines
+# on its host resumes a finished connect only when it next runs.
+KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS",
+                                                  default=5.0)
 # Longest wait for an engine's next byte; generation of long answers can take minutes.
 KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS",
                                                    default=600.0)

@@ -38,6 +38,7 @@ from tests.factories import (
 from tests.helpers import (
     ENGINE_TIMINGS,
     NODE_LOST_AFTER_SECONDS,
+    PATIENT_CONNECT_SECONDS,
     ROOT,
     WEB_METRICS_TOKEN,
     start_agent,
@@ -234,7 +235,8 @@ def web(celery_worker: subprocess.Popen, hub: Hub) -> Iterator[str]:
     # out of reach here and tested on a gateway of its own (tests/gateway/test_auth.py).
     process = start_web(port, KVRUN_BASE_URL=base, KVRUN_METRICS_TOKEN=WEB_METRICS_TOKEN,
                         KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE=str(10**9),
-                        KVRUN_HUB_URL=hub.url)
+                        KVRUN_HUB_URL=hub.url,
+                        KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS=PATIENT_CONNECT_SECONDS)
     yield base
     stop(process)
 

@@ -32,15 +32,7 @@ from engine.metrics import engine_token_totals, totals
 from engine.processes import free_port
 from kvrun.common.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
-from tests.helpers import (
-    PATIENT_REDIS,
-    api_servers,
-    drive,
-    records_for,
-    start_web,
-    stop,
-    wait_until,
-)
+from tests.helpers import PATIENT, api_servers, drive, records_for, start_web, stop, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -336,7 +328,7 @@ def test_a_web_process_killed_mid_stream_bills_each_stream_what_its_client_recei
         served: Served) -> None:
     _, secret = inference_key(served.first)
     port = free_port()
-    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT_REDIS)
+    web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT)
     got: dict[str, int] = {}
     statuses: list[object] = []
     half_way = threading.Event()
@@ -383,7 +375,7 @@ def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
     statuses: list[object] = []
     for _ in range(3):
         port = free_port()
-        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT_REDIS)
+        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT)
 
         def kill_at_the_end(tokens: int, last: bool, web: subprocess.Popen = web) -> None:
             if last:

@@ -27,7 +27,7 @@ from engine.processes import free_port
 from kvrun.common.redis import redis_client
 from tests.factories import endpoint_at_zero
 from tests.gateway.helpers import received
-from tests.helpers import PATIENT_REDIS, RestartableRedis, start_web, stop, wait_until
+from tests.helpers import PATIENT, RestartableRedis, start_web, stop, wait_until
 
 pytestmark = [pytest.mark.faults, pytest.mark.django_db(transaction=True)]
 
@@ -123,7 +123,7 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
 ) -> None:
     port = free_port()
     web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS),
-                    KVRUN_GATEWAY_TRACE_LAG_TOKENS=str(LAG_TOKENS), **PATIENT_REDIS)
+                    KVRUN_GATEWAY_TRACE_LAG_TOKENS=str(LAG_TOKENS), **PATIENT)
     try:
         with Load(f"http://127.0.0.1:{port}", secret, "steady") as load:
             # Some requests done, and streams mid-way at the engine.
@@ -169,7 +169,7 @@ def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
     received = {}
     for _ in range(KILLS):
         port = free_port()
-        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT_REDIS)
+        web = start_web(port, KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS), **PATIENT)
         try:
             with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", content=body,
                               headers={"Authorization": f"Bearer {secret}"},

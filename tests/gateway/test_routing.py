@@ -7,6 +7,9 @@ The gateway's ASGI app driven in this process, in front of scripted stand-in eng
 
 import asyncio
 import hashlib
+import socket
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -189,3 +192,54 @@ def test_an_endpoint_may_keep_each_key_s_cache_apart(
     assert salts == [documented_cache_salt(org.id, key_id=first.id),
                      documented_cache_salt(org.id, key_id=second.id)]
     assert documented_cache_salt(org.id) not in salts
+
+
+@pytest.fixture
+def stalled_port() -> Iterator[int]:
+    """A port whose listener accepts nothing more: its accept queue is full, so a further
+    connection's handshake is dropped and its connect waits, as with an engine whose host
+    is too busy to take it."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = [socket.socket() for _ in range(2)]
+    for filler in fillers:
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+    yield port
+    for held in (*fillers, listener):
+        held.close()
+
+
+def test_a_replica_too_slow_to_accept_is_passed_for_another_and_alone_is_a_503(
+    gateway_loop: asyncio.AbstractEventLoop, transactional_db: None,
+    settings: Any, org: Organization, secret: str, stub_ports: list[int],
+    stubs: list[httpx.Client], stalled_port: int
+) -> None:
+    settings.KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS = 0.5
+    gateway = InProcessGateway(gateway_loop)
+    try:
+        endpoint = ready_endpoint(org, "busy", [stalled_port, stub_ports[0]],
+                                  prefix_affinity=False)
+        ready_endpoint(org, "swamped", [stalled_port])
+
+        statuses = [gateway.post(secret, {"model": "busy", "prompt": "hello"}).status_code
+                    for _ in range(3)]
+        slow = gateway.upstreams(org.id)[str(endpoint.replicas.get(port=stalled_port).id)]
+        alone = gateway.post(secret, {"model": "swamped", "prompt": "hello"})
+    finally:
+        gateway.stop()
+
+    assert statuses == [200] * 3
+    assert len(received(stubs[0])) == 3
+    # Slow, not gone: tried again by the next requests, where a replica that refused the
+    # connection is passed over for a few seconds (tried once in three).
+    assert slow.served >= 2
+    assert alone.status_code == 503 and alone.headers["retry-after"] == "5"
+    assert alone.json()["error"]["code"] == "engine_unavailable"
+    assert alone.json()["error"]["message"] == (
+        "No replica of 'swamped' accepted the connection within 0.5 s: it is overloaded. "
+        "Retry in a few seconds.")
+    assert stored(4)
+    assert sorted(UsageRecord.objects.values_list("status_code", flat=True)) == [200, 200, 200, 503]
