@@ -107,8 +107,10 @@ def delete_and_settle(endpoint: Endpoint) -> None:
         time.sleep(0.5)
 
 
-def start_processes(logs: Path) -> list[subprocess.Popen]:
-    env = {**os.environ, "KVRUN_NODE_GPUS": "none", "KVRUN_ENGINE_LOG_DIR": str(logs)}
+def start_processes(logs: Path, **node_env: str) -> list[subprocess.Popen]:
+    """A control worker and a CPU node agent (its settings in `node_env`), once both serve."""
+    env = {**os.environ, "KVRUN_NODE_GPUS": "none", "KVRUN_ENGINE_LOG_DIR": str(logs),
+           **node_env}
     worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q",
                                "control", "-n", "bench-control@%h", "--pool", "solo",
                                "--loglevel", "WARNING"], cwd=ROOT, env=env)

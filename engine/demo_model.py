@@ -1,10 +1,15 @@
-"""kvrun's demo model: a tiny random-weight Llama and a byte-level BPE tokenizer, built offline.
+"""kvrun's built-in models: random-weight Llamas with one byte-level BPE tokenizer, built
+offline.
 
 Deterministic from a seed, so every machine builds the same files; cached in a folder that a
-real vLLM engine serves like any Hugging Face checkpoint. Its shape is the catalog's
-`kvrun-demo-tiny` entry: head dim 64 because vLLM's CPU attention refuses smaller heads.
+real vLLM engine serves like any Hugging Face checkpoint. Each shape is a catalog entry:
+- `kvrun-demo-tiny`, the demo: 0.4 M parameters, loads in seconds, answers at once. Head dim
+  64 because vLLM's CPU attention refuses smaller heads.
+- `kvrun-bench-prefill`, for trials of the KV cache's governance on CPU engines: wide and deep
+  enough that a prompt's prefill costs what a real model's does beside its decode steps, so
+  that a prefix-cache hit saves time that can be measured (bench/kv.py records its figures).
 
-    python -m engine.demo_model DIR
+    python -m engine.demo_model DIR [SLUG]
 """
 
 from __future__ import annotations
@@ -12,24 +17,43 @@ from __future__ import annotations
 import fcntl
 import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.lora import LoraShape
 
 SEED = 20261202
 VOCAB_SIZE = 512
-MAX_CONTEXT = 2048
-CONFIG = {
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "max_position_embeddings": MAX_CONTEXT,
-    "vocab_size": VOCAB_SIZE,
-    "tie_word_embeddings": False,
-}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A built-in model's architecture, as its config.json and the catalog state it."""
+
+    hidden_size: int
+    intermediate_size: int
+    layers: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+
+    def config(self) -> dict[str, object]:
+        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.layers, "num_attention_heads": self.attention_heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+                "max_position_embeddings": self.max_context, "vocab_size": VOCAB_SIZE,
+                "tie_word_embeddings": False}
+
+
+TINY = Shape(hidden_size=128, intermediate_size=256, layers=2, attention_heads=2, kv_heads=1,
+             head_dim=64, max_context=2048)
+# Of the shapes measured on a CPU engine bound to one core (7 M, 19 M and 56 M parameters),
+# the one whose 2,048-token prefill is well past 300 ms while a decode step stays a few
+# milliseconds; bench/results/kv.json records its costs.
+PREFILL_HEAVY = Shape(hidden_size=512, intermediate_size=1536, layers=6, attention_heads=8,
+                      kv_heads=2, head_dim=64, max_context=4096)
+BUILT_IN = {"kvrun-demo-tiny": TINY, "kvrun-bench-prefill": PREFILL_HEAVY}
 CORPUS = [
     "kvrun serves open language models on dedicated GPUs behind an OpenAI-compatible API.",
     "The key-value cache holds the attention keys and values of every token in the context.",
@@ -44,26 +68,26 @@ CORPUS = [
 MARKER = "kvrun-demo.json"
 
 
-def build(directory: Path) -> Path:
-    """Build the demo model into `directory` unless an identical build is already there.
+def build(directory: Path, shape: Shape = TINY) -> Path:
+    """Build the model of `shape` into `directory` unless an identical build is already there.
     Safe to call from several threads and processes at once: the first builds (under a file
     lock, which also keeps transformers' lazy imports out of each other's way) and the others
     wait for it and find its build."""
     directory = Path(directory)
-    recipe = {"seed": SEED, "config": CONFIG, "corpus": CORPUS}
+    recipe = {"seed": SEED, "config": shape.config(), "corpus": CORPUS}
     marker = directory / MARKER
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory.parent / f".{directory.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists() and json.loads(marker.read_text()) == recipe:
             return directory
-        _build_tokenizer(directory)
-        _build_weights(directory)
+        _build_tokenizer(directory, shape.max_context)
+        _build_weights(directory, shape)
         marker.write_text(json.dumps(recipe))
     return directory
 
 
-def _build_tokenizer(directory: Path) -> None:
+def _build_tokenizer(directory: Path, max_context: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -81,7 +105,7 @@ def _build_tokenizer(directory: Path) -> None:
         tokenizer.add_tokens([f"<extra_{n}>" for n in range(missing)])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-        model_max_length=MAX_CONTEXT,
+        model_max_length=max_context,
     )
     fast.chat_template = (
         "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>"
@@ -90,35 +114,38 @@ def _build_tokenizer(directory: Path) -> None:
     fast.save_pretrained(directory)
 
 
-def _build_weights(directory: Path) -> None:
+def _build_weights(directory: Path, shape: Shape) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(SEED)
-    config = LlamaConfig(**CONFIG, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16")
+    config = LlamaConfig(**shape.config(), bos_token_id=0, eos_token_id=1,
+                         torch_dtype="bfloat16")
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
 
 
-def lora_shape() -> LoraShape:
-    """The dimensions the demo model's LoRA adapters follow."""
-    return LoraShape(layers=CONFIG["num_hidden_layers"], hidden_size=CONFIG["hidden_size"],
-                     intermediate_size=CONFIG["intermediate_size"],
-                     attention_heads=CONFIG["num_attention_heads"],
-                     kv_heads=CONFIG["num_key_value_heads"], head_dim=CONFIG["head_dim"],
-                     vocab_size=VOCAB_SIZE)
+def lora_shape(shape: Shape = TINY) -> LoraShape:
+    """The dimensions the LoRA adapters of the model of `shape` follow."""
+    return LoraShape(layers=shape.layers, hidden_size=shape.hidden_size,
+                     intermediate_size=shape.intermediate_size,
+                     attention_heads=shape.attention_heads, kv_heads=shape.kv_heads,
+                     head_dim=shape.head_dim, vocab_size=VOCAB_SIZE)
 
 
-def parameter_count() -> int:
-    """Parameters of the demo model, computed from its shape (the catalog's figure)."""
-    hidden, inter, layers = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG[
-        "num_hidden_layers"]
-    head_dim, heads, kv_heads = CONFIG["head_dim"], CONFIG["num_attention_heads"], CONFIG[
-        "num_key_value_heads"]
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    per_layer = attention + 3 * hidden * inter + 2 * hidden
-    return 2 * VOCAB_SIZE * hidden + layers * per_layer + hidden
+def parameter_count(shape: Shape = TINY) -> int:
+    """Parameters of the model of `shape`, computed from it (the catalog's figure)."""
+    attention = shape.hidden_size * shape.head_dim * (2 * shape.attention_heads
+                                                      + 2 * shape.kv_heads)
+    per_layer = attention + 3 * shape.hidden_size * shape.intermediate_size + 2 * shape.hidden_size
+    return 2 * VOCAB_SIZE * shape.hidden_size + shape.layers * per_layer + shape.hidden_size
+
+
+def described(shape: Shape) -> dict[str, object]:
+    """The shape and its parameter count, as a benchmark records the model it ran."""
+    return {**asdict(shape), "parameters": parameter_count(shape)}
 
 
 if __name__ == "__main__":
-    print(build(Path(sys.argv[1])))
+    slug = sys.argv[2] if len(sys.argv) > 2 else "kvrun-demo-tiny"
+    print(build(Path(sys.argv[1]), BUILT_IN[slug]))

@@ -46,6 +46,7 @@ class EngineSpec:
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_bytes: int = GIB  # a CPU engine's KV pool: what its policy budgets
     device_indices: tuple[int, ...] = ()
+    cpu_cores: tuple[int, ...] = ()  # a CPU engine's OpenMP threads, bound; (): vLLM's choice
     api_key: str = ""
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
     replica: str = ""
@@ -99,6 +100,8 @@ def build_command(spec: EngineSpec,
     if spec.device == CPU:
         argv += ["--enforce-eager",  # no CUDA graphs on the CPU backend
                  "--kv-cache-memory-bytes", str(spec.cpu_kv_cache_bytes)]
+        if spec.cpu_cores:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in spec.cpu_cores)
     else:
         argv += ["--gpu-memory-utilization", f"{spec.gpu_memory_utilization:.2f}"]
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(index) for index in spec.device_indices)

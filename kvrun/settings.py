@@ -272,6 +272,10 @@ KVRUN_ENGINE_SCRAPE_SECONDS = env.float("KVRUN_ENGINE_SCRAPE_SECONDS", default=5
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
 # The private address a node agent's engines listen on (one that web processes reach).
 KVRUN_NODE_ADDRESS = env.str("KVRUN_NODE_ADDRESS", default="127.0.0.1")
+# Cores a CPU node gives each of its engines, bound to it alone while enough are free (the
+# least used otherwise): two engines on one set of cores slow each other's batches. 0: vLLM
+# binds each engine by itself, every one to the same cores.
+KVRUN_NODE_CPU_CORES_PER_ENGINE = env.int("KVRUN_NODE_CPU_CORES_PER_ENGINE", default=0)
 
 # Engines
 KVRUN_STATE_DIR = Path(env.str("KVRUN_STATE_DIR", default=str(BASE_DIR / ".kvrun")))

@@ -19,7 +19,9 @@ import shutil
 import subprocess
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from subprocess import Popen
@@ -64,6 +66,7 @@ class NodeAgent:
     def __init__(self, *, name: str) -> None:
         self.name = name
         self.engines: dict[str, Popen] = {}  # by replica id
+        self.cpu_cores: dict[str, tuple[int, ...]] = {}  # a CPU engine's bound cores, by replica
         # Held while an engine is spawned, and while a heartbeat finds the engines and reports
         # them, so that no engine appears between the two.
         self._lock = threading.Lock()
@@ -107,6 +110,8 @@ class NodeAgent:
                 if self._shutting_down.is_set() or not Replica.objects.filter(
                         id=replica.id, state=State.LOADING).exists():
                     return
+                if spec.device == CPU and settings.KVRUN_NODE_CPU_CORES_PER_ENGINE:
+                    spec = replace(spec, cpu_cores=self._cores_for(str(replica.id)))
                 process = supervisor.start(spec, log)
                 self.engines[str(replica.id)] = process
             Replica.objects.filter(id=replica.id).update(pid=process.pid)
@@ -134,7 +139,8 @@ class NodeAgent:
         ready = do_transition_replica(
             replica_id=replica.id, from_states=[State.LOADING], to_state=State.READY,
             message=f"ready on port {port}"
-            + (f", KV cache {capacity:,} tokens" if capacity else ""),
+            + (f", KV cache {capacity:,} tokens" if capacity else "")
+            + (f", cores {','.join(map(str, spec.cpu_cores))}" if spec.cpu_cores else ""),
             kv_cache_tokens=capacity, ready_at=timezone.now(), restarts=0,
             log_tail=supervisor.tail(log),
         )
@@ -316,6 +322,17 @@ class NodeAgent:
                                         settings.KVRUN_ENGINE_STOP_GRACE_SECONDS))
         for child in children:
             child.poll()
+
+    def _cores_for(self, replica_id: str) -> tuple[int, ...]:
+        """KVRUN_NODE_CPU_CORES_PER_ENGINE cores for a new CPU engine: those the fewest of
+        this agent's running engines are bound to. The caller holds self._lock."""
+        self.cpu_cores = {rid: cores for rid, cores in self.cpu_cores.items()
+                          if rid in self.engines}
+        used = Counter(core for cores in self.cpu_cores.values() for core in cores)
+        ranked = sorted(os.sched_getaffinity(0), key=lambda core: (used[core], core))
+        self.cpu_cores[replica_id] = tuple(
+            sorted(ranked[:settings.KVRUN_NODE_CPU_CORES_PER_ENGINE]))
+        return self.cpu_cores[replica_id]
 
     def _forget_and_stop(self, replica_id: str, process: Popen) -> None:
         with self._lock:

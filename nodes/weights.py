@@ -31,14 +31,15 @@ def model_cache() -> ModelCache:
 
 
 def local_weights(model: ModelSpec) -> Path | None:
-    """The demo model (built on first use), a folder named by the slug under
+    """A built-in model (engine.demo_model, built on first use), a folder named by the slug under
     KVRUN_MODEL_DIR, or the folder a checkpoint was imported from; None for a hub model.
     Only the public catalog's models are looked for in folders: an organisation names its
     own models, and must never point an engine at a folder an operator put there."""
     if model.organization_id is not None:
         return None
-    if model.slug == DEMO_SLUG:
-        return demo_model.build(Path(settings.KVRUN_MODEL_DIR) / DEMO_SLUG)
+    if model.slug in demo_model.BUILT_IN:
+        return demo_model.build(Path(settings.KVRUN_MODEL_DIR) / model.slug,
+                                demo_model.BUILT_IN[model.slug])
     for folder in (Path(settings.KVRUN_MODEL_DIR) / model.slug, Path(model.hf_repo)):
         if folder.is_absolute() and folder.is_dir():
             return folder

@@ -79,6 +79,7 @@ def test_a_device_maps_to_its_catalog_type(catalogs: None, name: str, mib: int, 
 # model's config.json; MLA (DeepSeek-V3) stores layers x (latent rank + rope dim) x 2 bytes.
 KV_BYTES_PER_TOKEN = {
     "kvrun-demo-tiny": 2 * 2 * 1 * 64 * 2,
+    "kvrun-bench-prefill": 2 * 6 * 2 * 64 * 2,
     "llama-3.1-8b-instruct": 131_072,
     "llama-3.1-70b-instruct": 327_680,
     "llama-3.1-405b-instruct": 516_096,

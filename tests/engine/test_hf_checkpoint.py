@@ -89,3 +89,19 @@ def test_a_build_waits_for_one_already_under_way(tmp_path: Path) -> None:
 
     assert not waiting.is_alive()
     assert (folder / demo_model.MARKER).exists()
+
+
+@pytest.mark.parametrize("slug", sorted(demo_model.BUILT_IN))
+def test_each_built_in_model_is_what_its_catalog_entry_states(slug: str, tmp_path: Path) -> None:
+    catalog = json.loads((Path(__file__).resolve().parents[2] / "endpoints" / "catalog"
+                          / "models.json").read_text())
+    [entry] = [row for row in catalog if row["slug"] == slug]
+    shape = demo_model.BUILT_IN[slug]
+
+    found = describe(demo_model.build(tmp_path / slug, shape))
+
+    assert found["parameters"] == demo_model.parameter_count(shape) == entry["parameters"]
+    names = {"slug", "name", "hf_repo", "family"}
+    shared = {key for key in found if key in entry and key not in names}
+    assert {"layers", "kv_heads", "head_dim", "max_context", "hidden_size"} <= shared
+    assert {key: found[key] for key in shared} == {key: entry[key] for key in shared}

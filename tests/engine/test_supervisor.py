@@ -53,6 +53,13 @@ def test_a_cpu_command_sets_the_kv_space_and_eager_mode() -> None:
         {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_LOGGING_LEVEL": "INFO"}, env)
     assert engine_environment({"VLLM_LOGGING_LEVEL": "INFO"}, env)["VLLM_LOGGING_LEVEL"] == "INFO"
     assert "CUDA_VISIBLE_DEVICES" not in env
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in env  # vLLM binds it by itself
+
+
+def test_a_cpu_engine_given_cores_binds_its_threads_to_them() -> None:
+    _, env = build_command(spec(device="cpu", cpu_cores=(2, 3)))
+
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
 
 
 def test_only_a_model_an_operator_allowed_runs_its_repository_s_code() -> None:

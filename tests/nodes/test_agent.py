@@ -159,3 +159,20 @@ def test_old_engine_logs_of_stopped_replicas_are_deleted(
 
     assert sorted(path.stem for path in tmp_path.iterdir()) == sorted(
         [str(ready.id), str(failed.id), str(recent.id), "notes"])
+
+
+def test_cpu_engines_are_bound_to_the_cores_the_fewest_running_engines_use(
+        node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch, settings: object) -> None:
+    settings.KVRUN_NODE_CPU_CORES_PER_ENGINE = 2
+    monkeypatch.setattr(agent.os, "sched_getaffinity", lambda pid: {3, 2, 1, 0})
+
+    def started(replica_id: str) -> tuple[int, ...]:
+        cores = node_agent._cores_for(replica_id)
+        node_agent.engines[replica_id] = subprocess.Popen(["true"])  # its engine, as spawned
+        return cores
+
+    assert (started("a"), started("b")) == ((0, 1), (2, 3))
+    assert started("c") == (0, 1)  # none free: shared with the fewest engines
+    del node_agent.engines["a"], node_agent.engines["c"]  # stopped: their cores are free
+    assert started("d") == (0, 1)
+    assert node_agent.cpu_cores == {"b": (2, 3), "d": (0, 1)}
