@@ -66,11 +66,11 @@ MODEL = "kvrun-bench-prefill"
 CORES_PER_ENGINE = 1
 CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
-TENANTS, QUESTIONS = 12, 4
+TENANTS, QUESTIONS = 16, 6
 ROUNDS = 3  # of each routing, taking turns
-# About 940 tokens of the demo tokenizer: the 12 documents overflow one replica's 8,192, and
-# the ring's split of them holds on two, however uneven (up to 8 of 12 on one).
-DOCUMENT_WORDS = 170
+# About 800 tokens of the demo tokenizer: the 16 documents overflow one replica's 8,192 by
+# half, and the ring's split of them fits two however uneven (up to 10 of 16 on one).
+DOCUMENT_WORDS = 145
 # A conversation's shared prefix: with six turns its last prompt stays within the context.
 SYSTEM_WORDS = 160
 PREFILL_TOKENS = 2000  # the prompt whose prefill is timed, as token ids
