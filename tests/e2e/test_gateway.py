@@ -210,10 +210,14 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_pays_for_what_it_g
 
 
 def gateway_in_flight(served: Served) -> float:
-    """Requests the suite's web process has in flight to engines, by its /metrics."""
-    return totals(httpx.get(f"{served.web}/metrics", headers={
-        "Authorization": f"Bearer {WEB_METRICS_TOKEN}"}).text).get(
-            "kvrun_gateway_replica_requests_in_flight", 0.0)
+    """Requests the suite's web process has in flight to the served endpoint, by its /metrics
+    (the other endpoints it has served are not this test's)."""
+    text = httpx.get(f"{served.web}/metrics",
+                     headers={"Authorization": f"Bearer {WEB_METRICS_TOKEN}"}).text
+    wanted = (f'endpoint="{served.endpoint.name}"', f'organization="{served.first.slug}"')
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith("kvrun_gateway_replica_requests_in_flight{")
+               and all(label in line for label in wanted))
 
 
 def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Served) -> None:
@@ -226,6 +230,7 @@ def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Ser
         body = orjson.dumps({"model": "chat", "prompt": "Write a long story",
                              "max_tokens": max_tokens, "ignore_eos": True})
         before = served.metrics()["vllm:generation_tokens_total"]
+        idle = gateway_in_flight(served)
         with socket.create_connection((address.hostname, address.port)) as client:
             client.sendall(b"POST /v1/completions HTTP/1.1\r\n"
                            b"Host: " + address.netloc.encode() + b"\r\n"
@@ -236,8 +241,9 @@ def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Ser
             # A non-streamed answer comes only when it is done: the client leaves as soon as
             # the gateway has the request on its way to the engine. Waiting on the gateway,
             # not on a clock: on two busy cores it can take seconds to let a request in.
-            assert wait_until(lambda: gateway_in_flight(served) == 1, 60, interval=0.02)
-        assert wait_until(lambda: gateway_in_flight(served) == 0, 60, interval=0.1)
+            assert wait_until(lambda idle=idle: gateway_in_flight(served) == idle + 1, 60,
+                              interval=0.02)
+        assert wait_until(lambda idle=idle: gateway_in_flight(served) == idle, 60, interval=0.1)
         assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 30)
         generated = served.metrics()["vllm:generation_tokens_total"] - before
         # Left between the gateway's count and its write to the engine, nothing ran; on two
