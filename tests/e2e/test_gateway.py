@@ -6,13 +6,11 @@ its own data (no test transaction, no flush between its tests) and flushes once 
 """
 
 import signal
-import socket
 import subprocess
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import httpx
 import openai
@@ -34,16 +32,7 @@ from engine.metrics import engine_token_totals, totals
 from engine.processes import free_port
 from kvrun.common.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
-from tests.helpers import (
-    PATIENT,
-    WEB_METRICS_TOKEN,
-    api_servers,
-    drive,
-    records_for,
-    start_web,
-    stop,
-    wait_until,
-)
+from tests.helpers import PATIENT, api_servers, drive, records_for, start_web, stop, wait_until
 
 pytestmark = [pytest.mark.e2e]
 
@@ -209,47 +198,24 @@ def test_a_client_that_leaves_mid_stream_stops_the_engine_and_pays_for_what_it_g
     assert record.prompt_tokens > 0
 
 
-def gateway_in_flight(served: Served) -> float:
-    """Requests the suite's web process has in flight to the served endpoint, by its /metrics
-    (the other endpoints it has served are not this test's)."""
-    text = httpx.get(f"{served.web}/metrics",
-                     headers={"Authorization": f"Bearer {WEB_METRICS_TOKEN}"}).text
-    wanted = (f'endpoint="{served.endpoint.name}"', f'organization="{served.first.slug}"')
-    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
-               if line.startswith("kvrun_gateway_replica_requests_in_flight{")
-               and all(label in line for label in wanted))
-
-
 def test_a_client_that_leaves_before_a_whole_answer_stops_the_engine(served: Served) -> None:
     key, secret = inference_key(served.first)
     max_tokens = 2000
-    address = urlsplit(served.web)
     for attempt in range(5):
-        # Named, so that its record is known.
+        # Named, so that its record is known: a client that left before the gateway let its
+        # request in has none (the engine never saw it either).
         named = f"leave-{uuid.uuid4()}-{attempt}"
-        body = orjson.dumps({"model": "chat", "prompt": "Write a long story",
-                             "max_tokens": max_tokens, "ignore_eos": True})
         before = served.metrics()["vllm:generation_tokens_total"]
-        idle = gateway_in_flight(served)
-        with socket.create_connection((address.hostname, address.port)) as client:
-            client.sendall(b"POST /v1/completions HTTP/1.1\r\n"
-                           b"Host: " + address.netloc.encode() + b"\r\n"
-                           b"Authorization: Bearer " + secret.encode() + b"\r\n"
-                           b"Idempotency-Key: " + named.encode() + b"\r\n"
-                           b"Content-Type: application/json\r\n"
-                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-            # A non-streamed answer comes only when it is done: the client leaves as soon as
-            # the gateway has the request on its way to the engine. Waiting on the gateway,
-            # not on a clock: on two busy cores it can take seconds to let a request in.
-            assert wait_until(lambda idle=idle: gateway_in_flight(served) == idle + 1, 60,
-                              interval=0.02)
-        assert wait_until(lambda idle=idle: gateway_in_flight(served) == idle, 60, interval=0.1)
+        try:  # a non-streamed answer comes only when it is done: the client gives up first
+            httpx.post(f"{served.web}/v1/completions", timeout=httpx.Timeout(10, read=0.1),
+                       headers={"Authorization": f"Bearer {secret}", "Idempotency-Key": named},
+                       json={"model": "chat", "prompt": "Write a long story",
+                             "max_tokens": max_tokens, "ignore_eos": True})
+        except httpx.ReadTimeout:
+            pass
         assert wait_until(lambda: served.metrics()["vllm:num_requests_running"] == 0, 30)
         generated = served.metrics()["vllm:generation_tokens_total"] - before
-        # Left between the gateway's count and its write to the engine, nothing ran; on two
-        # busy cores the engine can finish before the gateway reads the departure. Only a
-        # departure while the engine generated tests the abort, and one of five must be.
-        if 0 < generated < max_tokens:
+        if 0 < generated < max_tokens:  # the engine ran it, and stopped when the client left
             break
     assert 0 < generated < max_tokens, "the engine kept generating for a client that had left"
 
