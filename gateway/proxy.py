@@ -167,13 +167,10 @@ class Proxy:
             finally:
                 exchange.upstream_seconds += time.perf_counter() - waited
             return exchange.response
-        if slow:
-            wait = settings.KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS
-            raise GatewayError(503, f"No replica of {route.name!r} accepted the connection "
-                               f"within {wait:g} s: it is overloaded. Retry in a few seconds.",
-                               code="engine_unavailable", headers=[(b"retry-after", b"5")])
-        raise GatewayError(503, f"No replica of {route.name!r} accepted the request; "
-                           "kvrun is restarting it. Retry in a few seconds.",
+        why = (f"accepted the connection within "
+               f"{settings.KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS:g} s: it is overloaded" if slow
+               else "accepted the request; kvrun is restarting it")
+        raise GatewayError(503, f"No replica of {route.name!r} {why}. Retry in a few seconds.",
                            code="engine_unavailable", headers=[(b"retry-after", b"5")])
 
     async def count_prompt_tokens(self, exchange: Exchange, payload: dict[str, Any]) -> int:
