@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from engine.kv_policy import EngineKV, KVPolicy, build_for, engine_kv, lmcache_yaml
-from engine.processes import OWNER_VARIABLE, REPLICA_VARIABLE, own_group_dying_with_parent
+from engine.processes import OWNER_VARIABLE, REPLICA_VARIABLE, engine_group_dying_with_parent
 from engine.sizing import CPU, GIB, GPU
 
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -144,7 +144,8 @@ def engine_environment(inherited: Mapping[str, str], additions: Mapping[str, str
 
 
 def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
-    """Start the engine in its own process group, output appended to `log_path`."""
+    """Start the engine in its own process group, below its node's own processes for the
+    CPU (engine.processes.ENGINE_NICENESS), output appended to `log_path`."""
     argv, env = build_command(spec)
     lmcache_config = _engine_kv(spec).lmcache_config
     if lmcache_config is not None:
@@ -154,7 +155,7 @@ def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
     with open(log_path, "ab") as log:
         return subprocess.Popen(argv, env=engine_environment(os.environ, env), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=own_group_dying_with_parent)
+                                preexec_fn=engine_group_dying_with_parent)
 
 
 class EngineFailed(Exception):

@@ -1,11 +1,16 @@
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from engine.processes import (
+    AUTOGROUP,
+    ENGINE_NICENESS,
     OWNER_VARIABLE,
     REPLICA_VARIABLE,
+    engine_group_dying_with_parent,
     owner_of,
     port_is_free,
     running_engines,
@@ -77,3 +82,19 @@ def test_an_engine_started_in_its_own_group_ends_when_its_agent_is_killed() -> N
     agent.wait()
 
     assert wait_until(lambda: not process_alive(engine), 15), "the engine outlived its agent"
+
+
+def test_an_engine_runs_below_the_processes_of_its_node() -> None:
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                              preexec_fn=engine_group_dying_with_parent)
+    try:
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, engine.pid) == min(19, ours + ENGINE_NICENESS)
+        assert os.getsid(engine.pid) == engine.pid != os.getsid(0)
+        if AUTOGROUP.exists():  # the kernel schedules sessions as groups: the group yields
+            group, niceness = Path(f"/proc/{engine.pid}/autogroup").read_text().split(" nice ")
+            assert group != AUTOGROUP.read_text().split(" nice ")[0]
+            assert int(niceness) == ENGINE_NICENESS
+    finally:
+        engine.kill()
+        engine.wait()
