@@ -31,6 +31,8 @@ FIELD = b"r"
 ERROR_FIELD = b"error"
 ADMITTED = "kvrun:usage:admitted"
 ADMITTED_SEEN = "kvrun:usage:admitted:seen"
+# The largest token count a usage record holds (a PositiveIntegerField).
+MOST_TOKENS = 2**31 - 1
 # The status and error code of a request whose gateway died under it.
 INTERRUPTED_STATUS, INTERRUPTED_CODE = 502, "gateway_interrupted"
 

@@ -25,6 +25,7 @@ from redis.exceptions import RedisError
 from accounts.models import Scope
 from accounts.principals import KeyIdentity
 from accounts.revocations import KEY_REVOKED_CHANNEL
+from billing.usage_stream import MOST_TOKENS
 from endpoints.states import ASKED_FOR, State
 from gateway import idempotency, observed
 from gateway.asgi import (
@@ -50,6 +51,7 @@ from gateway.protocol import (
     estimated_prompt_tokens,
     model_entry,
     parse_request,
+    sequences,
     tokens_to_reserve,
 )
 from gateway.proxy import Proxy
@@ -221,6 +223,7 @@ class Gateway:
         exchange.identity, exchange.route = identity, route
         exchange.stream = bool(payload.get("stream"))
         exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)
+        exchange.most_tokens = min(MOST_TOKENS, route.context_length * sequences(payload))
         key = header(scope, b"idempotency-key")
         if key:
             exchange.idempotency_key = idempotency.validate(key)
@@ -336,7 +339,8 @@ class Gateway:
         if exchange.disconnected:
             exchange.status, exchange.error_code = 499, "client_disconnected"
             if not exchange.usage_seen and exchange.upstream is not None:
-                exchange.prompt_tokens = await self.proxy.count_prompt_tokens(exchange, payload)
+                exchange.prompt_tokens = exchange.counted(
+                    await self.proxy.count_prompt_tokens(exchange, payload))
         self.sink.add(exchange)
         observed.observe(exchange)
         await self._settle(exchange, answer=answer)

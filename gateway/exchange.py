@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -10,12 +11,13 @@ from decimal import Decimal
 from typing import Any
 
 from accounts.principals import KeyIdentity
-from billing.usage_stream import INTERRUPTED_CODE, INTERRUPTED_STATUS, UsageReport
+from billing.usage_stream import INTERRUPTED_CODE, INTERRUPTED_STATUS, MOST_TOKENS, UsageReport
 from gateway.directory import Route, Upstream
 from gateway.idempotency import Claim
 from gateway.limits import Admission
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -44,19 +46,39 @@ class Exchange:
     held_seconds: float = 0.0  # time spent waiting for a cold start (gateway.hold)
     response_started: bool = False  # its headers are sent: an error now goes in the stream
     estimated_prompt_tokens: int = 0  # until the engine says how many there are
+    # The most tokens the engine can have read, and written, for it (its sequences at the
+    # endpoint's context): what bounds the usage the engine reports.
+    most_tokens: int = MOST_TOKENS
     response: Any = None  # the engine's response while it is being read
     # The tokens (prompt, completion, cached) of its trace as Redis last confirmed it.
     traced: tuple[int, int, int] = (0, 0, 0)
 
-    def take_usage(self, usage: dict[str, Any] | None) -> None:
-        """Keep the engine's latest running (or final) usage figures."""
-        if not usage:
+    def take_usage(self, usage: object) -> None:
+        """Keep the engine's latest running (or final) usage figures, each made billable by
+        `counted`, and never more cached tokens than prompt tokens."""
+        if not usage or not isinstance(usage, dict):
             return
         self.usage_seen = True
-        self.prompt_tokens = usage.get("prompt_tokens") or 0
-        self.completion_tokens = usage.get("completion_tokens") or 0
-        details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens = details.get("cached_tokens") or 0
+        self.prompt_tokens = self.counted(usage.get("prompt_tokens"))
+        self.completion_tokens = self.counted(usage.get("completion_tokens"))
+        details = usage.get("prompt_tokens_details")
+        cached = self.counted(details.get("cached_tokens") if isinstance(details, dict) else 0)
+        if cached > self.prompt_tokens:
+            logger.warning("the engine of %s reported %d cached tokens of a %d-token prompt",
+                           self.request_id, cached, self.prompt_tokens)
+        self.cached_tokens = min(cached, self.prompt_tokens)
+
+    def counted(self, reported: object) -> int:
+        """A token count as the engine reported it, as the ledger may hold it. An engine runs
+        weights its tenant chose, so what it says is checked: anything but a whole number
+        counts as none, and a count is never negative nor above `most_tokens`."""
+        tokens = 0
+        if isinstance(reported, int) and not isinstance(reported, bool):
+            tokens = min(max(reported, 0), self.most_tokens)
+        if reported is not None and tokens != reported:
+            logger.warning("the engine of %s reported %r tokens; %d counted",
+                           self.request_id, reported, tokens)
+        return tokens
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.clock) * 1000

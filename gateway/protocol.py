@@ -47,6 +47,18 @@ def parse_request(body: bytes) -> dict[str, Any]:
     return payload
 
 
+def sequences(payload: dict[str, Any]) -> int:
+    """How many sequences the request asks the engine to run: its prompts (a completion may
+    send a list of them) times its choices (`n`)."""
+    prompt = payload.get("prompt")
+    prompts = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(
+        prompt[0], int) else 1
+    choices = payload.get("n")
+    if isinstance(choices, bool) or not isinstance(choices, int) or choices < 1:
+        choices = 1
+    return prompts * choices
+
+
 def model_entry(route: Route) -> dict[str, Any]:
     """How `route` is listed in /v1/models; an adapter names its endpoint as its parent."""
     entry = {"id": route.name, "object": "model", "created": route.created,

@@ -21,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -51,8 +52,13 @@ logger = logging.getLogger(__name__)
 
 # The agent's own supervisor (the launcher, Docker) gives it 10 s to stop.
 SHUTDOWN_GRACE_SECONDS = 5.0
-# An engine busy with a long prefill may answer /metrics late; the next scrape comes soon.
+# What reading one engine's /metrics may cost the agent. An engine runs weights (and, with
+# remote code, code) its tenant chose, so its answer is bounded: past the time, or the size
+# (vLLM's own is tens of KiB), it is dropped. An engine busy with a long prefill may answer
+# late; the next scrape comes soon.
 SCRAPE_TIMEOUT_SECONDS = 2.0
+SCRAPE_MOST_BYTES = 4 * 1024 * 1024
+SCRAPE_MOST_ENGINES_AT_ONCE = 16
 # After a gateway's route cache would have expired, before an engine is taken as dropped.
 ROUTE_MARGIN_SECONDS = 0.5
 LOG_SWEEP_SECONDS = 3600.0
@@ -486,29 +492,52 @@ def delete_old_logs() -> int:
 
 def scrape(*, name: str) -> int:
     """Read the /metrics of each ready engine of the node `name` into the database
-    (telemetry); an engine that does not answer in SCRAPE_TIMEOUT_SECONDS is left out this
-    time. Returns how many samples were stored."""
-    ready = Replica.objects.filter(node__name=name, state=State.READY).values_list(
-        "id", "endpoint_id", "node__address", "port")
-    samples = []
-    for replica_id, endpoint_id, address, port in ready:
+    (telemetry), the engines at once, so that a slow one delays no other's sample; an engine
+    whose answer is late or too large (_read_metrics) is left out this time. Returns how many
+    samples were stored."""
+    ready = list(Replica.objects.filter(node__name=name, state=State.READY).values_list(
+        "id", "endpoint_id", "node__address", "port"))
+    if not ready:
+        return 0
+
+    def sample(replica_id: UUID, endpoint_id: UUID, address: str, port: int) -> tuple | None:
         snapshot = _read_metrics(replica_id, address, port)
-        if snapshot is not None:
-            samples.append((replica_id, endpoint_id, timezone.now(), snapshot))
+        return None if snapshot is None else (replica_id, endpoint_id, timezone.now(), snapshot)
+
+    with ThreadPoolExecutor(min(len(ready), SCRAPE_MOST_ENGINES_AT_ONCE)) as pool:
+        samples = [taken for taken in pool.map(lambda row: sample(*row), ready) if taken]
     return do_record_engine_samples(samples=samples)
 
 
 def _read_metrics(replica_id: UUID | str, address: str, port: int
                   ) -> metrics.EngineSnapshot | None:
-    """The engine's /metrics now; None when it does not answer in SCRAPE_TIMEOUT_SECONDS."""
+    """The engine's /metrics now. None when it does not answer, or not as Prometheus text,
+    or when its answer takes more than SCRAPE_TIMEOUT_SECONDS (and the wait for its next
+    bytes), is larger than SCRAPE_MOST_BYTES, or comes compressed (a small body can unpack
+    to any size)."""
+    deadline = time.monotonic() + SCRAPE_TIMEOUT_SECONDS
+    body = bytearray()
     try:
-        response = httpx.get(f"http://{address}:{port}/metrics",
-                             headers={"Authorization": f"Bearer {engine_api_key(replica_id)}"},
-                             timeout=SCRAPE_TIMEOUT_SECONDS)
-        response.raise_for_status()
-        return metrics.snapshot(response.text)
+        with httpx.stream("GET", f"http://{address}:{port}/metrics", timeout=SCRAPE_TIMEOUT_SECONDS,
+                          headers={"Authorization": f"Bearer {engine_api_key(replica_id)}",
+                                   "Accept-Encoding": "identity"}) as response:
+            response.raise_for_status()
+            if response.headers.get("content-encoding", "identity") != "identity":
+                return _dropped(replica_id, "compressed")
+            for chunk in response.iter_raw():
+                body += chunk
+                if len(body) > SCRAPE_MOST_BYTES:
+                    return _dropped(replica_id, f"larger than {SCRAPE_MOST_BYTES:,} bytes")
+                if time.monotonic() > deadline:
+                    return _dropped(replica_id, f"longer than {SCRAPE_TIMEOUT_SECONDS:g} s")
+        return metrics.snapshot(body.decode())
     except (httpx.HTTPError, ValueError):  # no answer, or text that is not Prometheus's
         return None
+
+
+def _dropped(replica_id: UUID | str, why: str) -> None:
+    logger.warning("the /metrics of replica %s was dropped: %s", replica_id, why)
+    return None
 
 
 def stop_engines_left_behind(*, name: str) -> int:

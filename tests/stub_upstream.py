@@ -9,8 +9,9 @@ engine core that failed, "slow" takes its time
 (a second, or a chunk every 0.2 s), "steady" streams 200 chunks, one every 10 ms (answered
 at once when not streamed), "drop" dies after two chunks of a stream, "huge"
 answers 1 MiB of text (in pieces, with no declared length), "long" streams one event of
-640 KiB, past aiohttp's line limit (twice its read buffer: 512 KiB in aiohttp 3.14);
-anything else is answered at once with usage. Streams carry running usage when asked, as
+640 KiB, past aiohttp's line limit (twice its read buffer: 512 KiB in aiohttp 3.14), "lie"
+reports impossible usage (a negative prompt, 10**12 completion tokens, more cached tokens
+than prompt tokens); anything else is answered at once with usage. Streams carry running usage when asked, as
 vLLM's do.
 """
 
@@ -30,10 +31,15 @@ CONTEXT_ERROR = orjson.dumps({"error": {
     "type": "BadRequestError", "param": "input_tokens", "code": 400}})
 
 
+LIES = {"prompt_tokens": -5, "completion_tokens": 10**12, "total_tokens": 10**12,
+        "prompt_tokens_details": {"cached_tokens": 99}}
+
+
 def _prompt(request: dict) -> str:
     if "messages" in request:
         return str(request["messages"][-1].get("content", ""))
-    return str(request.get("prompt", ""))
+    prompt = request.get("prompt", "")
+    return str(prompt[0] if isinstance(prompt, list) and prompt else prompt)  # a batch's first
 
 
 def _chunk(index: int, usage: dict | None, text: str = "", *, last: bool = False) -> bytes:
@@ -89,8 +95,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
             "id": "cmpl-stub", "object": "text_completion", "created": 0, "model": "stub",
             "choices": [{"index": 0, "finish_reason": "length",
                          "text": "x" * HUGE_TEXT_BYTES if prompt == "huge" else " t0 t1 t2 t3"}],
-            "usage": {"prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
-                      "prompt_tokens_details": {"cached_tokens": 3}}})
+            "usage": LIES if prompt == "lie" else {
+                "prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
+                "prompt_tokens_details": {"cached_tokens": 3}}})
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json")]})
         piece = 64 * 1024

@@ -52,6 +52,20 @@ def test_it_proxies_a_completion_and_records_its_usage(
     assert APIKey.objects.get(id=record.api_key_id).last_used_at == record.started_at
 
 
+def test_usage_an_engine_could_not_have_used_is_never_recorded(
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
+) -> None:
+    # Three prompts, two choices each: six sequences at the endpoint's context at most.
+    response = gateway.post(secret, {"model": "chat", "prompt": ["lie", "b", "c"], "n": 2,
+                                     "max_tokens": 4})
+
+    assert response.status_code == 200, response.text
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.prompt_tokens, record.completion_tokens, record.cached_tokens) == (
+        0, 6 * stub_endpoint.context_length, 0)
+
+
 def test_the_engine_s_time_is_not_the_gateway_s_overhead(
     gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
 ) -> None:
