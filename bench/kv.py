@@ -8,14 +8,15 @@
                   endpoint with prefix caching on and to one with it off: hit rate (cached
                   over prompt tokens, as metered) and TTFT p50/p95 of each, and the ratio off/on.
   routing         tenants (one API key each, caches kept apart per key), each with its own
-                  long document, asking questions in turns (every tenant once a turn, in a
-                  new random order each turn, as tenants asking at a steady pace do) against
-                  one endpoint of two replicas: routed least-loaded, then by prefix affinity (a routing change,
-                  no restart), taking turns for three rounds each, every round with fresh
-                  documents. Hit rate and TTFT p50/p95. Under affinity, the share of requests
-                  that went to their prefix's replica (the rest spilled past its load bound, by
-                  the gateway's own counter), and each engine's own count of prefix-cache hits
-                  beside the hits metered for the requests routed to it.
+                  long document, asking questions in turns (every tenant about once a turn,
+                  in a new random order each turn, as tenants asking at a steady pace do)
+                  against one endpoint of two replicas: routed least-loaded, then by prefix
+                  affinity (a routing change, no restart), taking turns for three rounds
+                  each, every round with fresh documents. Hit rate and TTFT p50/p95. Under
+                  affinity, the share of requests that went to their prefix's replica (the
+                  rest spilled past its load bound, by the gateway's own counter), and each
+                  engine's own count of prefix-cache hits beside the hits metered for the
+                  requests routed to it.
 
 Each engine's KV pool is its policy's budget (the concurrency at the context), so the
 tenants' documents together overflow one replica's cache: the regime where routing decides
@@ -200,7 +201,8 @@ def conversations(web: str, secret: str, name: str, rng: random.Random) -> list[
 
 def tenants_asking(web: str, secrets: list[str], rng: random.Random) -> list[tuple]:
     """Each tenant's questions about its own document, two clients at once, in turns: between
-    two questions of one tenant every other tenant asks once, in a new order each turn."""
+    two questions of one tenant about every other tenant asks once (the two clients drift
+    apart by a request or two), in a new order each turn."""
     documents = [f"Tenant {n}'s handbook. " + text(rng, DOCUMENT_WORDS) for n in range(TENANTS)]
     order = []
     for question in range(QUESTIONS):

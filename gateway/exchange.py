@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import reprlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -49,6 +50,7 @@ class Exchange:
     # The most tokens the engine can have read, and written, for it (its sequences at the
     # endpoint's context): what bounds the usage the engine reports.
     most_tokens: int = MOST_TOKENS
+    doubted: bool = False  # an impossible figure of its engine's was logged
     response: Any = None  # the engine's response while it is being read
     # The tokens (prompt, completion, cached) of its trace as Redis last confirmed it.
     traced: tuple[int, int, int] = (0, 0, 0)
@@ -64,8 +66,7 @@ class Exchange:
         details = usage.get("prompt_tokens_details")
         cached = self.counted(details.get("cached_tokens") if isinstance(details, dict) else 0)
         if cached > self.prompt_tokens:
-            logger.warning("the engine of %s reported %d cached tokens of a %d-token prompt",
-                           self.request_id, cached, self.prompt_tokens)
+            self._doubt(f"reported {cached} cached tokens of a {self.prompt_tokens}-token prompt")
         self.cached_tokens = min(cached, self.prompt_tokens)
 
     def counted(self, reported: object) -> int:
@@ -76,9 +77,15 @@ class Exchange:
         if isinstance(reported, int) and not isinstance(reported, bool):
             tokens = min(max(reported, 0), self.most_tokens)
         if reported is not None and tokens != reported:
-            logger.warning("the engine of %s reported %r tokens; %d counted",
-                           self.request_id, reported, tokens)
+            self._doubt(f"reported {reprlib.repr(reported)} tokens; {tokens} counted")
         return tokens
+
+    def _doubt(self, what: str) -> None:
+        """Log the first impossible figure of its engine: a lying engine's stream would
+        otherwise write a warning a token."""
+        if not self.doubted:
+            self.doubted = True
+            logger.warning("the engine of %s %s", self.request_id, what)
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.clock) * 1000

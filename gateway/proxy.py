@@ -103,7 +103,7 @@ class Proxy:
                                      "less (max_tokens, n, logprobs)")
                 if response.status != 200:
                     raise from_engine(response.status, body)
-                exchange.take_usage(orjson.loads(body).get("usage"))
+                exchange.take_usage(_usage_in(body))
                 await self.sink.write_ahead(exchange, last=True)  # billed before delivered
                 await respond(send, exchange, 200, body, [JSON])
                 return body
@@ -186,7 +186,9 @@ class Proxy:
             async with self.session.post(
                     exchange.upstream.base_url + "/tokenize", json=asked,
                     headers={"Authorization": exchange.upstream.authorization}) as response:
-                return int((await response.json()).get("count") or 0)
+                counted = await response.json()
+                return exchange.counted(counted.get("count") if isinstance(counted, dict)
+                                        else None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             logger.warning("could not count the prompt tokens of %s", exchange.request_id)
             return 0
@@ -234,19 +236,15 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
         data = line[6:].rstrip()
         if data == b"[DONE]":
             break
-        chunk = orjson.loads(data)
-        sent: bytes | None
-        if "error" in chunk:
-            detail = chunk["error"] or {}
-            error = engine_message(int(detail.get("code") or 500), str(detail.get("message")))
-            exchange.status, exchange.error_code = error.status, error.code or ""
-            sent = orjson.dumps({"error": error.as_dict()})
-        else:
-            sent = _client_chunk(exchange, chunk, data, wants_usage=wants_usage,
-                                 wants_running=wants_running)
+        try:
+            sent, last = _relayed(exchange, orjson.loads(data), data, wants_usage=wants_usage,
+                                  wants_running=wants_running)
+        except (ValueError, TypeError, AttributeError):  # not an event of OpenAI's shape
+            failure = GatewayError(502, "The engine sent an event that is not one of OpenAI's; "
+                                   "the text so far is all there is.", code="engine_error")
+            break
         if sent is not None:
-            await sink.write_ahead(exchange, last=any(
-                choice.get("finish_reason") for choice in chunk.get("choices") or ()))
+            await sink.write_ahead(exchange, last=last)
             await send({"type": "http.response.body", "body": b"data: " + sent + b"\n\n",
                         "more_body": True})
     if failure is not None:
@@ -254,6 +252,15 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
         await send({"type": "http.response.body", "more_body": True,
                     "body": b"data: " + orjson.dumps({"error": failure.as_dict()}) + b"\n\n"})
     await send({"type": "http.response.body", "body": DONE, "more_body": False})
+
+
+def _usage_in(body: bytes) -> object:
+    """The usage of a whole answer; None when the engine's answer is not a JSON object."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return answer.get("usage") if isinstance(answer, dict) else None
 
 
 class AnswerTooLarge(Exception):
@@ -290,6 +297,23 @@ async def _lines(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[byt
 def _too_large(limit: int, what: str, advice: str) -> GatewayError:
     return GatewayError(502, f"The engine's {what} is larger than the gateway's limit of "
                         f"{limit} bytes; {advice}.", code="answer_too_large")
+
+
+def _relayed(exchange: Exchange, chunk: Any, data: bytes, *, wants_usage: bool,
+             wants_running: bool) -> tuple[bytes | None, bool]:
+    """What to send the client of one of the engine's events (None: nothing), and whether
+    it ends a choice. An engine runs weights its tenant chose, so an event of another shape
+    raises TypeError, AttributeError or ValueError rather than passing as one."""
+    if not isinstance(chunk, dict):
+        raise TypeError("an event is a JSON object")
+    if "error" in chunk:
+        detail = chunk["error"] or {}
+        error = engine_message(int(detail.get("code") or 500), str(detail.get("message")))
+        exchange.status, exchange.error_code = error.status, error.code or ""
+        return orjson.dumps({"error": error.as_dict()}), False
+    sent = _client_chunk(exchange, chunk, data, wants_usage=wants_usage,
+                         wants_running=wants_running)
+    return sent, any(choice.get("finish_reason") for choice in chunk.get("choices") or ())
 
 
 def _client_chunk(exchange: Exchange, chunk: dict[str, Any], data: bytes, *, wants_usage: bool,

@@ -13,6 +13,7 @@ down) belongs to one NodeAgent, which the command builds and serves; the node's 
 reach it through serving(). Tests build a fresh one.
 """
 
+import asyncio
 import logging
 import os
 import shutil
@@ -21,9 +22,8 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from subprocess import Popen
 from uuid import UUID
@@ -493,44 +493,64 @@ def delete_old_logs() -> int:
 def scrape(*, name: str) -> int:
     """Read the /metrics of each ready engine of the node `name` into the database
     (telemetry), the engines at once, so that a slow one delays no other's sample; an engine
-    whose answer is late or too large (_read_metrics) is left out this time. Returns how many
+    whose answer is late or too large (_read_one) is left out this time. Returns how many
     samples were stored."""
     ready = list(Replica.objects.filter(node__name=name, state=State.READY).values_list(
         "id", "endpoint_id", "node__address", "port"))
-    if not ready:
-        return 0
-
-    def sample(replica_id: UUID, endpoint_id: UUID, address: str, port: int) -> tuple | None:
-        snapshot = _read_metrics(replica_id, address, port)
-        return None if snapshot is None else (replica_id, endpoint_id, timezone.now(), snapshot)
-
-    with ThreadPoolExecutor(min(len(ready), SCRAPE_MOST_ENGINES_AT_ONCE)) as pool:
-        samples = [taken for taken in pool.map(lambda row: sample(*row), ready) if taken]
-    return do_record_engine_samples(samples=samples)
+    read = asyncio.run(_read_all([(replica_id, address, port)
+                                  for replica_id, _, address, port in ready]))
+    return do_record_engine_samples(samples=[
+        (replica_id, endpoint_id, at, snapshot)
+        for (replica_id, endpoint_id, _, _), (snapshot, at) in zip(ready, read, strict=True)
+        if snapshot is not None])
 
 
 def _read_metrics(replica_id: UUID | str, address: str, port: int
                   ) -> metrics.EngineSnapshot | None:
+    """One engine's /metrics now, as _read_one reads it."""
+    return asyncio.run(_read_all([(replica_id, address, port)]))[0][0]
+
+
+async def _read_all(engines: list[tuple[UUID | str, str, int]]
+                    ) -> list[tuple[metrics.EngineSnapshot | None, datetime]]:
+    """Each engine's /metrics (None where _read_one gives none) and when it was read, at
+    most SCRAPE_MOST_ENGINES_AT_ONCE at a time."""
+    at_once = asyncio.Semaphore(SCRAPE_MOST_ENGINES_AT_ONCE)
+    async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS) as client:
+        async def read(replica_id: UUID | str, address: str, port: int
+                       ) -> tuple[metrics.EngineSnapshot | None, datetime]:
+            async with at_once:
+                try:
+                    snapshot = await _read_one(client, replica_id, address, port)
+                except Exception:  # one engine's answer never costs the others their samples
+                    logger.exception("the /metrics of replica %s could not be read", replica_id)
+                    snapshot = None
+            return snapshot, timezone.now()
+        return await asyncio.gather(*(read(*engine) for engine in engines))
+
+
+async def _read_one(client: httpx.AsyncClient, replica_id: UUID | str, address: str, port: int
+                    ) -> metrics.EngineSnapshot | None:
     """The engine's /metrics now. None when it does not answer, or not as Prometheus text,
-    or when its answer takes more than SCRAPE_TIMEOUT_SECONDS (and the wait for its next
-    bytes), is larger than SCRAPE_MOST_BYTES, or comes compressed (a small body can unpack
-    to any size)."""
-    deadline = time.monotonic() + SCRAPE_TIMEOUT_SECONDS
+    or when its whole answer, headers included, takes more than SCRAPE_TIMEOUT_SECONDS, is
+    larger than SCRAPE_MOST_BYTES, or comes compressed (a small body can unpack to any
+    size)."""
     body = bytearray()
     try:
-        with httpx.stream("GET", f"http://{address}:{port}/metrics", timeout=SCRAPE_TIMEOUT_SECONDS,
-                          headers={"Authorization": f"Bearer {engine_api_key(replica_id)}",
-                                   "Accept-Encoding": "identity"}) as response:
+        async with asyncio.timeout(SCRAPE_TIMEOUT_SECONDS), client.stream(
+                "GET", f"http://{address}:{port}/metrics",
+                headers={"Authorization": f"Bearer {engine_api_key(replica_id)}",
+                         "Accept-Encoding": "identity"}) as response:
             response.raise_for_status()
             if response.headers.get("content-encoding", "identity") != "identity":
                 return _dropped(replica_id, "compressed")
-            for chunk in response.iter_raw():
+            async for chunk in response.aiter_raw():
                 body += chunk
                 if len(body) > SCRAPE_MOST_BYTES:
                     return _dropped(replica_id, f"larger than {SCRAPE_MOST_BYTES:,} bytes")
-                if time.monotonic() > deadline:
-                    return _dropped(replica_id, f"longer than {SCRAPE_TIMEOUT_SECONDS:g} s")
         return metrics.snapshot(body.decode())
+    except TimeoutError:
+        return _dropped(replica_id, f"longer than {SCRAPE_TIMEOUT_SECONDS:g} s")
     except (httpx.HTTPError, ValueError):  # no answer, or text that is not Prometheus's
         return None
 

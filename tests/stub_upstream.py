@@ -11,8 +11,8 @@ at once when not streamed), "drop" dies after two chunks of a stream, "huge"
 answers 1 MiB of text (in pieces, with no declared length), "long" streams one event of
 640 KiB, past aiohttp's line limit (twice its read buffer: 512 KiB in aiohttp 3.14), "lie"
 reports impossible usage (a negative prompt, 10**12 completion tokens, more cached tokens
-than prompt tokens); anything else is answered at once with usage. Streams carry running usage when asked, as
-vLLM's do.
+than prompt tokens), "garbled" answers a JSON list, or streams one such event; anything else is
+answered at once with usage. Streams carry running usage when asked, as vLLM's do.
 """
 
 import asyncio
@@ -98,6 +98,8 @@ async def app(scope: dict, receive: object, send: object) -> None:
             "usage": LIES if prompt == "lie" else {
                 "prompt_tokens": 7, "completion_tokens": 4, "total_tokens": 11,
                 "prompt_tokens_details": {"cached_tokens": 3}}})
+        if prompt == "garbled":
+            answer = b"[1, 2]"
         await send({"type": "http.response.start", "status": 200,
                     "headers": [(b"content-type", b"application/json")]})
         piece = 64 * 1024
@@ -111,6 +113,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
     for index in range(chunks):
         if prompt == "drop" and index == 2:
             raise ConnectionAbortedError("the stub engine dies in mid-stream")
+        if prompt == "garbled" and index == 2:
+            await send({"type": "http.response.body", "body": b"data: [1, 2]\n\n",
+                        "more_body": True})
         usage = ({"prompt_tokens": 7, "completion_tokens": index + 1,
                   "total_tokens": 8 + index} if options.get("continuous_usage_stats") else None)
         text = "x" * LONG_EVENT_TEXT_BYTES if prompt == "long" and index == 1 else ""

@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 
 from engine.processes import (
-    AUTOGROUP,
     ENGINE_NICENESS,
     OWNER_VARIABLE,
     REPLICA_VARIABLE,
     engine_group_dying_with_parent,
+    engine_session_yields,
     owner_of,
     port_is_free,
     running_engines,
@@ -84,17 +84,22 @@ def test_an_engine_started_in_its_own_group_ends_when_its_agent_is_killed() -> N
     assert wait_until(lambda: not process_alive(engine), 15), "the engine outlived its agent"
 
 
-def test_an_engine_runs_below_the_processes_of_its_node() -> None:
-    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                              preexec_fn=engine_group_dying_with_parent)
+def test_engines_run_below_the_processes_of_their_node() -> None:
+    # Two at once: the kernel lets a group's niceness change only so often.
+    engines = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                                preexec_fn=engine_group_dying_with_parent) for _ in range(2)]
     try:
-        ours = os.getpriority(os.PRIO_PROCESS, 0)
-        assert os.getpriority(os.PRIO_PROCESS, engine.pid) == min(19, ours + ENGINE_NICENESS)
-        assert os.getsid(engine.pid) == engine.pid != os.getsid(0)
-        if AUTOGROUP.exists():  # the kernel schedules sessions as groups: the group yields
-            group, niceness = Path(f"/proc/{engine.pid}/autogroup").read_text().split(" nice ")
-            assert group != AUTOGROUP.read_text().split(" nice ")[0]
-            assert int(niceness) == ENGINE_NICENESS
+        assert all(engine_session_yields(engine.pid) for engine in engines)
+        for engine in engines:
+            assert os.getpriority(os.PRIO_PROCESS, engine.pid) == max(
+                ENGINE_NICENESS, os.getpriority(os.PRIO_PROCESS, 0))
+            assert os.getsid(engine.pid) == engine.pid != os.getsid(0)
+            group = Path(f"/proc/{engine.pid}/autogroup")
+            if group.exists():  # the kernel schedules sessions as groups: the group yields
+                name, niceness = group.read_text().split(" nice ")
+                assert name != Path("/proc/self/autogroup").read_text().split(" nice ")[0]
+                assert int(niceness) == ENGINE_NICENESS
     finally:
-        engine.kill()
-        engine.wait()
+        for engine in engines:
+            engine.kill()
+            engine.wait()

@@ -156,6 +156,33 @@ def test_a_stream_that_breaks_ends_with_an_error_frame_and_done(
         502, "engine_error", 2)
 
 
+def test_an_answer_not_of_openai_s_shape_is_relayed_with_no_usage(
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "garbled"})
+
+    assert (response.status_code, response.json()) == (200, [1, 2])
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.prompt_tokens, record.completion_tokens) == (200, 0, 0)
+
+
+def test_a_stream_event_not_of_openai_s_shape_ends_the_stream_with_an_error_frame(
+    gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str
+) -> None:
+    response = gateway.post(secret, {"model": "chat", "prompt": "garbled", "stream": True})
+
+    frames = events(response)
+    assert response.status_code == 200
+    assert [orjson.loads(frame)["choices"][0]["text"] for frame in frames[:2]] == [" t0", " t1"]
+    assert orjson.loads(frames[2])["error"]["code"] == "engine_error"
+    assert frames[3:] == ["[DONE]"]
+    assert stored(1)
+    record = UsageRecord.objects.get()
+    assert (record.status_code, record.error_code, record.completion_tokens) == (
+        502, "engine_error", 2)
+
+
 @override_settings(KVRUN_GATEWAY_MAX_ANSWER_BYTES=256 * 1024)
 def test_an_answer_over_the_limit_is_a_502_with_its_prompt_recorded(
     gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str

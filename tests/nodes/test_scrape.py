@@ -72,6 +72,14 @@ def dripping(handler: BaseHTTPRequestHandler) -> None:
         time.sleep(agent.SCRAPE_TIMEOUT_SECONDS / 4)
 
 
+def dripping_headers(handler: BaseHTTPRequestHandler) -> None:
+    handler.wfile.write(b"HTTP/1.1 200 OK\r\n")
+    while True:  # a header that never ends, a byte at a time
+        handler.wfile.write(b"X")
+        handler.wfile.flush()
+        time.sleep(agent.SCRAPE_TIMEOUT_SECONDS / 4)
+
+
 def compressed(handler: BaseHTTPRequestHandler) -> None:
     body = gzip.compress(METRICS)
     headers(handler, Content_Encoding="gzip", Content_Length=str(len(body)))
@@ -89,7 +97,7 @@ def test_an_engine_s_metrics_are_read(engine: Callable[[Answer], int]) -> None:
     assert snapshot is not None and snapshot.running == 1
 
 
-@pytest.mark.parametrize("answer", [endless, dripping, compressed])
+@pytest.mark.parametrize("answer", [endless, dripping, dripping_headers, compressed])
 def test_an_engine_s_endless_slow_or_compressed_metrics_are_dropped(
         engine: Callable[[Answer], int], answer: Answer) -> None:
     assert agent._read_metrics("a-hostile-engine", "127.0.0.1", engine(answer)) is None
