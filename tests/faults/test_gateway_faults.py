@@ -147,17 +147,20 @@ def test_a_web_process_killed_outright_leaves_a_record_of_every_admitted_request
     assert interrupted.count() >= CONCURRENCY // 2  # the streams in flight at the kill
     assert all(record.prompt_tokens > 0 for record in interrupted)
     assert load.statuses and max(load.statuses) < 500  # some answered, none failed
-    # Each client, answered or cut off, is billed what it received: all of an answer, and of
-    # a stream all but at most the lag, and at most the event its gateway died sending.
+    # Each client, answered or cut off, is billed what it received: of a stream all but at
+    # most the lag, and at most the event its gateway died sending; all of an answer, whose
+    # usage is traced before it is sent, even one the kill cut off after its headers.
     billed = dict(records.values_list("request_id", "completion_tokens"))
-    pairs = [(load.received[request_id], billed[request_id]) for request_id in load.received
+    pairs = [(load.received[request_id], billed[request_id]) for request_id in load.streams
              if request_id in billed]
-    figures(**counted, streams_cut=sum(load.received[request_id] < STUB_STEADY_TOKENS
-                                       for request_id in load.streams if request_id in billed),
+    answers = {(load.received[request_id], billed[request_id]) for request_id in load.received
+               if request_id in billed and request_id not in load.streams}
+    figures(**counted, streams_cut=sum(received < STUB_STEADY_TOKENS for received, _ in pairs),
             most_received_unbilled=max(received - tokens for received, tokens in pairs),
             most_billed_unreceived=max(tokens - received for received, tokens in pairs))
     assert all(received - LAG_TOKENS <= tokens <= received + 1 for received, tokens in pairs), [
         pair for pair in pairs if pair[0] != pair[1]]
+    assert answers <= {(STUB_TOKENS, STUB_TOKENS), (0, STUB_TOKENS)}, answers
 
 
 def test_a_web_process_killed_the_instant_a_stream_ends_bills_all_of_it(
