@@ -8,15 +8,13 @@
                   endpoint with prefix caching on and to one with it off: hit rate (cached
                   over prompt tokens, as metered) and TTFT p50/p95 of each, and the ratio off/on.
   routing         tenants (one API key each, caches kept apart per key), each with its own
-                  long document, asking questions in turns (every tenant about once a turn,
-                  in a new random order each turn, as tenants asking at a steady pace do)
-                  against one endpoint of two replicas: routed least-loaded, then by prefix
-                  affinity (a routing change, no restart), taking turns for three rounds
-                  each, every round with fresh documents. Hit rate and TTFT p50/p95. Under
-                  affinity, the share of requests that went to their prefix's replica (the
-                  rest spilled past its load bound, by the gateway's own counter), and each
-                  engine's own count of prefix-cache hits beside the hits metered for the
-                  requests routed to it.
+                  long document, asking questions in random order against one endpoint of two
+                  replicas: routed least-loaded, then by prefix affinity (a routing change,
+                  no restart), taking turns for three rounds each, every round with fresh
+                  documents. Hit rate and TTFT p50/p95. Under affinity, the share of requests
+                  that went to their prefix's replica (the rest spilled past its load bound, by
+                  the gateway's own counter), and each engine's own count of prefix-cache hits
+                  beside the hits metered for the requests routed to it.
 
 Each engine's KV pool is its policy's budget (the concurrency at the context), so the
 tenants' documents together overflow one replica's cache: the regime where routing decides
@@ -70,11 +68,8 @@ CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
 TENANTS, QUESTIONS = 16, 6
 ROUNDS = 3  # of each routing, taking turns
-# About 730 tokens with the chat template, five whole 128-token blocks: the 16 documents
-# (80 blocks) overflow one replica's 64, and the ring's split of them fits either replica
-# however uneven (10 of 16 is 50 blocks). Least-loaded spreads each turn over both replicas:
-# a replica still holds a tenant's document from the turn before (40 blocks back), not from
-# two turns before (80).
+# About 800 tokens of the demo tokenizer: the 16 documents overflow one replica's 8,192 by
+# half, and the ring's split of them fits two however uneven (up to 10 of 16 on one).
 DOCUMENT_WORDS = 145
 # A conversation's shared prefix: with six turns its last prompt stays within the context.
 SYSTEM_WORDS = 160
@@ -200,15 +195,10 @@ def conversations(web: str, secret: str, name: str, rng: random.Random) -> list[
 
 
 def tenants_asking(web: str, secrets: list[str], rng: random.Random) -> list[tuple]:
-    """Each tenant's questions about its own document, two clients at once, in turns: between
-    two questions of one tenant about every other tenant asks once (the two clients drift
-    apart by a request or two), in a new order each turn."""
+    """Each tenant's questions about its own document, in random order, two clients at once."""
     documents = [f"Tenant {n}'s handbook. " + text(rng, DOCUMENT_WORDS) for n in range(TENANTS)]
-    order = []
-    for question in range(QUESTIONS):
-        turn = list(range(TENANTS))
-        rng.shuffle(turn)
-        order += [(tenant, question) for tenant in turn]
+    order = [(tenant, question) for tenant in range(TENANTS) for question in range(QUESTIONS)]
+    rng.shuffle(order)
     measured: list[tuple] = []
     lock = threading.Lock()
 
