@@ -19,7 +19,7 @@ from django.db.models import QuerySet
 from endpoints.models import DEFAULT_CONTEXT_LENGTH, AttentionKind, GPUType, ModelSpec, NodeState
 from endpoints.selectors import model_catalog
 from engine import sizing
-from engine.kv_policy import KVPolicy, refusals
+from engine.kv_policy import LMCACHE_LORA_REFUSAL, KVPolicy, refusals
 from engine.lora import LoraShape
 from engine.sizing import CPU, GPU
 
@@ -162,6 +162,8 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
                                             "with `python manage.py load_catalogs`."]})
     if lora_adapters and (refusal := lora_refusal(model)):
         raise ValidationError({"lora_adapters": [refusal]})
+    if lora_adapters and disk_tier_gib:
+        raise ValidationError({"disk_tier_gib": [LMCACHE_LORA_REFUSAL]})
     if gpu_count and not sizing.valid_tp(shape_of(model), gpu_count):
         raise ValidationError({"gpu_count": [
             f"{model.name} has {model.attention_heads} attention heads, which vLLM cannot split "

@@ -28,6 +28,13 @@ LMCACHE_CHUNK_TOKENS = 256
 # LMCache hashes token chunks with Python's hash(): every process of an engine must agree.
 LMCACHE_HASH_SEED = "0"
 LMCACHE_VERSION = "0.5.6"
+# vLLM's own prefix cache, and its native host offloading, key blocks by the request's LoRA
+# adapter (name and folder) as well as its tokens; LMCache 0.5.6 keys chunks by tokens and
+# cache salt alone, so a disk tier would serve one adapter the KV another computed.
+LMCACHE_LORA_REFUSAL = (
+    "A disk tier cannot be used with LoRA adapters: its cache (LMCache) keys KV by tokens "
+    "alone, so one adapter would be served KV that another computed. Set the disk tier to 0 "
+    "(a host tier alone keeps adapters apart) or hold no adapters.")
 
 
 @dataclass(frozen=True)

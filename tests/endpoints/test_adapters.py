@@ -293,6 +293,29 @@ def test_a_model_whose_lora_layers_are_not_sized_takes_no_slots(
         assert words in refused.json()["error"]["fields"]["lora_adapters"][0]
 
 
+def test_a_disk_tier_beside_adapters_is_refused_for_keeping_their_kv_apart(
+        owner_api: APIClient, org: Organization, cpu_node: Node) -> None:
+    body = {"model": "llama-3.1-8b-instruct", "context_length": 8192, "concurrency": 4,
+            "gpu_type": "h100-80gb", "lora_adapters": 2, "lora_max_rank": 8, "host_tier_gib": 8}
+    sized = owner_api.post(f"/api/v1/organizations/{org.slug}/sizing/",
+                           {**body, "disk_tier_gib": 100}, format="json")
+    created = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/",
+                             {**body, "name": "tuned", "disk_tier_gib": 100}, format="json")
+    for refused in (sized, created):
+        assert refused.status_code == 400, refused.content
+        assert "keys KV by tokens alone" in refused.json()["error"]["fields"]["disk_tier_gib"][0]
+    assert not Endpoint.objects.exists()
+
+    # A host tier alone is vLLM's own offloading, which keys blocks by adapter too.
+    assert owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/",
+                          {**body, "name": "tuned"}, format="json").status_code == 201
+    changed = owner_api.patch(f"/api/v1/organizations/{org.slug}/endpoints/tuned/policy/",
+                              {"disk_tier_gib": 100}, format="json")
+    assert changed.status_code == 400
+    assert "keys KV by tokens alone" in changed.json()["error"]["fields"]["disk_tier_gib"][0]
+    assert Endpoint.objects.get(name="tuned").disk_tier_gib == 0
+
+
 def test_an_upload_of_several_mib_is_taken(owner_api: APIClient, org: Organization,
                                            endpoint: Endpoint, tmp_path: Path) -> None:
     Endpoint.objects.filter(id=endpoint.id).update(lora_max_rank=256)
