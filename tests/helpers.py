@@ -35,6 +35,10 @@ PATIENT = {"KVRUN_REDIS_TIMEOUT_SECONDS": "60",
 # An engine gets production's 600 s to start: on a slow day here a second engine beside a
 # loaded one took more than 180 s, and no test waits for a start to time out.
 ENGINE_TIMINGS = {"KVRUN_ENGINE_BACKOFF_SECONDS": "1", "KVRUN_ENGINE_MAX_FAILURES": "2"}
+# How long a test waits for an engine to be ready: the agent's own start timeout (its
+# default, 600 s), a bound for a slow or busy machine and never a figure. Engines run below
+# the node's other processes, so a machine kept busy by anything else slows their start most.
+ENGINE_READY_WITHIN = 600
 
 
 def database_url_for_tests() -> str:

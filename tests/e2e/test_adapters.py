@@ -19,11 +19,10 @@ from kvrun.common.digests import engine_api_key
 from nodes.weights import DEMO_SLUG
 from tests.e2e.test_provisioning import delete_and_settle
 from tests.factories import inference_key
-from tests.helpers import drive, records_for, wait_until
+from tests.helpers import ENGINE_READY_WITHIN, drive, records_for, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
-READY_WITHIN = 240
 PROMPT = "The key-value cache holds the attention keys and values of every token"
 
 
@@ -62,7 +61,7 @@ def test_adapters_answer_apart_arrive_without_a_restart_and_are_metered_each(
     do_add_adapter_from_hub(endpoint=endpoint, actor_role="owner", added_by=None, name="a",
                             repo_id="kvrun/demo-lora-a")
     assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY,
-                 READY_WITHIN), endpoint.events.values_list("message", flat=True)
+                 ENGINE_READY_WITHIN), endpoint.events.values_list("message", flat=True)
     replica = Replica.objects.get(endpoint=endpoint, state=State.READY)
     assert wait_until(lambda: serves(replica, ["a"]), 30), replica.events.values_list(
         "message", flat=True)

@@ -34,7 +34,15 @@ from gateway.directory import Upstream
 from kvrun.common.digests import cache_salt, engine_api_key
 from telemetry.models import EngineSample
 from tests.factories import UserFactory, api_key, inference_key
-from tests.helpers import WEB_METRICS_TOKEN, api_servers, drive, records_for, story_of, wait_until
+from tests.helpers import (
+    ENGINE_READY_WITHIN,
+    WEB_METRICS_TOKEN,
+    api_servers,
+    drive,
+    records_for,
+    story_of,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -80,7 +88,8 @@ def pair(django_db_blocker: object, agent: object, web: str) -> Iterator[Pair]:
             policy=EndpointPolicy(context_length=2048, concurrency=2),
             scaling=EndpointScaling(min_replicas=2, max_replicas=2))
         assert drive(lambda: Replica.objects.filter(endpoint=endpoint,
-                                                    state=State.READY).count() == 2, 240), (
+                                                    state=State.READY).count() == 2,
+                     ENGINE_READY_WITHIN), (
             story_of(endpoint.id))
         yield Pair(web=web, endpoint=endpoint, organization=organization,
                    secret=inference_key(organization)[1])
@@ -203,7 +212,8 @@ def test_prefix_caching_off_rolls_both_replicas_while_they_serve_and_then_never_
                     .values_list("id", flat=True))
         return len(ready) == 2 and not ready & old
 
-    assert drive(rolled, 300), "the replicas were not replaced"
+    # One replica at a time: two engine starts.
+    assert drive(rolled, 2 * ENGINE_READY_WITHIN), "the replicas were not replaced"
     assert failures == [] and sent > 10
     assert set(Replica.objects.filter(endpoint=pair.endpoint, state=State.READY)
                .values_list("policy_version", flat=True)) == {2}

@@ -12,11 +12,10 @@ from accounts.models import Organization
 from bench.hub_server import Hub
 from endpoints.models import Endpoint, ModelSpec, Node, Replica, ReplicaInterval, State
 from tests.e2e.test_provisioning import complete, delete_and_settle
-from tests.helpers import drive
+from tests.helpers import ENGINE_READY_WITHIN, drive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
-READY_WITHIN = 240
 KIB = 1024
 
 
@@ -48,8 +47,8 @@ def test_a_model_added_by_id_downloads_once_is_never_billed_for_it_and_answers(
                       .values_list("stage", flat=True))
         return Endpoint.objects.get(name="byo", deleted_at=None).state == State.READY
     try:
-        assert drive(ready, READY_WITHIN), Endpoint.objects.get(name="byo").events.values_list(
-            "message", flat=True)
+        assert drive(ready, ENGINE_READY_WITHIN), Endpoint.objects.get(
+            name="byo").events.values_list("message", flat=True)
     finally:
         hub.rate_bytes_per_second = None
 
@@ -81,7 +80,7 @@ def test_a_model_added_by_id_downloads_once_is_never_billed_for_it_and_answers(
     sent_before = hub.bytes_sent
     assert owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/byo/start/").status_code \
         == 200
-    assert drive(lambda: Endpoint.objects.get(name="byo").state == State.READY, READY_WITHIN)
+    assert drive(lambda: Endpoint.objects.get(name="byo").state == State.READY, ENGINE_READY_WITHIN)
     second = Replica.objects.get(endpoint__name="byo", state=State.READY)
     assert hub.bytes_sent == sent_before
     assert not second.events.filter(state=State.DOWNLOADING).exists()

@@ -20,11 +20,7 @@ from endpoints.services import do_create_endpoint, do_delete_endpoint
 from endpoints.tasks import reconcile
 from scaling.tasks import autoscale
 from tests.factories import inference_key
-from tests.helpers import api_servers, at_once, drive, records_for, wait_until
-
-# How long these tests wait for an engine to be ready: the agent's own start timeout (the
-# default, 600 s), a bound for a slow machine and never a figure.
-ENGINE_READY_WITHIN = 600
+from tests.helpers import ENGINE_READY_WITHIN, api_servers, at_once, drive, records_for, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 

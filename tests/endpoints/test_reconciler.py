@@ -78,6 +78,22 @@ def test_it_places_a_replica_where_it_fits_tightest() -> None:
         State.PENDING, State.SCHEDULING, State.STARTING]
 
 
+def test_a_node_that_holds_the_weights_comes_before_a_tighter_fit() -> None:
+    holder = h100_node("holder")
+    snug = h100_node("snug", busy=[0, 1, 2, 3, 4, 5])
+    endpoint = make_endpoint(holder.gpu_type)
+    model = endpoint.model
+    ModelSpec.objects.filter(id=model.id).update(hf_commit="a" * 40)
+    Node.objects.filter(id=snug.id).update(model_cache=[
+        {"repo_id": model.hf_repo, "commit": "b" * 40}])  # another commit of the same model
+    Node.objects.filter(id=holder.id).update(model_cache=[
+        {"repo_id": model.hf_repo, "commit": "a" * 40}])
+
+    reconcile_endpoint(endpoint_id=endpoint.id)
+
+    assert endpoint.replicas.get().node == holder
+
+
 def test_it_never_hands_out_a_device_twice() -> None:
     node = h100_node("only")
     first = make_endpoint(node.gpu_type, name="one", gpu_count=4)

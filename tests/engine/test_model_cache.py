@@ -66,6 +66,29 @@ def test_a_model_is_fetched_once_checked_and_kept(served: Hub, tmp_path: Path) -
     assert [entry.repo_id for entry in cache.entries()] == ["acme/small"]
 
 
+def test_a_gated_model_downloads_with_a_granted_token_only(served: Hub, tmp_path: Path) -> None:
+    folder = tmp_path / "gated"
+    folder.mkdir()
+    (folder / "config.json").write_bytes(os.urandom(100))
+    (folder / "model.safetensors").write_bytes(os.urandom(MB))
+    commit = served.publish("acme/gated", folder, gated=True, readers=("hf_granted",))
+    served.publish("acme/other", folder, gated=True, readers=("hf_other",))
+    _, files = hub.pin(endpoint=served.url, repo_id="acme/gated", token="hf_granted")
+    cache = ModelCache(tmp_path / "cache", budget_bytes=100 * MB)
+
+    for token, status in ((None, "401"), ("hf_other", "403")):
+        with pytest.raises(DownloadFailed, match=status):
+            cache.fetch(endpoint=served.url, repo_id="acme/gated", commit=commit, files=files,
+                        token=token)
+        assert cache.entries() == []
+    snapshot = cache.fetch(endpoint=served.url, repo_id="acme/gated", commit=commit,
+                           files=files, token="hf_granted")
+
+    assert (snapshot / "model.safetensors").read_bytes() == (
+        folder / "model.safetensors").read_bytes()
+    assert [entry.repo_id for entry in cache.entries()] == ["acme/gated"]
+
+
 def test_progress_reads_as_a_person_would_want_it() -> None:
     progress = Progress(done_bytes=3_200_000_000, total_bytes=16_100_000_000,
                         bytes_per_second=85_000_000)
