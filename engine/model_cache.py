@@ -59,21 +59,36 @@ class Progress:
 
     def describe(self) -> str:
         """Such as "downloading weights: 3.2 of 16.1 GB, 85 MB/s, about 2 min left"."""
-        unit, size = next((unit, size) for unit, size in UNITS if self.total_bytes >= size
-                          or size == UNITS[-1][1])
+        unit, size = _unit(self.total_bytes)
         text = (f"downloading weights: {self.done_bytes / size:.1f} of "
                 f"{self.total_bytes / size:.1f} {unit}")
         if self.bytes_per_second > 0:
-            rate_unit, rate_size = next((unit, size) for unit, size in UNITS
-                                        if self.bytes_per_second >= size or size == 1e3)
-            text += f", {self.bytes_per_second / rate_size:.0f} {rate_unit}/s"
+            text += f", {_rate(self.bytes_per_second)}"
         left = self.seconds_left
         if left is not None:
             text += f", about {_duration(left)} left"
         return text
 
+    def describe_done(self, seconds: float) -> str:
+        """Such as "downloaded 16.1 GB of weights in 3 min (85 MB/s)"."""
+        unit, size = _unit(self.total_bytes)
+        text = f"downloaded {self.total_bytes / size:.1f} {unit} of weights in {_duration(seconds)}"
+        if self.bytes_per_second > 0:
+            text += f" ({_rate(self.bytes_per_second)})"
+        return text
+
 
 UNITS = (("GB", GB), ("MB", 1e6), ("kB", 1e3))
+
+
+def _unit(amount: float) -> tuple[str, float]:
+    """The largest unit `amount` is at least one of (kB for less)."""
+    return next((unit, size) for unit, size in UNITS if amount >= size or size == UNITS[-1][1])
+
+
+def _rate(bytes_per_second: float) -> str:
+    unit, size = _unit(bytes_per_second)
+    return f"{bytes_per_second / size:.0f} {unit}/s"
 
 
 def _duration(seconds: float) -> str:

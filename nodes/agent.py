@@ -217,7 +217,11 @@ class NodeAgent:
                 + (f" at {model.hf_commit[:12]}" if model.hf_commit else "")):
             return False
 
+        began = time.monotonic()
+        heard: list[model_cache.Progress] = []
+
         def show(progress: model_cache.Progress) -> bool:
+            heard[:] = [progress]
             left = progress.seconds_left
             return do_set_replica_progress(
                 replica_id=replica.id, state=State.DOWNLOADING, stage=progress.describe(),
@@ -235,6 +239,8 @@ class NodeAgent:
                             f"{weights.failure_reason(exc)}", log,
                             from_states=[State.DOWNLOADING])
             return False
+        do_note_replica(replica_id=replica.id, message=heard[-1].describe_done(
+            time.monotonic() - began) if heard else "the weights were in this node's cache")
         replica.endpoint.model = pinned
         return True
 

@@ -19,7 +19,7 @@ from kvrun.common.digests import engine_api_key
 from nodes.weights import DEMO_SLUG
 from tests.e2e.test_provisioning import delete_and_settle
 from tests.factories import inference_key
-from tests.helpers import ENGINE_READY_WITHIN, drive, records_for, wait_until
+from tests.helpers import ENGINE_READY_WITHIN, drive, records_for, story_of, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -47,7 +47,7 @@ def serves(replica: Replica, adapters: list[str]) -> bool:
     return replica.adapters == adapters
 
 
-def test_adapters_answer_apart_arrive_without_a_restart_and_are_metered_each(
+def test_adapters_answer_apart_arrive_without_a_restart_on_every_replica_metered_each(
         ready_node: Node, web: str, owner_api: APIClient, org: Organization, hub: Hub,
         hub_url: str, tmp_path: Path) -> None:
     created = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/", {
@@ -122,4 +122,22 @@ def test_adapters_answer_apart_arrive_without_a_restart_and_are_metered_each(
     assert wait_until(lambda: answer(web, secret, "tuned:a").status_code == 200, 60)
     again = answer(web, secret, "tuned:a").json()["choices"][0]["text"]
     assert again not in texts, (again, texts)
+
+    # A replica started later serves every adapter before it takes traffic, and one added
+    # then reaches both replicas.
+    scaled = owner_api.patch(f"/api/v1/organizations/{org.slug}/endpoints/tuned/scaling/",
+                             {"min_replicas": 2, "max_replicas": 2}, format="json")
+    assert scaled.status_code == 200, scaled.content
+    assert drive(lambda: Replica.objects.filter(endpoint=endpoint, state=State.READY).count()
+                 == 2, ENGINE_READY_WITHIN), story_of(endpoint.id)
+    [later] = Replica.objects.filter(endpoint=endpoint, state=State.READY).exclude(id=replica.id)
+    assert later.adapters == ["a", "b"], later.events.values_list("message", flat=True)
+    third = lora.build_demo_adapter(tmp_path / "c", seed=3, base_model=DEMO_SLUG,
+                                    shape=demo_model.lora_shape())
+    do_add_adapter_from_upload(
+        endpoint=endpoint, actor_role="owner", added_by=None, name="c",
+        config_json=(third / lora.CONFIG_FILE).read_bytes(),
+        weights=(third / lora.WEIGHTS_FILE).read_bytes())
+    assert wait_until(lambda: serves(replica, ["a", "b", "c"])
+                      and serves(later, ["a", "b", "c"]), 60)
     delete_and_settle(owner_api, org, "tuned")

@@ -98,6 +98,9 @@ def test_progress_reads_as_a_person_would_want_it() -> None:
     assert progress.percent == 19
     small = Progress(done_bytes=400_000, total_bytes=1_500_000, bytes_per_second=262_144)
     assert small.describe() == "downloading weights: 0.4 of 1.5 MB, 262 kB/s, about 4 s left"
+    done = Progress(done_bytes=16_100_000_000, total_bytes=16_100_000_000,
+                    bytes_per_second=85_000_000)
+    assert done.describe_done(190) == "downloaded 16.1 GB of weights in 3 min (85 MB/s)"
 
 
 def test_a_file_unlike_what_the_hub_states_is_never_made_a_snapshot(
