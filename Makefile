@@ -8,18 +8,18 @@ BIN := $(VENV)/bin
 ENGINE ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 STAMP := $(VENV)/.installed-$(ENGINE)
 
-.PHONY: run test check lint bench docs install browser clean vendor gpu-check
+.PHONY: run test check lint bench docs install browser sandbox clean vendor gpu-check
 
-run: install
+run: install sandbox
 	$(BIN)/python -m kvrun.launcher run
 
 # Lint and the import contracts first: a broken layout fails before any test runs.
-test: install browser lint
+test: install browser sandbox lint
 	$(BIN)/python -m kvrun.launcher test --durations=15 $(PYTEST_ARGS)
 
 # The fast loop: lint and every test that starts no worker, web process, engine or browser
 # and injects no fault (tests/conftest.py marks a test by the fixtures it uses).
-check: install lint
+check: install sandbox lint
 	$(BIN)/python -m kvrun.launcher test -m "not e2e and not browser and not faults" --durations=10 $(PYTEST_ARGS)
 
 # ruff (pyflakes, isort, bugbear, pyupgrade, line length), import-linter's contracts and mypy
@@ -43,7 +43,7 @@ ifeq ($(ENGINE),cpu)
 endif
 	touch $@
 
-bench: install
+bench: install sandbox
 	@command -v wrk >/dev/null || { echo "make bench: installing Debian's wrk (the gateway benchmark's load generator) with apt-get"; apt-get update -qq && apt-get install -y -qq wrk >/dev/null; }
 	$(BIN)/python -m kvrun.launcher bench $(BENCH)
 
@@ -58,6 +58,10 @@ gpu-check: install
 # Playwright drives Debian's Chromium; its own browser download cannot work offline.
 browser:
 	@test -x /usr/bin/chromium || { echo "make test: installing Debian's chromium (the browser tests drive it) with apt-get"; apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+
+# Every engine runs in a bubblewrap sandbox (engine/sandbox.py): Debian's package.
+sandbox:
+	@command -v bwrap >/dev/null || { echo "make: installing Debian's bubblewrap (engines run in its sandbox) with apt-get"; apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null; }
 
 clean:
 	rm -rf $(VENV)

@@ -26,6 +26,7 @@ TTFT p50 at most 0.8 × least-loaded's. Writes bench/results/kv.json.
 
 import os
 import random
+import re
 import statistics
 import sys
 import threading
@@ -57,7 +58,7 @@ from endpoints.services import (  # noqa: E402
     do_delete_endpoint,
     do_load_catalogs,
 )
-from engine import demo_model, metrics, processes  # noqa: E402
+from engine import demo_model, metrics  # noqa: E402
 from kvrun.celery import app  # noqa: E402
 from kvrun.common.digests import engine_api_key  # noqa: E402
 
@@ -158,8 +159,10 @@ def ready_replicas(endpoint: Endpoint) -> list[Replica]:
 
 
 def bound_cores(replica: Replica) -> str:
-    """The cores the replica's engine threads are bound to, as its process was started."""
-    return processes.environment_of(replica.pid).get("VLLM_CPU_OMP_THREADS_BIND", "vLLM's own")
+    """The cores the replica's engine threads are bound to, as its ready event names them."""
+    ready = replica.events.filter(state=State.READY, message__startswith="ready on port ").first()
+    found = re.search(r", cores ([\d,]+)", ready.message) if ready else None
+    return found.group(1) if found else "vLLM's own"
 
 
 def model_costs(web: str, secret: str, name: str) -> dict:

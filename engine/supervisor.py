@@ -19,13 +19,9 @@ from pathlib import Path
 
 import httpx
 
+from engine import sandbox
 from engine.kv_policy import EngineKV, KVPolicy, build_for, engine_kv, lmcache_yaml
-from engine.processes import (
-    OWNER_VARIABLE,
-    REPLICA_VARIABLE,
-    engine_group_dying_with_parent,
-    engine_session_yields,
-)
+from engine.processes import engine_group_dying_with_parent, engine_session_yields
 from engine.sizing import CPU, GIB, GPU
 
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -97,8 +93,7 @@ def build_command(spec: EngineSpec,
     # The key goes in the environment: an argv is readable by every user through `ps`.
     env = {"HF_HUB_OFFLINE": "1", "VLLM_API_KEY": spec.api_key,
            "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": str(KEEP_ALIVE_SECONDS),
-           OWNER_VARIABLE: spec.owner, REPLICA_VARIABLE: spec.replica, **kv.env,
-           **spec.extra_env}
+           **kv.env, **spec.extra_env}
     if spec.lora_adapters:
         # Adapters added while the endpoint runs reach its engines without a restart.
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -149,15 +144,27 @@ def engine_environment(inherited: Mapping[str, str], additions: Mapping[str, str
 
 
 def start(spec: EngineSpec, log_path: Path) -> subprocess.Popen:
-    """Start the engine in its own process group, below its node's own processes for the
-    CPU (engine.processes.ENGINE_NICENESS), output appended to `log_path`."""
+    """Start `spec`'s engine (launch)."""
     argv, env = build_command(spec)
+    return launch(argv, env, spec=spec, log_path=log_path)
+
+
+def launch(argv: list[str], env: Mapping[str, str], *, spec: EngineSpec,
+           log_path: Path) -> subprocess.Popen:
+    """Run `argv` as `spec`'s engine is run: in its sandbox (engine.sandbox) and a process
+    group of its own, below its node's own processes for the CPU
+    (engine.processes.ENGINE_NICENESS), its environment `env` and what it may inherit,
+    output appended to `log_path`, which only the agent's user reads."""
+    if spec.cache_dir:
+        (Path(spec.cache_dir) / sandbox.ADAPTERS).mkdir(parents=True, exist_ok=True)
     lmcache_config = _engine_kv(spec).lmcache_config
     if lmcache_config is not None:
-        Path(spec.cache_dir).mkdir(parents=True, exist_ok=True)
         Path(env["LMCACHE_CONFIG_FILE"]).write_text(lmcache_yaml(lmcache_config))
+    argv = sandbox.command(argv, owner=spec.owner, replica=spec.replica,
+                           model_dir=spec.model_dir, replica_dir=spec.cache_dir,
+                           devices=spec.device_indices if spec.device == GPU else ())
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "ab") as log:
+    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
         process = subprocess.Popen(argv, env=engine_environment(os.environ, env), stdout=log,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    preexec_fn=engine_group_dying_with_parent)

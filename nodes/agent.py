@@ -41,7 +41,7 @@ from endpoints.lifecycle import (
 )
 from endpoints.models import Adapter, ModelSpec, Node, Replica, State
 from endpoints.states import PROGRESS
-from engine import kv_policy, metrics, model_cache, offload_check, processes, supervisor
+from engine import kv_policy, metrics, model_cache, offload_check, processes, sandbox, supervisor
 from engine.sizing import CPU, GIB, GPU
 from kvrun.common.digests import engine_api_key
 from nodes import weights
@@ -180,13 +180,17 @@ class NodeAgent:
                           for adapter in Adapter.objects.filter(endpoint_id=endpoint.id)}
                 served = supervisor.served_adapters(
                     host=host, port=port, api_key=api_key, served_model_name=endpoint.name)
-                stale = {name for name, folder in served.items() if name not in wanted
-                         or folder != str(weights.adapter_folder(wanted[name]))}
+                visible = {name: cache_dir(replica.id) / sandbox.ADAPTERS / adapter.folder
+                           for name, adapter in wanted.items()}
+                stale = {name for name, folder in served.items()
+                         if name not in wanted or folder != str(visible[name])}
                 for name in sorted(stale):
                     supervisor.unload_adapter(host=host, port=port, api_key=api_key, name=name)
                 for name in sorted(wanted.keys() - (served.keys() - stale)):
                     try:
-                        folder = weights.adapter_dir(wanted[name], node_name=self.name)
+                        folder = sandbox.offer(
+                            weights.adapter_dir(wanted[name], node_name=self.name),
+                            visible[name])
                         supervisor.load_adapter(host=host, port=port, api_key=api_key,
                                                 name=name, path=str(folder))
                     except Exception as exc:  # whatever the cause, only this adapter fails

@@ -16,7 +16,8 @@ from urllib.parse import urlsplit, urlunsplit
 from django.conf import settings
 from django.db import connection
 
-from engine.processes import free_port
+from engine import sandbox
+from engine.processes import command_line_of, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -196,16 +197,30 @@ def story_of(endpoint_id: object) -> str:
 
 
 def api_servers(name: str) -> list[int]:
-    """PIDs of vLLM API servers serving `name` on this machine."""
+    """PIDs of vLLM API servers serving `name` on this machine (not their sandboxes, whose
+    command lines hold theirs)."""
     found = []
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             argv = cmdline.read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"vllm.entrypoints.openai.api_server" in argv and name.encode() in argv:
+        if argv[1:3] == [b"-m", b"vllm.entrypoints.openai.api_server"] and name.encode() in argv:
             found.append(int(cmdline.parent.name))
     return [pid for pid in found if process_alive(pid)]
+
+
+UP_AND_ASLEEP = "print('up', flush=True); import time; time.sleep(60)"
+
+
+def sandboxed(code: str, *, owner: str, replica: str, model_dir: Path,
+              replica_dir: Path | None = None) -> subprocess.Popen:
+    """A Python program in an engine's sandbox, marked as the agent marks an engine's, in a
+    session of its own; its output piped."""
+    return subprocess.Popen(
+        sandbox.command([sys.executable, "-c", code], owner=owner, replica=replica,
+                        model_dir=str(model_dir), replica_dir=str(replica_dir or "")),
+        start_new_session=True, stdout=subprocess.PIPE, text=True)
 
 
 class RestartableRedis:
@@ -245,6 +260,13 @@ def group_members(pgid: int) -> list[int]:
     from engine.processes import live_processes
 
     return [pid for pid, group in live_processes() if group == pgid]
+
+
+def engine_processes(pgid: int) -> list[int]:
+    """PIDs of an engine's running processes in process group `pgid` (its sandbox's, which
+    the sandbox's own two processes share)."""
+    return [pid for pid in group_members(pgid)
+            if sandbox.marks_of(command_line_of(pid)) is None]
 
 
 def records_for(request_ids: list[str]) -> list:

@@ -7,8 +7,6 @@ from pathlib import Path
 
 from engine.processes import (
     ENGINE_NICENESS,
-    OWNER_VARIABLE,
-    REPLICA_VARIABLE,
     engine_group_dying_with_parent,
     engine_session_yields,
     owner_of,
@@ -17,7 +15,7 @@ from engine.processes import (
     stop_group,
     stop_groups,
 )
-from tests.helpers import process_alive, wait_until
+from tests.helpers import UP_AND_ASLEEP, process_alive, sandboxed, wait_until
 
 
 def test_stop_group_ends_a_process_that_ignores_sigterm() -> None:
@@ -42,25 +40,30 @@ def test_port_is_free() -> None:
         assert not port_is_free(sock.getsockname()[1])
 
 
-def test_engines_are_found_by_their_owner_s_marker_not_by_a_pid() -> None:
-    def started(owner: str, replica: str) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(60)"],
-            env={OWNER_VARIABLE: owner, REPLICA_VARIABLE: replica}, start_new_session=True,
-            stdout=subprocess.PIPE, text=True)
-
+def test_engines_are_found_by_their_sandbox_s_marks_never_by_what_an_engine_writes(
+        tmp_path: Path) -> None:
     mine = owner_of("node-1", "/srv/kvrun")
-    ours, theirs = started(mine, "r-1"), started(owner_of("node-2", "/srv/kvrun"), "r-2")
+    # An engine that makes a process whose command line is a sandbox's, marked as one of
+    # node-1's: it runs in the engine's own PID namespace, so it is not taken for one.
+    forging = ("import os, sys; os.execv(sys.executable, ['bwrap', '-c', "
+               f"{UP_AND_ASLEEP!r}, '--setenv', 'KVRUN_ENGINE_OWNER', {mine!r}, "
+               "'--setenv', 'KVRUN_ENGINE_REPLICA', 'r-forged'])")
+    ours = sandboxed(UP_AND_ASLEEP, owner=mine, replica="r-1", model_dir=tmp_path)
+    theirs = sandboxed(UP_AND_ASLEEP, owner=owner_of("node-2", "/srv/kvrun"), replica="r-2",
+                       model_dir=tmp_path)
+    forger = sandboxed(forging, owner=owner_of("node-3", "/srv/kvrun"), replica="r-3",
+                       model_dir=tmp_path)
     try:
-        assert ours.stdout.readline() == theirs.stdout.readline() == "up\n"
+        assert [process.stdout.readline() for process in (ours, theirs, forger)] == ["up\n"] * 3
 
         assert running_engines(mine) == {"r-1": {ours.pid}}
+        assert running_engines(owner_of("node-3", "/srv/kvrun")) == {"r-3": {forger.pid}}
         stop_groups({ours.pid}, grace=1.0)
         ours.wait(5)
         assert running_engines(mine) == {}
     finally:
-        for process in (ours, theirs):
-            process.kill()
+        for process in (ours, theirs, forger):
+            stop_groups({process.pid}, grace=0.0)
             process.wait()
 
 

@@ -17,6 +17,7 @@ from accounts.models import Organization
 from bench.hub_server import Hub
 from endpoints.models import Node, NodeState, Replica, State
 from endpoints.services import do_drain_node, do_load_catalogs, do_undrain_node
+from nodes import agent
 from tests.e2e.test_provisioning import (
     RESTART_WITHIN,
     create,
@@ -25,10 +26,12 @@ from tests.e2e.test_provisioning import (
     state_of,
 )
 from tests.helpers import (
+    UP_AND_ASLEEP,
     api_servers,
     drive,
-    group_members,
+    engine_processes,
     process_alive,
+    sandboxed,
     start_agent,
     stop_agent,
     story_of,
@@ -91,12 +94,12 @@ def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_firs
         stop_agent(node_agent, NODE)
 
 
-def test_a_restarted_agent_stops_the_engine_its_previous_run_left(
+def test_a_killed_agent_takes_its_loading_engine_along_and_a_restart_stops_any_left(
         celery_worker: object, owner_api: APIClient, org: Organization,
         engine_logs: Path) -> None:
     do_load_catalogs()
     first = start_agent(NODE, engine_logs)
-    second = None
+    second = left = None
     try:
         assert wait_until(lambda: online(NODE), 60)
         create(owner_api, org, "leftover")
@@ -104,21 +107,27 @@ def test_a_restarted_agent_stops_the_engine_its_previous_run_left(
         def loading_with_workers() -> bool:
             replica = Replica.objects.filter(endpoint__name="leftover", state=State.LOADING,
                                              pid__isnull=False).first()
-            return replica is not None and len(group_members(replica.pid)) > 1
+            return replica is not None and len(engine_processes(replica.pid)) > 1
 
         assert drive(loading_with_workers, RESTART_WITHIN)
-        # Killed while its engine loads: the engine puts off the SIGTERM it gets for it until
-        # it has loaded, holding its memory (on a GPU, its devices) all that time.
+        # Killed while its engine loads, which puts off SIGTERM until it has loaded: the
+        # engine's sandbox dies with the agent and kills it outright.
         first.kill()
         first.wait()
         killed_at = timezone.now()
-        assert api_servers("leftover"), "the engine died with its agent: nothing was left"
+        assert wait_until(lambda: not api_servers("leftover"), 15), "the engine outlived its agent"
 
+        # One left all the same, marked as that replica's engine: the restarted agent stops
+        # it before it registers.
+        replica = Replica.objects.get(endpoint__name="leftover")
+        left = sandboxed(UP_AND_ASLEEP, owner=agent.owner(NODE), replica=str(replica.id),
+                         model_dir=engine_logs)
+        assert left.stdout is not None and left.stdout.readline() == "up\n"
         second = start_agent(NODE, engine_logs)
 
         def back_without_the_leftover() -> bool:
             back = Node.objects.filter(name=NODE, last_heartbeat_at__gt=killed_at).exists()
-            assert not (back and api_servers("leftover")), "back while the old engine runs"
+            assert not (back and left.poll() is None), "back while the old engine runs"
             return back
 
         assert wait_until(back_without_the_leftover, 60)
@@ -132,6 +141,8 @@ def test_a_restarted_agent_stops_the_engine_its_previous_run_left(
         stop_agent(first, NODE)
         if second is not None:
             stop_agent(second, NODE)
+        if left is not None and left.poll() is None:
+            left.kill()
 
 
 def test_a_node_killed_mid_download_resumes_it_when_back(

@@ -17,7 +17,7 @@ import redis
 
 from engine.processes import free_port, owner_of, running_engines
 from kvrun import launcher
-from tests.helpers import ROOT, api_servers, group_members, process_alive, wait_until
+from tests.helpers import ROOT, api_servers, engine_processes, process_alive, wait_until
 
 
 def descendants(pid: int) -> set[int]:
@@ -379,7 +379,7 @@ def test_ctrl_c_while_an_engine_loads_leaves_no_engine(state_dir: Path) -> None:
     assert created.json()["gpu_type"] == "cpu", created.text
 
     # Its engine has started its workers and loads: it puts off SIGTERM until it has loaded.
-    assert wait_until(lambda: any(len(group_members(pid)) > 1
+    assert wait_until(lambda: any(len(engine_processes(os.getpgid(pid))) > 1
                                   for pid in api_servers("interrupted")), 180)
     assert launch.interrupt() == 0
 

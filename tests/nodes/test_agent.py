@@ -16,7 +16,7 @@ from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint
 from nodes import agent
 from tests.factories import organization_with_owner
-from tests.helpers import process_alive, wait_until
+from tests.helpers import UP_AND_ASLEEP, process_alive, sandboxed, wait_until
 
 # An API server that exited, leaving a worker of its group that ignores SIGTERM, as a
 # loading engine's does: stopping its group takes the whole grace period. The worker gives
@@ -124,15 +124,12 @@ def test_an_agent_starting_deletes_the_kv_caches_its_replicas_left_on_disk(
 @pytest.mark.django_db(transaction=True)
 def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
         cpu_node: Node, node_agent: agent.NodeAgent, settings: object, tmp_path: Path) -> None:
-    from engine import processes
-
     settings.KVRUN_STATE_DIR = tmp_path
     replica = demo_replica(cpu_node, State.STOPPED)
     (agent.cache_dir(replica.id) / "lmcache").mkdir(parents=True)
-    engine = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-        env={processes.OWNER_VARIABLE: agent.owner(cpu_node.name),
-             processes.REPLICA_VARIABLE: str(replica.id)})
+    engine = sandboxed(UP_AND_ASLEEP, owner=agent.owner(cpu_node.name), replica=str(replica.id),
+                       model_dir=tmp_path)
+    assert engine.stdout.readline() == "up\n"
 
     assert node_agent.beat()
 
