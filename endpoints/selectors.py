@@ -162,10 +162,39 @@ def median_start_seconds(*, model_id: int, gpu_type_id: int, last: int = 20) -> 
 def start_counted_from(replica: Replica) -> datetime:
     """When the replica's start began, as far as its ETA goes: a download of its weights is
     no part of a start's median (median_start_seconds), so its start counts from when its
-    download ended, or is expected to (later than now while it runs)."""
+    download ended, or is expected to (later than now while it runs, or before it has
+    begun: expected_download_seconds)."""
     if replica.download_done_at is not None:
         return replica.download_done_at
-    return replica.created_at + timedelta(seconds=replica.download_seconds or 0.0)
+    if replica.download_seconds is not None:
+        return replica.created_at + timedelta(seconds=replica.download_seconds)
+    if replica.state in (State.PENDING, State.SCHEDULING, State.STARTING):
+        expected = expected_download_seconds(model=replica.endpoint.model,
+                                             gpu_type_id=replica.endpoint.gpu_type_id,
+                                             node=replica.node)
+        return replica.created_at + timedelta(seconds=expected)
+    return replica.created_at
+
+
+def expected_download_seconds(*, model: ModelSpec, gpu_type_id: int, node: Node | None = None,
+                              last: int = 20) -> float:
+    """How long a start of `model` will download for before its engine starts: 0 where its
+    `node` holds its pinned weights (or, not placed yet, an online node of its kind does: the
+    scheduler prefers one) or its files are not known (a model kvrun builds, or one not
+    pinned yet), else its size at the median rate of the last `last` downloads; 0 too with
+    no download to go by."""
+    size = sum(int(file.get("size") or 0) for file in model.files)
+    candidates = [node] if node is not None else Node.objects.filter(
+        state=NodeState.ONLINE, gpu_type_id=gpu_type_id).only("model_cache")
+    if not size or not model.hf_commit or any(
+            candidate.holds_weights(model) for candidate in candidates):
+        return 0.0
+    rates = [sum(int(file.get("size") or 0) for file in files) / seconds
+             for files, seconds in Replica.objects.filter(download_seconds__gt=0)
+             .order_by("-created_at").values_list("endpoint__model__files", "download_seconds")
+             [:last]]
+    rates = [rate for rate in rates if rate > 0]
+    return size / statistics.median(rates) if rates else 0.0
 
 
 def replica_timeline(*, endpoint_id: UUID, since: datetime, until: datetime

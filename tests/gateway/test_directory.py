@@ -9,7 +9,7 @@ import pytest
 from django.utils import timezone
 
 from accounts.models import Organization
-from endpoints.models import Endpoint, Node, Replica, State
+from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.selectors import median_start_seconds
 from gateway import directory
 from gateway.hold import eta_seconds
@@ -67,3 +67,27 @@ def test_a_start_that_downloads_its_weights_is_expected_after_the_download_and_a
     [(route, _)] = directory._read_endpoints(org.id)
 
     assert eta_seconds(route, now=now.timestamp()) == pytest.approx(70, abs=1)
+
+
+def test_a_start_that_will_download_is_expected_after_that_download_before_it_begins(
+        org: Organization, cpu_node: Node) -> None:
+    endpoint = demo_endpoint(org)
+    Endpoint.objects.filter(id=endpoint.id).update(min_replicas=0)
+    ModelSpec.objects.filter(id=endpoint.model_id).update(
+        hf_commit="c" * 40, files=[{"path": "model.safetensors", "size": 700_000_000}])
+    now = timezone.now()
+    # Its earlier start downloaded the 700 MB at 10 MB/s, then took 30 s to start.
+    Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.STOPPED,
+                           created_at=now - timedelta(seconds=1000),
+                           ready_at=now - timedelta(seconds=900), download_seconds=70)
+    Replica.objects.create(endpoint=endpoint, state=State.PENDING, created_at=now)
+
+    [(route, _)] = directory._read_endpoints(org.id)
+    assert eta_seconds(route, now=now.timestamp()) == pytest.approx(100, abs=1)
+
+    # Once a node of its kind holds the weights, the start downloads nothing.
+    model = ModelSpec.objects.get(id=endpoint.model_id)
+    Node.objects.filter(id=cpu_node.id).update(
+        model_cache=[{"repo_id": model.hf_repo, "commit": "c" * 40}])
+    [(route, _)] = directory._read_endpoints(org.id)
+    assert eta_seconds(route, now=now.timestamp()) == pytest.approx(30, abs=1)
