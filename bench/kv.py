@@ -43,6 +43,7 @@ import httpx  # noqa: E402
 import orjson  # noqa: E402
 from django.conf import settings  # noqa: E402
 from django.db.models import Sum  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 from accounts.models import Organization, Role  # noqa: E402
 from bench import seed  # noqa: E402
@@ -69,9 +70,12 @@ CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
 TENANTS, QUESTIONS = 16, 6
 ROUNDS = 3  # of each routing, taking turns
-# About 800 tokens of the demo tokenizer: the 16 documents overflow one replica's 8,192 by
-# half, and the ring's split of them fits two however uneven (up to 10 of 16 on one).
-DOCUMENT_WORDS = 145
+# Each document makes its prompts share six whole 128-token blocks of the CPU engine (768 of
+# the demo tokenizer's tokens) and a few tokens more, so that a question stays within the next
+# block: a request then caches no block of its own, which would push documents out. The 16
+# documents overflow one replica's 8,192 tokens by half, and the ring's split of them fits
+# two however uneven (up to 10 of 16 on one).
+BLOCK_TOKENS, SHARED_BLOCKS = 128, 6
 # A conversation's shared prefix: with six turns its last prompt stays within the context.
 SYSTEM_WORDS = 160
 PREFILL_TOKENS = 2000  # the prompt whose prefill is timed, as token ids
@@ -197,19 +201,41 @@ def conversations(web: str, secret: str, name: str, rng: random.Random) -> list[
     return measured
 
 
+def question(rng: random.Random, number: int) -> dict:
+    return {"role": "user", "content": f"Question {number}: " + text(rng, 10) + "?"}
+
+
+def shared_tokens(tokenizer: Any, document: str, rng: random.Random) -> int:
+    """How many prompt tokens two questions about `document` share, as the engine's chat
+    template renders them."""
+    first, second = (tokenizer.apply_chat_template(
+        [{"role": "system", "content": document}, question(rng, number)],
+        add_generation_prompt=True, tokenize=True)["input_ids"] for number in (1, 2))
+    return next(n for n, (a, b) in enumerate(zip(first, second, strict=False)) if a != b)
+
+
+def sized_document(tokenizer: Any, tenant: int, rng: random.Random) -> str:
+    """A document whose prompts share SHARED_BLOCKS whole blocks and a few tokens more."""
+    document = f"Tenant {tenant}'s handbook."
+    while shared_tokens(tokenizer, document, rng) < SHARED_BLOCKS * BLOCK_TOKENS:
+        document += " " + rng.choice(WORDS)
+    return document
+
+
 def tenants_asking(web: str, secrets: list[str], rng: random.Random) -> list[tuple]:
     """Each tenant's questions about its own document, in random order, two clients at once."""
-    documents = [f"Tenant {n}'s handbook. " + text(rng, DOCUMENT_WORDS) for n in range(TENANTS)]
-    order = [(tenant, question) for tenant in range(TENANTS) for question in range(QUESTIONS)]
+    tokenizer = AutoTokenizer.from_pretrained(
+        demo_model.build(Path(settings.KVRUN_MODEL_DIR) / MODEL, demo_model.BUILT_IN[MODEL]))
+    documents = [sized_document(tokenizer, n, rng) for n in range(TENANTS)]
+    order = [(tenant, number) for tenant in range(TENANTS) for number in range(QUESTIONS)]
     rng.shuffle(order)
     measured: list[tuple] = []
     lock = threading.Lock()
 
     def client(share: list[tuple[int, int]]) -> None:
-        for tenant, question in share:
+        for tenant, number in share:
             result = ask(web, secrets[tenant], {"model": "pair", "max_tokens": 8, "messages": [
-                {"role": "system", "content": documents[tenant]},
-                {"role": "user", "content": f"Question {question}: " + text(rng, 10) + "?"}]})
+                {"role": "system", "content": documents[tenant]}, question(rng, number)]})
             with lock:
                 measured.append(result)
 

@@ -183,18 +183,22 @@ def expected_download_seconds(*, model: ModelSpec, gpu_type_id: int, node: Node 
     scheduler prefers one) or its files are not known (a model kvrun builds, or one not
     pinned yet), else its size at the median rate of the last `last` downloads; 0 too with
     no download to go by."""
-    size = sum(int(file.get("size") or 0) for file in model.files)
+    size = _bytes_of(model.files)
     candidates = [node] if node is not None else Node.objects.filter(
         state=NodeState.ONLINE, gpu_type_id=gpu_type_id).only("model_cache")
     if not size or not model.hf_commit or any(
             candidate.holds_weights(model) for candidate in candidates):
         return 0.0
-    rates = [sum(int(file.get("size") or 0) for file in files) / seconds
+    rates = [_bytes_of(files) / seconds
              for files, seconds in Replica.objects.filter(download_seconds__gt=0)
              .order_by("-created_at").values_list("endpoint__model__files", "download_seconds")
-             [:last]]
+             [:last] if seconds]
     rates = [rate for rate in rates if rate > 0]
     return size / statistics.median(rates) if rates else 0.0
+
+
+def _bytes_of(files: list[dict]) -> int:
+    return sum(int(file.get("size") or 0) for file in files)
 
 
 def replica_timeline(*, endpoint_id: UUID, since: datetime, until: datetime

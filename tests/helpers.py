@@ -214,13 +214,22 @@ UP_AND_ASLEEP = "print('up', flush=True); import time; time.sleep(60)"
 
 
 def sandboxed(code: str, *, owner: str, replica: str, model_dir: Path,
-              replica_dir: Path | None = None) -> subprocess.Popen:
-    """A Python program in an engine's sandbox, marked as the agent marks an engine's, in a
-    session of its own; its output piped."""
-    return subprocess.Popen(
-        sandbox.command([sys.executable, "-c", code], owner=owner, replica=replica,
-                        model_dir=str(model_dir), replica_dir=str(replica_dir or "")),
-        start_new_session=True, stdout=subprocess.PIPE, text=True)
+              log_path: Path) -> subprocess.Popen:
+    """A Python program started exactly as an engine is (engine.supervisor.launch), marked
+    as `owner`'s engine of `replica`, its output in `log_path`."""
+    from engine import supervisor
+    from engine.sizing import CPU
+
+    spec = supervisor.EngineSpec(model_dir=str(model_dir), served_model_name=replica, port=0,
+                                 max_model_len=2048, max_num_seqs=1, device=CPU, owner=owner,
+                                 replica=replica)
+    return supervisor.launch([sys.executable, "-c", code], {}, spec=spec, log_path=log_path)
+
+
+def said(log_path: Path, line: str, timeout: float = 30) -> bool:
+    """Whether `line` is in the log within `timeout` seconds."""
+    return wait_until(lambda: log_path.exists() and line in log_path.read_text().splitlines(),
+                      timeout)
 
 
 class RestartableRedis:

@@ -2,10 +2,12 @@
 engine is (engine.supervisor.launch), beside another tenant's engine."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine import sandbox, supervisor
 from engine.processes import free_port, stop_groups
@@ -52,6 +54,15 @@ attempt("read its model", lambda: read(os.path.join(model_dir, "config.json")))
 attempt("change its model", lambda: write(os.path.join(model_dir, "config.json")))
 attempt("change its adapters", lambda: write(os.path.join(own_dir, "adapters", "a")))
 attempt("write its own directory", lambda: write(os.path.join(own_dir, "disk.kv")))
+attempt("read the host's passwords", lambda: read("/etc/shadow"))
+
+def user_namespace():
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER: where kernel exploits usually begin
+        raise OSError(ctypes.get_errno(), "refused")
+
+attempt("make a user namespace", user_namespace)
 found["uid"], found["environment"] = os.getuid(), dict(os.environ)
 body = json.dumps(found).encode()
 
@@ -77,7 +88,10 @@ def spec(tmp_path: Path, name: str, port: int) -> supervisor.EngineSpec:
 
 
 def test_a_hostile_engine_reaches_nothing_beyond_its_own_replica_and_still_serves(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The agent holds secrets in its environment (until nodes hold only their credential).
+    for name in ("SECRET_KEY", "DATABASE_URL", "REDIS_URL", "KVRUN_KEY_PEPPER", "HF_TOKEN"):
+        monkeypatch.setenv(name, f"the agent's {name}")
     (tmp_path / "state").mkdir()
     secrets = tmp_path / "state" / "secrets.json"
     secrets.write_text('{"SECRET_KEY": "not for engines"}')
@@ -90,7 +104,7 @@ def test_a_hostile_engine_reaches_nothing_beyond_its_own_replica_and_still_serve
         assert wait_until(lambda: (logs / "other.log").read_text() == "serving\n", 30)
         (Path(other.cache_dir) / "disk.kv").write_text("another tenant's cache")
         started.append(supervisor.launch(
-            [sys.executable, str(Path(hostile.model_dir) / "hostile.py"), str(started[0].pid),
+            [sys.executable, str(Path(hostile.model_dir) / "hostile.py"), str(os.getpid()),
              other.cache_dir, str(logs / "other.log"), str(secrets), hostile.model_dir,
              hostile.cache_dir],
             {"PORT": str(hostile.port), "VLLM_API_KEY": hostile.api_key}, spec=hostile,
@@ -114,16 +128,19 @@ def test_a_hostile_engine_reaches_nothing_beyond_its_own_replica_and_still_serve
     assert all("hostile.py" in line or "bwrap" in line for line in found["processes"].values())
     for refused in ("read the agent's environment", "read the agent's memory",
                     "list another engine's directory", "read another engine's KV tier",
-                    "read another engine's log", "read the control plane's secrets"):
+                    "read another engine's log", "read the control plane's secrets",
+                    "read the host's passwords"):
         assert found[refused] == "FileNotFoundError", (refused, found[refused])
+    assert found["make a user namespace"] in ("PermissionError", "OSError")  # not "done"
     assert found["change its model"] == found["change its adapters"] == "OSError"  # read-only
     assert found["read its model"] == found["write its own directory"] == "done"
     assert (Path(hostile.cache_dir) / "disk.kv").read_bytes() == b"x"
     assert found["uid"] == sandbox.INSIDE_UID
     # Its environment is its own: nothing of the agent's beyond what an engine needs.
     assert found["environment"]["VLLM_API_KEY"] == "key-of-hostile"
-    assert not {"SECRET_KEY", "DATABASE_URL", "REDIS_URL", "KVRUN_KEY_PEPPER"} & set(
+    assert not {"SECRET_KEY", "DATABASE_URL", "REDIS_URL", "KVRUN_KEY_PEPPER", "HF_TOKEN"} & set(
         found["environment"])
+    assert not [value for value in found["environment"].values() if "the agent's" in value]
     assert oct((logs / "hostile.log").stat().st_mode & 0o777) == "0o600"
     json.dumps(found)  # what it sent was all it could gather
 

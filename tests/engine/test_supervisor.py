@@ -98,12 +98,15 @@ def test_an_engine_inherits_nothing_of_the_control_plane() -> None:
     control_plane = {"PATH": "/usr/bin", "HOME": "/root", "HF_HUB_OFFLINE": "1",
                      "CUDA_HOME": "/usr/local/cuda", "SECRET_KEY": "s", "KVRUN_KEY_PEPPER": "p",
                      "DATABASE_URL": "postgres://kvrun:pw@db/kvrun", "REDIS_URL": "redis://r",
-                     "STRIPE_API_KEY": "sk", "VLLM_API_KEY": "the control plane's own"}
+                     "STRIPE_API_KEY": "sk", "VLLM_API_KEY": "the control plane's own",
+                     "HF_TOKEN": "hf_operator", "XDG_CACHE_HOME": "/root/.cache",
+                     "TMPDIR": "/var/tmp"}
 
     env = engine_environment(control_plane, {"VLLM_API_KEY": "engine-secret"})
 
-    assert env == {"PATH": "/usr/bin", "HOME": "/root", "HF_HUB_OFFLINE": "1",
-                   "CUDA_HOME": "/usr/local/cuda", "VLLM_API_KEY": "engine-secret"}
+    # HOME is the sandbox's (the replica's own directory); the host's paths are not there.
+    assert env == {"PATH": "/usr/bin", "HF_HUB_OFFLINE": "1", "CUDA_HOME": "/usr/local/cuda",
+                   "VLLM_API_KEY": "engine-secret"}
 
 
 def test_an_engine_with_a_key_demands_it_on_every_path() -> None:

@@ -31,6 +31,7 @@ from tests.helpers import (
     drive,
     engine_processes,
     process_alive,
+    said,
     sandboxed,
     start_agent,
     stop_agent,
@@ -121,8 +122,8 @@ def test_a_killed_agent_takes_its_loading_engine_along_and_a_restart_stops_any_l
         # it before it registers.
         replica = Replica.objects.get(endpoint__name="leftover")
         left = sandboxed(UP_AND_ASLEEP, owner=agent.owner(NODE), replica=str(replica.id),
-                         model_dir=engine_logs)
-        assert left.stdout is not None and left.stdout.readline() == "up\n"
+                         model_dir=engine_logs, log_path=engine_logs / "left.log")
+        assert said(engine_logs / "left.log", "up")
         second = start_agent(NODE, engine_logs)
 
         def back_without_the_leftover() -> bool:

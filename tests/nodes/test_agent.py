@@ -16,7 +16,7 @@ from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint
 from nodes import agent
 from tests.factories import organization_with_owner
-from tests.helpers import UP_AND_ASLEEP, process_alive, sandboxed, wait_until
+from tests.helpers import UP_AND_ASLEEP, process_alive, said, sandboxed, wait_until
 
 # An API server that exited, leaving a worker of its group that ignores SIGTERM, as a
 # loading engine's does: stopping its group takes the whole grace period. The worker gives
@@ -128,8 +128,8 @@ def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
     replica = demo_replica(cpu_node, State.STOPPED)
     (agent.cache_dir(replica.id) / "lmcache").mkdir(parents=True)
     engine = sandboxed(UP_AND_ASLEEP, owner=agent.owner(cpu_node.name), replica=str(replica.id),
-                       model_dir=tmp_path)
-    assert engine.stdout.readline() == "up\n"
+                       model_dir=tmp_path, log_path=tmp_path / "engine.log")
+    assert said(tmp_path / "engine.log", "up")
 
     assert node_agent.beat()
 
