@@ -43,6 +43,9 @@ class EngineSpec:
     # The replica's own directory for its KV tiers on disk and their config; its owner
     # deletes it when the replica stops.
     cache_dir: str = ""
+    # Kept from one start to the next (compiled kernels, inspected model classes), shared by
+    # one organisation's engines only: a tenant's engine could plant code in it.
+    compile_cache: str = ""
     vllm_version: str | None = None  # the installed build's; None: the pinned one
     gpu_memory_utilization: float = 0.90
     cpu_kv_cache_bytes: int = GIB  # a CPU engine's KV pool: what its policy budgets
@@ -160,6 +163,8 @@ def launch(argv: list[str], env: Mapping[str, str], *, spec: EngineSpec,
     output appended to `log_path`, which only the agent's user reads."""
     if spec.cache_dir:
         (Path(spec.cache_dir) / sandbox.ADAPTERS).mkdir(parents=True, exist_ok=True)
+    if spec.compile_cache:
+        Path(spec.compile_cache).mkdir(parents=True, exist_ok=True)
     lmcache_config = _engine_kv(spec).lmcache_config
     if lmcache_config is not None:
         if not spec.cache_dir:
@@ -167,6 +172,7 @@ def launch(argv: list[str], env: Mapping[str, str], *, spec: EngineSpec,
         Path(env["LMCACHE_CONFIG_FILE"]).write_text(lmcache_yaml(lmcache_config))
     argv = sandbox.command(argv, owner=spec.owner, replica=spec.replica,
                            model_dir=spec.model_dir, replica_dir=spec.cache_dir,
+                           compile_cache=spec.compile_cache,
                            devices=spec.device_indices if spec.device == GPU else ())
     log_path.parent.mkdir(parents=True, exist_ok=True)
     descriptor = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

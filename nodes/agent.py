@@ -39,7 +39,7 @@ from endpoints.lifecycle import (
     do_set_replica_progress,
     do_transition_replica,
 )
-from endpoints.models import Adapter, ModelSpec, Node, Replica, State
+from endpoints.models import Adapter, Endpoint, ModelSpec, Node, Replica, State
 from endpoints.states import PROGRESS
 from engine import kv_policy, metrics, model_cache, offload_check, processes, sandbox, supervisor
 from engine.sizing import CPU, GIB, GPU
@@ -323,6 +323,7 @@ class NodeAgent:
         if time.monotonic() >= self._next_log_sweep:
             self._next_log_sweep = time.monotonic() + LOG_SWEEP_SECONDS
             delete_old_logs()
+            delete_unused_compile_caches()
         return True
 
     def stop_all_engines(self) -> None:
@@ -414,6 +415,29 @@ def cache_dir(replica_id: UUID | str) -> Path:
     return cache_root() / str(replica_id)
 
 
+def compile_cache_root() -> Path:
+    return Path(settings.KVRUN_STATE_DIR) / "compile-cache"
+
+
+def compile_cache_dir(organization_id: UUID | str) -> Path:
+    """The compile caches of an organisation's engines on this node: shared by its own
+    engines only (an engine could plant code in them), kept while it has endpoints."""
+    return compile_cache_root() / str(organization_id)
+
+
+def delete_unused_compile_caches() -> int:
+    """Delete the compile caches of organisations without an endpoint; returns how many."""
+    root = compile_cache_root()
+    found = [path for path in root.iterdir() if _is_uuid(path.name)] if root.is_dir() else []
+    alive = {str(organization_id) for organization_id in Endpoint.objects.filter(
+        organization_id__in=[path.name for path in found], deleted_at=None).values_list(
+        "organization_id", flat=True)}
+    gone = [path for path in found if path.name not in alive]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(gone)
+
+
 def owner(node_name: str) -> str:
     """The marker of this agent's engines."""
     return processes.owner_of(node_name, settings.KVRUN_STATE_DIR)
@@ -434,6 +458,7 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
         tensor_parallel=endpoint.gpu_count,
         kv_policy=endpoint.kv_policy,
         cache_dir=str(cache_dir(replica.id)),
+        compile_cache=str(compile_cache_dir(endpoint.organization_id)),
         vllm_version=kv_policy.installed_version(CPU if cpu else GPU),
         # Endpoints sized before the exact budget had a whole GiB.
         cpu_kv_cache_bytes=endpoint.sizing.get("cpu_kv_cache_bytes") or GIB,

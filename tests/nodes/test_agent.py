@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 from django.db import connection
+from django.utils import timezone
 
 from accounts.models import Role
-from endpoints.models import ModelSpec, Node, Replica, State
+from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint
 from nodes import agent
@@ -136,6 +137,25 @@ def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
     assert wait_until(lambda: engine.poll() is not None, 15)
     assert wait_until(lambda: not agent.cache_dir(replica.id).exists(), 5)
 
+
+
+@pytest.mark.django_db
+def test_an_organisation_s_compile_cache_is_its_own_and_goes_with_its_last_endpoint(
+        cpu_node: Node, settings: object, tmp_path: Path) -> None:
+    settings.KVRUN_STATE_DIR = tmp_path
+    kept, emptied = (demo_replica(cpu_node, State.READY).endpoint for _ in range(2))
+    assert kept.organization_id != emptied.organization_id
+    assert agent.spec_for(demo_replica(cpu_node, State.STARTING), 8000).compile_cache not in (
+        str(agent.compile_cache_dir(kept.organization_id)),
+        str(agent.compile_cache_dir(emptied.organization_id)))
+    for endpoint in (kept, emptied):
+        (agent.compile_cache_dir(endpoint.organization_id) / "vllm").mkdir(parents=True)
+    Endpoint.objects.filter(id=emptied.id).update(deleted_at=timezone.now())
+
+    assert agent.delete_unused_compile_caches() == 1
+
+    assert [path.name for path in agent.compile_cache_root().iterdir()] == [
+        str(kept.organization_id)]
 
 
 @pytest.mark.django_db
