@@ -42,6 +42,16 @@ def cached_tokens(web: str, secret: str, model: str, prompt: str) -> int:
         "cached_tokens") or 0
 
 
+def upload(endpoint: Endpoint, name: str, *, seed: int, folder: Path) -> None:
+    """A random demo adapter of `seed`, made in `folder` and uploaded as `name`."""
+    made = lora.build_demo_adapter(folder, seed=seed, base_model=DEMO_SLUG,
+                                   shape=demo_model.lora_shape())
+    do_add_adapter_from_upload(
+        endpoint=endpoint, actor_role="owner", added_by=None, name=name,
+        config_json=(made / lora.CONFIG_FILE).read_bytes(),
+        weights=(made / lora.WEIGHTS_FILE).read_bytes())
+
+
 def serves(replica: Replica, adapters: list[str]) -> bool:
     replica.refresh_from_db()
     return replica.adapters == adapters
@@ -70,13 +80,8 @@ def test_adapters_answer_apart_arrive_without_a_restart_on_every_replica_metered
     assert base.status_code == first.status_code == 200, (base.text, first.text)
 
     # Added while the endpoint runs: served without a restart.
-    folder = lora.build_demo_adapter(tmp_path / "b", seed=2, base_model=DEMO_SLUG,
-                                     shape=demo_model.lora_shape())
     added = time.monotonic()
-    do_add_adapter_from_upload(
-        endpoint=endpoint, actor_role="owner", added_by=None, name="b",
-        config_json=(folder / lora.CONFIG_FILE).read_bytes(),
-        weights=(folder / lora.WEIGHTS_FILE).read_bytes())
+    upload(endpoint, "b", seed=2, folder=tmp_path / "b")
     assert wait_until(lambda: answer(web, secret, "tuned:b").status_code == 200, 60)
     ready_after = time.monotonic() - added
     second = answer(web, secret, "tuned:b")
@@ -113,12 +118,7 @@ def test_adapters_answer_apart_arrive_without_a_restart_on_every_replica_metered
     assert not Adapter.objects.filter(name="a").exists()
 
     # Its name taken again by other weights: those are served, not the engine's old ones.
-    other = lora.build_demo_adapter(tmp_path / "a2", seed=9, base_model=DEMO_SLUG,
-                                    shape=demo_model.lora_shape())
-    do_add_adapter_from_upload(
-        endpoint=endpoint, actor_role="owner", added_by=None, name="a",
-        config_json=(other / lora.CONFIG_FILE).read_bytes(),
-        weights=(other / lora.WEIGHTS_FILE).read_bytes())
+    upload(endpoint, "a", seed=9, folder=tmp_path / "a2")
     assert wait_until(lambda: answer(web, secret, "tuned:a").status_code == 200, 60)
     again = answer(web, secret, "tuned:a").json()["choices"][0]["text"]
     assert again not in texts, (again, texts)
@@ -132,12 +132,7 @@ def test_adapters_answer_apart_arrive_without_a_restart_on_every_replica_metered
                  == 2, ENGINE_READY_WITHIN), story_of(endpoint.id)
     [later] = Replica.objects.filter(endpoint=endpoint, state=State.READY).exclude(id=replica.id)
     assert later.adapters == ["a", "b"], later.events.values_list("message", flat=True)
-    third = lora.build_demo_adapter(tmp_path / "c", seed=3, base_model=DEMO_SLUG,
-                                    shape=demo_model.lora_shape())
-    do_add_adapter_from_upload(
-        endpoint=endpoint, actor_role="owner", added_by=None, name="c",
-        config_json=(third / lora.CONFIG_FILE).read_bytes(),
-        weights=(third / lora.WEIGHTS_FILE).read_bytes())
+    upload(endpoint, "c", seed=3, folder=tmp_path / "c")
     assert wait_until(lambda: serves(replica, ["a", "b", "c"])
                       and serves(later, ["a", "b", "c"]), 60)
     delete_and_settle(owner_api, org, "tuned")
