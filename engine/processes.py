@@ -172,15 +172,19 @@ def ours(pid: int) -> bool:
         return False
 
 
+def unsandboxed(pids: Iterable[int]) -> list[int]:
+    """Those of `pids` that are not an engine's sandbox (its launcher or its init)."""
+    return [pid for pid in pids if sandbox.marks_of(command_line_of(pid)) is None]
+
+
 def _terminate_group(pgid: int) -> bool:
     """SIGTERM to each process of the group but an engine's sandbox, which would end its
     engine at once (SIGKILL) rather than let it shut down: the sandbox ends once the
     engine has. True when the group had a process to signal."""
     members = [pid for pid, group in live_processes() if group == pgid]
-    for pid in members:
-        if sandbox.marks_of(command_line_of(pid)) is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGTERM)
+    for pid in unsandboxed(members):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
     return bool(members)
 
 

@@ -16,8 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 from django.conf import settings
 from django.db import connection
 
-from engine import sandbox
-from engine.processes import command_line_of, free_port
+from engine.processes import free_port, unsandboxed
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -274,8 +273,7 @@ def group_members(pgid: int) -> list[int]:
 def engine_processes(pgid: int) -> list[int]:
     """PIDs of an engine's running processes in process group `pgid` (its sandbox's, which
     the sandbox's own two processes share)."""
-    return [pid for pid in group_members(pgid)
-            if sandbox.marks_of(command_line_of(pid)) is None]
+    return unsandboxed(group_members(pgid))
 
 
 def records_for(request_ids: list[str]) -> list:
