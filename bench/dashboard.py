@@ -32,7 +32,7 @@ from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, EndpointEvent, GPUType, ModelSpec, Replica, State  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
 from engine.devices import HostResources  # noqa: E402
-from nodes.services import do_register_node  # noqa: E402
+from fleet.reports import do_register_node  # noqa: E402
 
 REPEATS = int(os.environ.get("BENCH_REPEATS", "15"))
 GOALS = [

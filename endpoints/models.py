@@ -159,6 +159,9 @@ class NodeState(models.TextChoices):
     # engines kvrun no longer expects there: it takes no replicas until the agent has stopped
     # them, or their memory would still be taken when a new engine loads on the same devices.
     RECOVERING = "recovering"
+    # Its credential was revoked (fleet.enrolment.do_revoke_node): its agent is refused, its
+    # replicas are replaced elsewhere, and only enrolling it anew brings it back.
+    REVOKED = "revoked"
 
 
 class Node(models.Model):

@@ -61,21 +61,23 @@ def reconcile_endpoint(*, endpoint_id: UUID) -> None:
 
 
 def _release_replicas_on_lost_nodes(endpoint: Endpoint) -> None:
-    """Settle a lost node's replicas without waiting for it; fresh ones replace them elsewhere.
-    Their engines may still run there: if the node comes back, its heartbeats keep it
-    recovering (no replica is placed on it) until its agent has stopped them
-    (nodes.services.do_record_node_heartbeat). The node rows are held while this settles, so
-    a heartbeat that brings one back waits and then sees these replicas settled; a node row
-    a heartbeat holds is skipped until the next pass (an agent frozen mid-heartbeat must not
-    stall every pass)."""
+    """Settle a lost or revoked node's replicas without waiting for it; fresh ones replace
+    them elsewhere. Their engines may still run there: if a lost node comes back, its
+    heartbeats keep it recovering (no replica is placed on it) until its agent has stopped
+    them (fleet.reports.do_record_node_heartbeat). The node rows are held while this settles,
+    so a heartbeat that brings one back waits and then sees these replicas settled; a node
+    row a heartbeat holds is skipped until the next pass (an agent frozen mid-heartbeat must
+    not stall every pass)."""
     lost = endpoint.replicas.filter(state__in=ON_NODE | {State.STOPPING},
-                                    node__state=NodeState.LOST)
+                                    node__state__in=[NodeState.LOST, NodeState.REVOKED])
     for replica in lost.select_related("node").select_for_update(of=("node",), skip_locked=True):
+        why = ("was revoked" if replica.node.state == NodeState.REVOKED
+               else "stopped sending heartbeats")
         do_transition_replica(
             replica_id=replica.id, from_states=ON_NODE | {State.STOPPING},
             to_state=State.STOPPED, stopped_at=timezone.now(),
             held_until=replica.node.last_heartbeat_at,
-            message=f"node {replica.node.name} stopped sending heartbeats; rescheduling",
+            message=f"node {replica.node.name} {why}; rescheduling",
         )
 
 

@@ -47,6 +47,7 @@ INSTALLED_APPS = [
     "accounts",
     "endpoints",
     "nodes",
+    "fleet",
     "billing",
     "telemetry",
     "scaling",

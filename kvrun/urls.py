@@ -24,6 +24,7 @@ urlpatterns = [
     path("api/v1/", include("endpoints.urls")),
     path("api/v1/", include("billing.urls")),
     path("api/v1/", include("telemetry.urls")),
+    path("node/v1/", include("fleet.urls")),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="swagger-ui"),
     path("", include("accounts.page_urls")),

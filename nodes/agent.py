@@ -43,9 +43,9 @@ from endpoints.models import Adapter, Endpoint, ModelSpec, Node, Replica, State
 from endpoints.states import PROGRESS
 from engine import kv_policy, metrics, model_cache, offload_check, processes, sandbox, supervisor
 from engine.sizing import CPU, GIB, GPU
+from fleet.reports import do_record_node_heartbeat
 from kvrun.common.digests import engine_api_key
 from nodes import weights
-from nodes.services import do_record_node_heartbeat
 from telemetry.services import do_record_engine_samples
 
 logger = logging.getLogger(__name__)

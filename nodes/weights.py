@@ -19,8 +19,8 @@ from engine import demo_model
 from engine.hub import HubFile, HubRefusal
 from engine.model_cache import DownloadFailed, ModelCache, Progress
 from engine.sizing import GIB
+from fleet.reports import do_record_model_cache
 from kvrun.common.sealing import InvalidToken
-from nodes.services import do_record_model_cache
 
 DEMO_SLUG = "kvrun-demo-tiny"
 

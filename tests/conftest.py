@@ -25,8 +25,8 @@ from engine import demo_model, lora
 from engine.build import EngineBuild
 from engine.devices import HostResources
 from engine.processes import free_port
+from fleet.reports import do_register_node
 from kvrun.celery import app as celery_app
-from nodes.services import do_register_node
 from nodes.weights import DEMO_SLUG
 from tests.factories import (
     UserFactory,

@@ -1,6 +1,6 @@
 """Writes for catalogs, node liveness and endpoints, one module per sub-domain; importing from
 the package itself keeps working. Nodes register and heartbeat through their agent
-(nodes.services)."""
+(fleet.reports)."""
 
 from endpoints.services.adapters import (
     do_add_adapter_from_hub,

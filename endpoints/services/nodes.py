@@ -1,5 +1,5 @@
 """Node liveness and draining as the control plane decides them; a node's agent registers
-and heartbeats through nodes.services."""
+and heartbeats through fleet.reports."""
 
 from datetime import timedelta
 

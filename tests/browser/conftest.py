@@ -9,7 +9,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from endpoints.models import Node
 from endpoints.services import do_load_catalogs
 from engine.devices import HostResources
-from nodes.services import do_register_node
+from fleet.reports import do_register_node
 from tests.helpers import ROOT
 
 CHROMIUM = "/usr/bin/chromium"

@@ -28,7 +28,7 @@ from endpoints.services import (
     do_restart_endpoint,
 )
 from engine.devices import Device, HostResources
-from nodes.services import do_record_model_cache, do_register_node
+from fleet.reports import do_record_model_cache, do_register_node
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db

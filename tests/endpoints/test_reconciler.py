@@ -20,7 +20,7 @@ from endpoints.reconciler import QUIET_MARGIN_SECONDS, reconcile_endpoint
 from endpoints.scheduling import free_devices
 from endpoints.services import do_create_endpoint, do_load_catalogs
 from engine.devices import Device, HostResources
-from nodes.services import do_register_node
+from fleet.reports import do_register_node
 
 pytestmark = pytest.mark.django_db
 

@@ -10,7 +10,7 @@ from endpoints.reconciler import reconcile_endpoint
 from endpoints.services import do_create_endpoint, do_load_catalogs, do_mark_lost_nodes
 from engine.build import EngineBuild
 from engine.devices import Device, HostResources
-from nodes.services import do_record_node_build, do_record_node_heartbeat, do_register_node
+from fleet.reports import do_record_node_build, do_record_node_heartbeat, do_register_node
 from tests.factories import organization_with_owner
 
 pytestmark = pytest.mark.django_db

@@ -9,6 +9,7 @@ from django.db import close_old_connections
 
 from engine import build, devices
 from engine.sizing import CPU, GIB, GPU
+from fleet.reports import do_record_node_build, do_register_node
 from kvrun.celery import app
 from nodes import weights
 from nodes.agent import (
@@ -18,7 +19,6 @@ from nodes.agent import (
     serve,
     stop_engines_left_behind,
 )
-from nodes.services import do_record_node_build, do_register_node
 
 
 class Command(BaseCommand):

@@ -1,4 +1,5 @@
-"""Writes a node agent makes about its own node: registering it and its heartbeats."""
+"""What a node agent reports about its own node: its registration, its vLLM build, its
+heartbeats and its model cache. A revoked node's reports are refused."""
 
 from collections.abc import Collection
 
@@ -13,6 +14,10 @@ from engine.devices import HostResources
 from engine.sizing import CPU
 
 
+class NodeRevoked(Exception):
+    """The node's credential was revoked: it reports nothing until it is enrolled anew."""
+
+
 def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1",
                      build: EngineBuild | None = None, model_cache_bytes: int = 0) -> Node:
     """Insert or refresh the node `name` with what its agent detected; it is online again.
@@ -20,30 +25,35 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
     architectures adding a model is judged by; None: not read yet, the node's last report
     stands until do_record_node_build), `model_cache_bytes` the disk it keeps for weights.
     The agent has stopped whatever engines its previous run left
-    (nodes.agent.stop_engines_left_behind) before it calls this."""
-    if resources.devices:
-        first = resources.devices[0]
-        gpu_type = gpu_type_for_device(device_name=first.name, memory_bytes=first.memory_bytes)
-    else:
-        gpu_type = GPUType.objects.filter(slug=CPU).first()
-    now = timezone.now()
-    reported = build or EngineBuild(version="", architectures=())
-    Node.objects.bulk_create(
-        [
-            Node(
-                name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
-                devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
-                memory_bytes=resources.memory_bytes, registered_at=now, last_heartbeat_at=now,
-                vllm_version=reported.version, architectures=list(reported.architectures),
-                model_cache_bytes=model_cache_bytes,
-            )
-        ],
-        update_conflicts=True,
-        unique_fields=["name"],
-        update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
-                       "last_heartbeat_at", "model_cache_bytes",
-                       *(["vllm_version", "architectures"] if build else [])],
-    )
+    (nodes.agent.stop_engines_left_behind) before it calls this. Raises NodeRevoked for a
+    revoked node."""
+    with transaction.atomic():
+        # Held, so that a revocation either comes first and is seen, or waits for this.
+        if Node.objects.select_for_update().filter(name=name, state=NodeState.REVOKED).exists():
+            raise NodeRevoked(f"node {name} was revoked; enrol it anew with a join token")
+        if resources.devices:
+            first = resources.devices[0]
+            gpu_type = gpu_type_for_device(device_name=first.name, memory_bytes=first.memory_bytes)
+        else:
+            gpu_type = GPUType.objects.filter(slug=CPU).first()
+        now = timezone.now()
+        reported = build or EngineBuild(version="", architectures=())
+        Node.objects.bulk_create(
+            [
+                Node(
+                    name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
+                    devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
+                    memory_bytes=resources.memory_bytes, registered_at=now, last_heartbeat_at=now,
+                    vllm_version=reported.version, architectures=list(reported.architectures),
+                    model_cache_bytes=model_cache_bytes,
+                )
+            ],
+            update_conflicts=True,
+            unique_fields=["name"],
+            update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
+                           "last_heartbeat_at", "model_cache_bytes",
+                           *(["vllm_version", "architectures"] if build else [])],
+        )
     return Node.objects.get(name=name)
 
 
@@ -66,7 +76,8 @@ def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str]
     so the two never cross: the node is never online with an engine of a replica just settled.
     """
     with transaction.atomic():
-        node = Node.objects.select_for_update().filter(name=name, gpu_type__isnull=False).first()
+        node = Node.objects.select_for_update().filter(
+            name=name, gpu_type__isnull=False).exclude(state=NodeState.REVOKED).first()
         if node is None:
             return None
         expected = {str(replica_id) for replica_id in Replica.objects.filter(

@@ -1,0 +1,73 @@
+"""The console's join tokens and node credentials. A join token is made here (its secret is
+shown once); a node is revoked from its credentials' list."""
+
+from datetime import timedelta
+from typing import Any
+
+from django import forms
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+
+from accounts.models import User
+from endpoints.admin import ReadOnlyAdmin
+from fleet.enrolment import (
+    JOIN_TOKEN_LIFETIME,
+    JOIN_TOKEN_LONGEST_LIFETIME,
+    NODE_NAME,
+    do_create_join_token,
+    do_revoke_node,
+)
+from fleet.models import JoinToken, NodeCredential
+
+
+class JoinTokenForm(forms.ModelForm):
+    node_name = forms.RegexField(
+        regex=NODE_NAME, max_length=100,
+        help_text="The name the node will have: letters, digits, '.', '_' or '-'.")
+    minutes = forms.IntegerField(
+        min_value=1, max_value=int(JOIN_TOKEN_LONGEST_LIFETIME.total_seconds() // 60),
+        initial=int(JOIN_TOKEN_LIFETIME.total_seconds() // 60),
+        help_text="How long the token may be used; once used, it is spent.")
+
+    class Meta:
+        model = JoinToken
+        fields = ["node_name"]
+
+
+@admin.register(JoinToken)
+class JoinTokenAdmin(admin.ModelAdmin):
+    list_display = ["node_name", "created_at", "expires_at", "used_at", "created_by"]
+    search_fields = ["node_name"]
+    form = JoinTokenForm
+
+    def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        return False
+
+    def save_model(self, request: HttpRequest, obj: JoinToken, form: Any, change: bool) -> None:
+        token, secret = do_create_join_token(
+            node_name=form.cleaned_data["node_name"],
+            valid_for=timedelta(minutes=form.cleaned_data["minutes"]),
+            created_by=request.user if isinstance(request.user, User) else None)
+        obj.pk = token.pk
+        self.message_user(request, (
+            f"Join token for node {token.node_name} (shown once, valid until "
+            f"{token.expires_at:%Y-%m-%d %H:%M} UTC): {secret}. Give it to the node's agent as "
+            "KVRUN_JOIN_TOKEN."), messages.WARNING)
+
+
+@admin.register(NodeCredential)
+class NodeCredentialAdmin(ReadOnlyAdmin):
+    list_display = ["node", "created_at", "first_used_at", "last_used_at", "revoked_at"]
+    list_filter = ["revoked_at"]
+    search_fields = ["node__name"]
+    list_select_related = ["node"]
+    actions = ["revoke_nodes"]
+
+    @admin.action(description="Revoke their nodes: refuse the agents, move their replicas",
+                  permissions=["change"])
+    def revoke_nodes(self, request: HttpRequest, queryset: QuerySet[NodeCredential]) -> None:
+        node_ids = set(queryset.values_list("node_id", flat=True))
+        moved = sum(do_revoke_node(node_id=node_id) for node_id in node_ids)
+        self.message_user(request, f"Revoked {len(node_ids)} node(s); {moved} replica(s) are "
+                                   "moving to other nodes.", messages.SUCCESS)

@@ -1,0 +1,46 @@
+"""How a node proves who it is. A join token is made by an operator for one node name and
+used once; the node's agent exchanges it for a credential of its own. Only digests of either
+secret are stored (kvrun.common.digests.secret_digest)."""
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+from endpoints.models import Node
+
+
+class JoinToken(models.Model):
+    """A one-time, short-lived secret with which a node's agent enrols as `node_name`."""
+
+    node_name = models.CharField(max_length=100)
+    digest = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+    created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,
+                                   on_delete=models.SET_NULL, related_name="+")
+    expires_at = models.DateTimeField()
+    used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"join token for {self.node_name}"
+
+
+class NodeCredential(models.Model):
+    """A node agent's secret for the node channel. Rotating makes a new one; the older ones
+    of the node stay valid until the new one is first used, so that a rotation whose answer
+    was lost does not lock the node out."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="credentials")
+    digest = models.CharField(max_length=64, unique=True, editable=False)
+    created_at = models.DateTimeField(default=timezone.now)
+    first_used_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"credential of {self.node.name}"

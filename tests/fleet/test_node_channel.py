@@ -1,0 +1,54 @@
+"""The node channel is scoped to the calling node: a node's credential reaches its own node's
+reports and nothing of another node or of any tenant; nothing else opens the channel."""
+
+import pytest
+from rest_framework.test import APIClient
+
+from accounts.models import Organization
+from endpoints.models import Node, NodeState, Replica, State
+from tests.factories import api_key
+from tests.fleet.helpers import as_node, enrolled, placed_replica
+
+pytestmark = pytest.mark.django_db
+
+
+def test_a_node_cannot_report_for_another_node_s_replica() -> None:
+    enrolled("gpu-1")
+    thief = enrolled("gpu-2")
+    replica = placed_replica(Node.objects.get(name="gpu-1"))
+    assert replica.node.name == "gpu-1"
+
+    # Naming gpu-1's replica as its own engine only tells gpu-2 to stop an engine it has not.
+    beat = as_node(thief).post("/node/v1/heartbeat", {"engines": [str(replica.id)]},
+                               format="json")
+
+    assert (beat.status_code, beat.json()) == (200, {"stop": [str(replica.id)]})
+    replica.refresh_from_db()
+    assert (replica.state, replica.node.name) == (State.READY, "gpu-1")
+    assert Node.objects.get(name="gpu-1").state == NodeState.ONLINE
+    # gpu-2 is recovering until it has stopped that engine: its own state, nobody else's.
+    assert Node.objects.get(name="gpu-2").state == NodeState.RECOVERING
+
+
+@pytest.mark.parametrize("path", ["/api/v1/me/", "/api/v1/organizations/",
+                                  "/admin/"])
+def test_a_node_credential_opens_nothing_outside_the_node_channel(path: str) -> None:
+    response = as_node(enrolled("gpu-1")).get(path)
+
+    assert response.status_code in {401, 403, 302}
+    if response.status_code == 302:  # the console sends it to sign in
+        assert "/admin/login/" in response["Location"]
+
+
+def test_users_and_api_keys_cannot_open_the_node_channel(owner_api: APIClient,
+                                                        org: Organization) -> None:
+    enrolled("gpu-1")
+    _, secret = api_key(org)
+    keyed = APIClient()
+    keyed.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
+
+    for client in [owner_api, keyed, APIClient()]:
+        response = client.post("/node/v1/heartbeat", {"engines": []}, format="json")
+        assert response.status_code in {401, 403}
+    assert Node.objects.get(name="gpu-1").state == NodeState.ONLINE
+    assert not Replica.objects.exists()
