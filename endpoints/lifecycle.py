@@ -19,11 +19,12 @@ from endpoints.states import ON_NODE, PHASE_OF_STATE, PROGRESS, UNSETTLED, State
 
 def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_state: str,
                           message: str = "", held_until: datetime | None = None,
-                          **fields: Any) -> bool:
+                          node_id: int | None = None, **fields: Any) -> bool:
     """Move a replica from one of `from_states` to `to_state`; False (and no change) if it
-    is no longer in one of them. Records an event, refreshes the endpoint's state, and closes
-    and opens the replica's GPU-time intervals as its phase changes. A move that the
-    lifecycle (endpoints.states) does not allow raises TransitionNotAllowed.
+    is no longer in one of them, or, given `node_id`, no longer on that node. Records an
+    event, refreshes the endpoint's state, and closes and opens the replica's GPU-time
+    intervals as its phase changes. A move that the lifecycle (endpoints.states) does not
+    allow raises TransitionNotAllowed.
 
     `held_until` is when the replica's devices were last known held, where that is earlier
     than now (a lost node's last heartbeat): its open interval closes then.
@@ -42,8 +43,10 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
         # waited for, and PostgreSQL aborted one of them.
         endpoint = (Endpoint.objects.select_for_update()
                     .only("organization_id", "gpu_type_id", "gpu_count").get(id=endpoint_id))
-        moved = Replica.objects.filter(id=replica_id, state__in=list(from_states)).update(
-            state=to_state, **fields)
+        moving = Replica.objects.filter(id=replica_id, state__in=list(from_states))
+        if node_id is not None:
+            moving = moving.filter(node_id=node_id)
+        moved = moving.update(state=to_state, **fields)
         if moved != 1:
             return False
         now = timezone.now()
@@ -112,11 +115,14 @@ def do_stop_replica(*, replica: Replica, reason: str) -> bool:
 
 
 def do_set_replica_progress(*, replica_id: UUID, state: str, stage: str, percent: int,
-                            **fields: Any) -> bool:
+                            node_id: int | None = None, **fields: Any) -> bool:
     """Show the replica's stage (and `fields`, such as a download's expected end) while it is
-    still in `state`; False once it has left it (a stop came, or its node was lost), which
-    tells a long step to give up."""
-    return bool(Replica.objects.filter(id=replica_id, state=state).update(
+    still in `state` (and, given `node_id`, on that node); False once it has left it (a stop
+    came, or its node was lost), which tells a long step to give up."""
+    current = Replica.objects.filter(id=replica_id, state=state)
+    if node_id is not None:
+        current = current.filter(node_id=node_id)
+    return bool(current.update(
         stage=stage[:80], progress_percent=percent, progress_at=timezone.now(), **fields))
 
 

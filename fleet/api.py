@@ -2,6 +2,10 @@
 acts for the calling node alone (fleet.authentication); a replica id of another node is a
 404, as for an id that does not exist. Not part of the public API's schema."""
 
+from typing import Any
+from uuid import UUID
+
+from django.http import HttpResponse
 from drf_spectacular.utils import extend_schema
 from rest_framework import exceptions, status
 from rest_framework.permissions import AllowAny
@@ -9,13 +13,16 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from endpoints.models import Node
+from endpoints.models import Node, Replica
 from engine.build import EngineBuild
-from fleet import serializers
+from engine.hub import HubRefusal
+from engine.metrics import EngineSnapshot
+from fleet import replicas, selectors, serializers
 from fleet.authentication import IsNode, NodeCredentialAuthentication, NodePrincipal
 from fleet.enrolment import EnrolmentRefused, do_enrol_node, do_rotate_node_credential
 from fleet.reports import (
     NodeRevoked,
+    do_record_model_cache,
     do_record_node_build,
     do_record_node_heartbeat,
     do_register_node,
@@ -104,3 +111,154 @@ class Credential(NodeView):
         is first used."""
         return Response({"credential": do_rotate_node_credential(node=self.node)},
                         status=status.HTTP_201_CREATED)
+
+
+class ModelCache(NodeView):
+    def post(self, request: Request) -> Response:
+        """What the node's model cache holds now."""
+        data = validated(serializers.ModelCacheInput, request)
+        do_record_model_cache(name=self.node.name, entries=[
+            {**entry, "last_used": entry["last_used"].isoformat()} for entry in data["entries"]])
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class Replicas(NodeView):
+    def get(self, request: Request) -> Response:
+        """The node's replicas that have, or may have, an engine there."""
+        return Response({"replicas": selectors.node_replicas(node=self.node)})
+
+
+class ReplicaView(NodeView):
+    """A view of one of the calling node's replicas, `self.replica`; any other id is a 404."""
+
+    replica: Replica
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)  # authenticated and permitted first
+        found = selectors.node_replica(node=self.node, replica_id=kwargs["replica_id"])
+        if found is None:
+            raise exceptions.NotFound("This node has no such replica.")
+        self.replica = found
+
+
+class ReplicaSpec(ReplicaView):
+    def get(self, request: Request, replica_id: UUID) -> Response:
+        """What starting the replica's engine needs, its key included."""
+        return Response(selectors.replica_spec(self.replica))
+
+
+class Move(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        """Move the replica a step of its engine's start or stop; `moved` is false when it
+        had moved on."""
+        data = validated(serializers.MoveInput, request)
+        try:
+            moved = replicas.do_report_replica_move(node=self.node, replica_id=replica_id,
+                                                    **data)
+        except replicas.MoveRefused as exc:
+            raise exceptions.PermissionDenied(str(exc)) from exc
+        return Response({"moved": moved})
+
+
+class Failure(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        """The replica's engine failed; `moved` is false when the replica had moved on."""
+        data = validated(serializers.FailureInput, request)
+        try:
+            moved = replicas.do_report_replica_failure(node=self.node, replica_id=replica_id,
+                                                       **data)
+        except replicas.MoveRefused as exc:
+            raise exceptions.PermissionDenied(str(exc)) from exc
+        return Response({"moved": moved})
+
+
+class Progress(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        """How far the replica's step is; `current` false tells the agent to give it up."""
+        data = validated(serializers.ProgressInput, request)
+        return Response({"current": replicas.do_report_replica_progress(
+            node=self.node, replica_id=replica_id, **data)})
+
+
+class Pid(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        data = validated(serializers.PidInput, request)
+        replicas.do_report_replica_pid(node=self.node, replica_id=replica_id, **data)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class Log(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        data = validated(serializers.LogInput, request)
+        replicas.do_report_replica_log(node=self.node, replica_id=replica_id, **data)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class Event(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        data = validated(serializers.EventInput, request)
+        replicas.do_report_replica_event(node=self.node, replica_id=replica_id, **data)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class Adapters(ReplicaView):
+    def get(self, request: Request, replica_id: UUID) -> Response:
+        """The adapters the replica's engine must serve."""
+        return Response({"adapters": selectors.replica_adapters(self.replica)})
+
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        """The adapters the replica's engine serves now."""
+        data = validated(serializers.ServedAdaptersInput, request)
+        replicas.do_report_served_adapters(node=self.node, replica_id=replica_id, **data)
+        return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+class AdapterFile(ReplicaView):
+    def get(self, request: Request, replica_id: UUID, adapter_id: int, path: str
+            ) -> HttpResponse:
+        """A file of an uploaded adapter the replica serves."""
+        content = selectors.uploaded_adapter_file(replica=self.replica,
+                                                  adapter_id=adapter_id, path=path)
+        if content is None:
+            raise exceptions.NotFound("The replica serves no uploaded adapter with that file.")
+        return HttpResponse(content, content_type="application/octet-stream")
+
+
+class HubToken(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        """The hub token for fetching the replica's model, or (`adapter`) one adapter of its
+        endpoint, while it fetches it; null for a public one."""
+        adapter = request.data.get("adapter") if isinstance(request.data, dict) else None
+        if adapter is not None and (not isinstance(adapter, int) or isinstance(adapter, bool)):
+            raise exceptions.ValidationError({"adapter": ["An adapter's id, a number."]})
+        try:
+            token = selectors.hub_token_for(replica=self.replica,
+                                            adapter_id=adapter)
+        except LookupError as exc:
+            raise exceptions.PermissionDenied(str(exc).capitalize() + ".") from exc
+        return Response({"token": token})
+
+
+class Pin(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        """Pin the replica's model to a commit (the first node to fetch it does); returns
+        the model as the replica's spec shows it."""
+        replica = self.replica
+        if replica.state not in selectors.FETCHING_MODEL:
+            raise exceptions.PermissionDenied("The replica is not downloading its weights.")
+        try:
+            replica.endpoint.model = replicas.do_pin_replica_model(replica=replica)
+        except HubRefusal as exc:
+            return Response({"error": {"type": "hub_refusal", "message": exc.message,
+                                       "fields": {}}}, status=status.HTTP_502_BAD_GATEWAY)
+        return Response(selectors.replica_spec(replica)["model"])
+
+
+class Samples(NodeView):
+    def post(self, request: Request) -> Response:
+        """Samples of the node's engines' /metrics; those of other replicas are dropped."""
+        data = validated(serializers.SamplesInput, request)
+        stored = replicas.do_report_engine_samples(node=self.node, samples=[
+            (sample.pop("replica"), sample.pop("at"), EngineSnapshot(**sample))
+            for sample in (dict(item) for item in data["samples"])])
+        return Response({"stored": stored})

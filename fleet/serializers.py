@@ -1,9 +1,16 @@
 """The node channel's bodies. Each is strict: a field it does not know is refused."""
 
+from typing import Any
+
 from rest_framework import serializers
 
+from endpoints.models import State
 from engine.devices import Device, HostResources
+from engine.metrics import LARGEST_COUNT
 from kvrun.common.api import StrictSerializer
+
+# The most of its engine's log a replica shows: what engine.supervisor.tail reads at most.
+LOG_TAIL_MOST = 64 * 1024
 
 
 class DeviceInput(StrictSerializer):
@@ -52,3 +59,104 @@ class NodeOutput(serializers.Serializer):
     name = serializers.CharField()
     state = serializers.CharField()
     gpu_type = serializers.CharField(source="gpu_type.slug", default=None)
+
+
+class ModelCacheInput(StrictSerializer):
+    class Entry(StrictSerializer):
+        repo_id = serializers.CharField(max_length=200)
+        commit = serializers.RegexField(r"[0-9a-f]{40}")
+        bytes = serializers.IntegerField(min_value=0)
+        last_used = serializers.DateTimeField()
+
+    entries = serializers.ListField(child=Entry(), max_length=10_000)
+
+
+STATES = [choice for choice, _ in State.choices]
+
+
+class MoveInput(StrictSerializer):
+    from_states = serializers.ListField(child=serializers.ChoiceField(STATES), min_length=1,
+                                        max_length=len(STATES))
+    to_state = serializers.ChoiceField(STATES)
+    message = serializers.CharField(max_length=2000, allow_blank=True)
+    port = serializers.IntegerField(min_value=1, max_value=65535, required=False)
+    policy_version = serializers.IntegerField(min_value=0, required=False)
+    download_seconds = serializers.FloatField(min_value=0, required=False)
+    kv_cache_tokens = serializers.IntegerField(min_value=0, required=False, allow_null=True)
+    log_tail = serializers.CharField(max_length=LOG_TAIL_MOST, allow_blank=True, required=False,
+                                     trim_whitespace=False)
+
+
+class FailureInput(StrictSerializer):
+    from_states = serializers.ListField(child=serializers.ChoiceField(STATES), min_length=1,
+                                        max_length=len(STATES))
+    reason = serializers.CharField(max_length=2000)
+    log_tail = serializers.CharField(max_length=LOG_TAIL_MOST, allow_blank=True,
+                                     trim_whitespace=False)
+
+
+class ProgressInput(StrictSerializer):
+    state = serializers.ChoiceField(STATES)
+    stage = serializers.CharField(max_length=80)
+    percent = serializers.IntegerField(min_value=0, max_value=100)
+    download_done_at = serializers.DateTimeField(required=False, allow_null=True)
+
+
+class PidInput(StrictSerializer):
+    pid = serializers.IntegerField(min_value=1, max_value=2**31 - 1)
+
+
+class LogInput(StrictSerializer):
+    log_tail = serializers.CharField(max_length=LOG_TAIL_MOST, allow_blank=True,
+                                     trim_whitespace=False)
+
+
+class EventInput(StrictSerializer):
+    message = serializers.CharField(max_length=2000)
+
+
+class ServedAdaptersInput(StrictSerializer):
+    names = serializers.ListField(child=serializers.CharField(max_length=63), max_length=1000)
+
+
+class Buckets(serializers.DictField):
+    """A histogram's cumulative counts by upper bound, as vLLM reports them."""
+
+    def __init__(self) -> None:
+        super().__init__(child=serializers.FloatField(min_value=0, max_value=LARGEST_COUNT))
+
+    def to_internal_value(self, data: Any) -> dict[str, float]:
+        if isinstance(data, dict) and len(data) > 100:
+            raise serializers.ValidationError("At most 100 buckets.")
+        return super().to_internal_value(data)
+
+
+class SampleInput(StrictSerializer):
+    replica = serializers.UUIDField()
+    at = serializers.DateTimeField()
+    kv_cache_usage = serializers.FloatField(min_value=0, max_value=1)
+    running = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    waiting = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    prefix_queries = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    prefix_hits = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    external_queries = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT,
+                                                allow_null=True)
+    external_hits = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT,
+                                             allow_null=True)
+    preemptions = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    prompt_tokens = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    generation_tokens = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    requests = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT)
+    ttft_buckets = Buckets()
+    itl_buckets = Buckets()
+    prompt_buckets = Buckets()
+    max_tokens_buckets = Buckets()
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["prefix_hits"] > data["prefix_queries"]:
+            raise serializers.ValidationError("prefix_hits cannot exceed prefix_queries.")
+        return data
+
+
+class SamplesInput(StrictSerializer):
+    samples = serializers.ListField(child=SampleInput(), max_length=1000)

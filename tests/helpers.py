@@ -39,6 +39,10 @@ ENGINE_TIMINGS = {"KVRUN_ENGINE_BACKOFF_SECONDS": "1", "KVRUN_ENGINE_MAX_FAILURE
 # default, 600 s), a bound for a slow or busy machine and never a figure. Engines run below
 # the node's other processes, so a machine kept busy by anything else slows their start most.
 ENGINE_READY_WITHIN = 600
+# How long a test waits for one answer of a live process (the web, an engine), or for one to
+# catch up (a scrape, an ingestion): far past any such time on a busy machine, so that only a
+# process that does not answer fails a test, never a slow one.
+ANSWER_WITHIN = 120
 
 
 def database_url_for_tests() -> str:
@@ -284,5 +288,5 @@ def records_for(request_ids: list[str]) -> list:
     def stored() -> bool:
         ingest_usage.delay()
         return UsageRecord.objects.filter(request_id__in=request_ids).count() == len(request_ids)
-    assert wait_until(stored, 30, interval=0.5), "usage records did not arrive"
+    assert wait_until(stored, ANSWER_WITHIN, interval=0.5), "usage records did not arrive"
     return list(UsageRecord.objects.filter(request_id__in=request_ids))

@@ -35,6 +35,7 @@ from kvrun.common.digests import cache_salt, engine_api_key
 from telemetry.models import EngineSample
 from tests.factories import UserFactory, api_key, inference_key
 from tests.helpers import (
+    ANSWER_WITHIN,
     ENGINE_READY_WITHIN,
     WEB_METRICS_TOKEN,
     api_servers,
@@ -58,7 +59,7 @@ class Pair:
     secret: str
 
     def complete(self, prompt: str, **options: object) -> httpx.Response:
-        response = httpx.post(f"{self.web}/v1/completions", timeout=60,
+        response = httpx.post(f"{self.web}/v1/completions", timeout=ANSWER_WITHIN,
                               headers={"Authorization": f"Bearer {self.secret}"},
                               json={"model": "pair", "prompt": prompt, "max_tokens": 1,
                                     **options})
@@ -69,8 +70,9 @@ class Pair:
         """Each ready replica's prefix-cache hits so far, from its engine's /metrics."""
         found = {}
         for replica in Replica.objects.filter(endpoint=self.endpoint, state=State.READY):
-            text = httpx.get(f"http://127.0.0.1:{replica.port}/metrics", headers={
-                "Authorization": f"Bearer {engine_api_key(replica.id)}"}).text
+            text = httpx.get(
+                f"http://127.0.0.1:{replica.port}/metrics", timeout=ANSWER_WITHIN,
+                headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"}).text
             found[replica.id] = totals(text)["vllm:prefix_cache_hits_total"]
         return found
 
@@ -79,7 +81,8 @@ class Pair:
 def pair(django_db_blocker: object, agent: object, web: str) -> Iterator[Pair]:
     with django_db_blocker.unblock():
         do_load_catalogs()
-        assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online").exists(), 60)
+        assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online").exists(),
+                          ANSWER_WITHIN)
         organization = do_create_organization(user=UserFactory(), name="Hooli")
         endpoint = do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name="pair",
@@ -125,17 +128,18 @@ def test_the_agent_reads_each_engine_s_metrics_and_the_api_charts_their_rates(
            "?window=15m")
 
     def charted() -> list[dict]:
-        points = httpx.get(url, headers={"Authorization": f"Bearer {manage}"}).json()["points"]
+        points = httpx.get(url, headers={"Authorization": f"Bearer {manage}"},
+                           timeout=ANSWER_WITHIN).json()["points"]
         return [point for point in points if (point["prefix_hit_rate"] or 0) > 0]
 
     # Every ready engine is read (its first sample is the baseline of the rates)...
     assert wait_until(lambda: EngineSample.objects.filter(endpoint=pair.endpoint).values(
-        "replica_id").distinct().count() == 2, 30)
+        "replica_id").distinct().count() == 2, ANSWER_WITHIN)
     # ...and requests that hit the cache show in a step, as hits over lookups in that step.
     shared = document()
     for n in range(3):
         pair.complete(f"{shared} Question {n}?")
-    assert wait_until(charted, 30, interval=1.0)
+    assert wait_until(charted, ANSWER_WITHIN, interval=1.0)
     point = charted()[0]
     assert 0 < point["prefix_hit_rate"] <= 1 and point["prompt_tokens_per_s"] > 0
     assert point["kv_cache_usage"] is not None and point["ttft_p50_s"] is not None
@@ -148,7 +152,7 @@ def test_the_agent_reads_each_engine_s_metrics_and_the_api_charts_their_rates(
 def in_flight(pair: Pair) -> dict[str, float]:
     """The shared web process's requests in flight to each replica of the pair, as its
     /metrics says."""
-    text = httpx.get(f"{pair.web}/metrics",
+    text = httpx.get(f"{pair.web}/metrics", timeout=ANSWER_WITHIN,
                      headers={"Authorization": f"Bearer {WEB_METRICS_TOKEN}"}).text
     return {replica: float(value) for replica, value in re.findall(
         r'^kvrun_gateway_replica_requests_in_flight\{[^}]*endpoint="pair"[^}]*'
@@ -173,7 +177,7 @@ def test_a_saturated_replica_spills_to_the_other(pair: Pair) -> None:
         waiting = [threading.Thread(target=pair.complete, args=(prompt,)) for _ in range(2)]
         for thread in waiting:
             thread.start()
-        assert wait_until(lambda: in_flight(pair).get(owner.replica_id) == 2, 30,
+        assert wait_until(lambda: in_flight(pair).get(owner.replica_id) == 2, ANSWER_WITHIN,
                           interval=0.05)
         spilled = pair.complete(prompt).headers["x-request-id"]
     finally:
@@ -202,7 +206,7 @@ def test_prefix_caching_off_rolls_both_replicas_while_they_serve_and_then_never_
 
     def rolled() -> bool:
         nonlocal sent
-        response = httpx.post(f"{pair.web}/v1/completions", timeout=60,
+        response = httpx.post(f"{pair.web}/v1/completions", timeout=ANSWER_WITHIN,
                               headers={"Authorization": f"Bearer {pair.secret}"},
                               json={"model": "pair", "prompt": "Still there?", "max_tokens": 1})
         sent += 1

@@ -1,0 +1,103 @@
+"""What a node may read through the node channel: its own replicas, what starting one needs,
+and, while one needs them, its model's or adapters' hub tokens and uploaded files. Each
+takes the calling node and finds nothing of another node's."""
+
+from typing import Any
+from uuid import UUID
+
+from endpoints.models import Adapter, AdapterSource, Node, Replica, State
+from endpoints.selectors import hub_token_of
+from endpoints.states import ON_NODE
+from engine.sizing import CPU, GIB
+from kvrun.common.digests import engine_api_key
+
+# While a replica is in one of these, its agent may fetch its model's files (and the token).
+FETCHING_MODEL = [State.DOWNLOADING]
+# While in one of these, its endpoint's adapters (an adapter is added while it serves).
+SERVING_ADAPTERS = [State.LOADING, State.READY]
+
+
+def node_replica(*, node: Node, replica_id: UUID) -> Replica | None:
+    """The replica if it is on `node`; None for an id of another node or none at all."""
+    return (Replica.objects.select_related("endpoint__model", "endpoint__gpu_type")
+            .filter(id=replica_id, node=node).first())
+
+
+def node_replicas(*, node: Node) -> list[dict[str, Any]]:
+    """The node's replicas that have, or may have, an engine there."""
+    return [{"id": str(replica_id), "state": state, "port": port,
+             "endpoint": str(endpoint_id), "organization": str(organization_id)}
+            for replica_id, state, port, endpoint_id, organization_id in
+            Replica.objects.filter(node=node, state__in=ON_NODE | {State.STOPPING})
+            .order_by("id").values_list("id", "state", "port", "endpoint_id",
+                                        "endpoint__organization_id")]
+
+
+def replica_spec(replica: Replica) -> dict[str, Any]:
+    """Everything the replica's agent needs to start its engine, its key included (derived
+    here: the pepper never leaves the control plane)."""
+    endpoint, model = replica.endpoint, replica.endpoint.model
+    return {
+        "id": str(replica.id),
+        "state": replica.state,
+        "policy_version": endpoint.policy_version,
+        "device_indices": list(replica.device_indices),
+        "engine_key": engine_api_key(replica.id),
+        "endpoint": {
+            "id": str(endpoint.id), "name": endpoint.name,
+            "organization": str(endpoint.organization_id),
+            "device": CPU if endpoint.gpu_type.slug == CPU else "gpu",
+            "gpu_count": endpoint.gpu_count, "context_length": endpoint.context_length,
+            "concurrency": endpoint.concurrency,
+            "kv_cache_dtype": endpoint.kv_cache_dtype, "prefix_caching": endpoint.prefix_caching,
+            "host_tier_gib": endpoint.host_tier_gib, "disk_tier_gib": endpoint.disk_tier_gib,
+            # Endpoints sized before the exact budget had a whole GiB.
+            "cpu_kv_cache_bytes": endpoint.sizing.get("cpu_kv_cache_bytes") or GIB,
+            "lora_adapters": endpoint.lora_adapters, "lora_max_rank": endpoint.lora_max_rank,
+            "lora_host_adapters": endpoint.lora_host_adapters,
+        },
+        "model": {
+            "id": model.id, "slug": model.slug, "hf_repo": model.hf_repo,
+            "hf_commit": model.hf_commit, "files": model.files,
+            "trust_remote_code": model.trust_remote_code,
+            # An organisation's model is never looked for in an operator's folders.
+            "catalog": model.organization_id is None,
+        },
+    }
+
+
+def replica_adapters(replica: Replica) -> list[dict[str, Any]]:
+    """The adapters the replica's engine must serve, and where each one's files come from."""
+    return [{"id": adapter.id, "name": adapter.name, "folder": adapter.folder,
+             "source": adapter.source, "hf_repo": adapter.hf_repo,
+             "hf_commit": adapter.hf_commit, "files": adapter.files}
+            for adapter in Adapter.objects.filter(endpoint_id=replica.endpoint_id)
+            .order_by("name")]
+
+
+def hub_token_for(*, replica: Replica, adapter_id: int | None = None) -> str | None:
+    """The hub token that fetching the replica's model (or, given `adapter_id`, that adapter
+    of its endpoint) needs, opened for this request: only while the replica fetches it.
+    Raises LookupError when the replica may not have it now."""
+    if adapter_id is None:
+        if replica.state not in FETCHING_MODEL:
+            raise LookupError("the replica is not downloading its weights")
+        return hub_token_of(replica.endpoint.model)
+    adapter = Adapter.objects.filter(id=adapter_id, endpoint_id=replica.endpoint_id,
+                                     source=AdapterSource.HUB).first()
+    if adapter is None or replica.state not in SERVING_ADAPTERS:
+        raise LookupError("the replica does not serve that adapter now")
+    return hub_token_of(adapter)
+
+
+def uploaded_adapter_file(*, replica: Replica, adapter_id: int, path: str) -> bytes | None:
+    """A file of an uploaded adapter of the replica's endpoint, while the replica serves its
+    adapters; None otherwise."""
+    if replica.state not in SERVING_ADAPTERS:
+        return None
+    upload = (Adapter.objects.filter(id=adapter_id, endpoint_id=replica.endpoint_id,
+                                     source=AdapterSource.UPLOAD).first())
+    if upload is None:
+        return None
+    found = upload.uploads.filter(path=path).first()
+    return bytes(found.content) if found is not None else None

@@ -1,0 +1,225 @@
+"""A node agent reads and moves its own replicas through the channel: what starting one
+needs, the steps of its start and stop, failures, progress, samples, and the secrets and
+files it needs only while it fetches them. Another node's replica is a 404 everywhere."""
+
+from datetime import timedelta
+from uuid import uuid4
+
+import pytest
+from django.utils import timezone
+
+from endpoints.models import Adapter, AdapterFile, AdapterSource, Node, Replica, State
+from kvrun.common.digests import engine_api_key
+from kvrun.common.sealing import seal
+from telemetry.models import EngineSample
+from tests.fleet.helpers import as_node, enrolled, placed_replica
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def credential() -> str:
+    return enrolled("gpu-1")
+
+
+@pytest.fixture
+def replica(credential: str) -> Replica:
+    """A replica of gpu-1 that its agent is to start."""
+    replica = placed_replica(Node.objects.get(name="gpu-1"))
+    Replica.objects.filter(id=replica.id).update(state=State.STARTING, port=None)
+    replica.refresh_from_db()
+    return replica
+
+
+def url(replica: Replica, step: str = "") -> str:
+    return f"/node/v1/replicas/{replica.id}" + (f"/{step}" if step else "")
+
+
+def test_the_start_spec_carries_what_the_engine_needs_and_its_key(credential: str,
+                                                                   replica: Replica) -> None:
+    response = as_node(credential).get(url(replica))
+
+    assert response.status_code == 200
+    spec = response.json()
+    assert spec["engine_key"] == engine_api_key(replica.id)
+    assert (spec["state"], spec["device_indices"]) == ("starting", [0, 1])
+    assert spec["endpoint"] | {"id": None, "organization": None} == {
+        "id": None, "organization": None, "name": "chat", "device": "gpu", "gpu_count": 2,
+        "context_length": 8192, "concurrency": 8, "kv_cache_dtype": "auto",
+        "prefix_caching": True, "host_tier_gib": 0, "disk_tier_gib": 0,
+        "cpu_kv_cache_bytes": spec["endpoint"]["cpu_kv_cache_bytes"], "lora_adapters": 0,
+        "lora_max_rank": spec["endpoint"]["lora_max_rank"], "lora_host_adapters": 0}
+    assert spec["model"]["slug"] == "llama-3.1-8b-instruct" and spec["model"]["catalog"]
+    listed = as_node(credential).get("/node/v1/replicas").json()["replicas"]
+    assert [(item["id"], item["state"]) for item in listed] == [(str(replica.id), "starting")]
+
+
+def test_an_agent_walks_its_replica_through_start_and_stop(credential: str,
+                                                           replica: Replica) -> None:
+    agent = as_node(credential)
+
+    def move(from_states: list[str], to_state: str, **fields: object) -> bool:
+        response = agent.post(url(replica, "move"), {
+            "from_states": from_states, "to_state": to_state, "message": f"to {to_state}",
+            **fields}, format="json")
+        assert response.status_code == 200, response.json()
+        return response.json()["moved"]
+
+    assert move(["starting"], "loading", port=8123, policy_version=1)
+    assert agent.post(url(replica, "pid"), {"pid": 4321}, format="json").status_code == 204
+    progress = agent.post(url(replica, "progress"), {
+        "state": "loading", "stage": "loading weights", "percent": 50}, format="json")
+    assert progress.json() == {"current": True}
+    assert move(["loading"], "ready", kv_cache_tokens=9000, log_tail="ready\n")
+    assert not move(["loading"], "ready")  # said twice: moves nothing
+    replica.refresh_from_db()
+    assert (replica.state, replica.port, replica.pid, replica.kv_cache_tokens) == (
+        State.READY, 8123, 4321, 9000)
+    assert replica.ready_at is not None and replica.restarts == 0
+
+    Replica.objects.filter(id=replica.id).update(state=State.STOPPING)
+    assert move(["stopping"], "stopped", log_tail="bye\n")
+    replica.refresh_from_db()
+    assert (replica.state, replica.pid, replica.log_tail) == (State.STOPPED, None, "bye\n")
+    assert replica.stopped_at is not None
+    # A stopped replica's step is over: its progress is no longer current.
+    assert agent.post(url(replica, "progress"), {
+        "state": "loading", "stage": "late", "percent": 60}, format="json").json() == {
+        "current": False}
+
+
+@pytest.mark.parametrize("body, says", [
+    ({"from_states": ["pending"], "to_state": "ready"}, "does not move a replica from"),
+    ({"from_states": ["starting"], "to_state": "stopping"}, "does not move a replica from"),
+    ({"from_states": ["starting"], "to_state": "loading", "kv_cache_tokens": 1},
+     "does not set ['kv_cache_tokens']"),
+])
+def test_an_agent_cannot_make_moves_that_are_not_its_own(
+        credential: str, replica: Replica, body: dict, says: str) -> None:
+    response = as_node(credential).post(url(replica, "move"), {"message": "", **body},
+                                        format="json")
+
+    assert response.status_code == 403
+    assert says in response.json()["error"]["message"]
+    replica.refresh_from_db()
+    assert replica.state == State.STARTING
+
+
+def test_a_failure_keeps_the_engine_s_last_lines(credential: str, replica: Replica) -> None:
+    Replica.objects.filter(id=replica.id).update(state=State.LOADING)
+
+    response = as_node(credential).post(url(replica, "failure"), {
+        "from_states": ["loading"], "reason": "the engine exited with status 1",
+        "log_tail": "CUDA out of memory"}, format="json")
+
+    assert response.json() == {"moved": True}
+    replica.refresh_from_db()
+    assert (replica.state, replica.restarts) == (State.FAILED, 1)
+    assert replica.failure_reason.endswith("Last engine log lines:\nCUDA out of memory")
+    refused = as_node(credential).post(url(replica, "failure"), {
+        "from_states": ["stopped"], "reason": "x", "log_tail": ""}, format="json")
+    assert refused.status_code == 403
+
+
+def test_another_node_s_replica_is_not_found_anywhere(replica: Replica) -> None:
+    thief = as_node(enrolled("gpu-2"))
+    Replica.objects.filter(id=replica.id).update(state=State.DOWNLOADING)
+    attempts = [
+        thief.get(url(replica)),
+        thief.post(url(replica, "move"), {"from_states": ["downloading"], "to_state": "loading",
+                                          "message": "", "port": 9}, format="json"),
+        thief.post(url(replica, "failure"), {"from_states": ["downloading"], "reason": "x",
+                                             "log_tail": ""}, format="json"),
+        thief.post(url(replica, "hub-token"), {}, format="json"),
+        thief.post(url(replica, "pin"), {}, format="json"),
+        thief.get(url(replica, "adapters")),
+        thief.get(f"/node/v1/replicas/{uuid4()}"),
+    ]
+
+    assert [response.status_code for response in attempts] == [404] * len(attempts)
+    assert thief.get("/node/v1/replicas").json() == {"replicas": []}
+    replica.refresh_from_db()
+    assert (replica.state, replica.port) == (State.DOWNLOADING, None)
+
+
+def test_a_hub_token_is_given_only_while_the_replica_downloads(credential: str,
+                                                               replica: Replica) -> None:
+    model = replica.endpoint.model
+    model.hf_token_sealed = seal("hf_secret")
+    model.save()
+    agent = as_node(credential)
+
+    refused = agent.post(url(replica, "hub-token"), {}, format="json")
+    assert refused.status_code == 403
+    assert "not downloading" in refused.json()["error"]["message"]
+
+    Replica.objects.filter(id=replica.id).update(state=State.DOWNLOADING)
+    assert agent.post(url(replica, "hub-token"), {}, format="json").json() == {
+        "token": "hf_secret"}
+
+
+def test_an_uploaded_adapter_s_files_come_while_the_replica_serves_it(
+        credential: str, replica: Replica) -> None:
+    adapter = Adapter.objects.create(
+        endpoint=replica.endpoint, name="legal", source=AdapterSource.UPLOAD, rank=8,
+        files=[{"path": "adapter_config.json", "size": 2, "sha256": "x"}], size_bytes=2)
+    AdapterFile.objects.create(adapter=adapter, path="adapter_config.json", content=b"{}",
+                               sha256="x")
+    agent = as_node(credential)
+    file_url = url(replica, f"adapters/{adapter.id}/files/adapter_config.json")
+
+    assert agent.get(file_url).status_code == 404  # still starting: it serves none yet
+    Replica.objects.filter(id=replica.id).update(state=State.READY)
+    listed = agent.get(url(replica, "adapters")).json()["adapters"]
+    assert [(item["name"], item["source"]) for item in listed] == [("legal", "upload")]
+    response = agent.get(file_url)
+    assert (response.status_code, response.content) == (200, b"{}")
+    assert agent.get(url(replica, f"adapters/{adapter.id}/files/other.json")
+                     ).status_code == 404
+
+
+def sample(replica: Replica, **fields: object) -> dict[str, object]:
+    return {"replica": str(replica.id), "at": timezone.now().isoformat(),
+            "kv_cache_usage": 0.25, "running": 1, "waiting": 0, "prefix_queries": 256,
+            "prefix_hits": 128, "external_queries": None, "external_hits": None,
+            "preemptions": 0, "prompt_tokens": 300, "generation_tokens": 20, "requests": 2,
+            "ttft_buckets": {"0.1": 1.0, "+Inf": 2.0}, "itl_buckets": {},
+            "prompt_buckets": {}, "max_tokens_buckets": {}, **fields}
+
+
+def test_samples_are_kept_for_the_node_s_own_replicas_only(credential: str,
+                                                           replica: Replica) -> None:
+    thief = as_node(enrolled("gpu-2"))
+
+    mine = as_node(credential).post("/node/v1/samples", {"samples": [sample(replica)]},
+                                    format="json")
+    stolen = thief.post("/node/v1/samples", {"samples": [sample(replica)]}, format="json")
+
+    assert (mine.json(), stolen.json()) == ({"stored": 1}, {"stored": 0})
+    assert list(EngineSample.objects.values_list("replica_id", "prefix_hits")) == [
+        (replica.id, 128)]
+
+
+@pytest.mark.parametrize("fields", [
+    {"prefix_hits": 512}, {"kv_cache_usage": 1.5}, {"running": -1},
+    {"ttft_buckets": {str(n): 1.0 for n in range(101)}}, {"at": "yesterday"},
+])
+def test_implausible_samples_are_refused_whole(credential: str, replica: Replica,
+                                               fields: dict) -> None:
+    response = as_node(credential).post("/node/v1/samples", {
+        "samples": [sample(replica), sample(replica, **fields)]}, format="json")
+
+    assert response.status_code == 400
+    assert not EngineSample.objects.exists()
+
+
+def test_the_model_cache_report_is_the_node_s_own(credential: str) -> None:
+    used = (timezone.now() - timedelta(hours=1)).replace(microsecond=0)
+    response = as_node(credential).post("/node/v1/model-cache", {"entries": [
+        {"repo_id": "kvrun/demo", "commit": "a" * 40, "bytes": 1000,
+         "last_used": used.isoformat()}]}, format="json")
+
+    assert response.status_code == 204
+    assert Node.objects.get(name="gpu-1").model_cache == [
+        {"repo_id": "kvrun/demo", "commit": "a" * 40, "bytes": 1000,
+         "last_used": used.isoformat()}]
