@@ -41,6 +41,7 @@ from tests.helpers import (
     PATIENT_CONNECT_SECONDS,
     ROOT,
     WEB_METRICS_TOKEN,
+    dying_with_pytest,
     start_agent,
     start_web,
     start_worker,
@@ -248,7 +249,8 @@ def stub_ports() -> Iterator[list[int]]:
 
     ports = [free_port(), free_port()]
     processes = [subprocess.Popen([sys.executable, *uvicorn_args("tests.stub_upstream:app",
-                                                                 port=port)], cwd=ROOT)
+                                                                 port=port)], cwd=ROOT,
+                                  preexec_fn=dying_with_pytest)
                  for port in ports]
     for process, port in zip(processes, ports, strict=True):
         wait_until_listening(process, port)

@@ -13,7 +13,7 @@ from endpoints.models import Endpoint, GPUType, Node, Replica
 from engine.processes import free_port
 from kvrun.launcher import wait_until_listening
 from tests.factories import demo_endpoint
-from tests.helpers import stop
+from tests.helpers import dying_with_pytest, stop
 
 WEBHOOK_SECRET = "whsec_kvrun_test"
 
@@ -33,7 +33,8 @@ def localstripe_url() -> Iterator[str]:
     """A local Stripe stand-in (localstripe), for the whole session."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "localstripe", "--port", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=dying_with_pytest)
     wait_until_listening(process, port)
     yield f"http://127.0.0.1:{port}"
     stop(process)
