@@ -17,7 +17,7 @@ from endpoints.models import Node, Replica
 from engine.build import EngineBuild
 from engine.hub import HubRefusal
 from engine.metrics import EngineSnapshot
-from fleet import replicas, selectors, serializers
+from fleet import certificates, replicas, selectors, serializers
 from fleet.authentication import IsNode, NodeCredentialAuthentication, NodePrincipal
 from fleet.enrolment import EnrolmentRefused, do_enrol_node, do_rotate_node_credential
 from fleet.reports import (
@@ -235,7 +235,7 @@ class HubToken(ReplicaView):
             token = selectors.hub_token_for(replica=self.replica,
                                             adapter_id=adapter)
         except LookupError as exc:
-            raise exceptions.PermissionDenied(str(exc).capitalize() + ".") from exc
+            raise exceptions.PermissionDenied(str(exc)) from exc
         return Response({"token": token})
 
 
@@ -262,3 +262,22 @@ class Samples(NodeView):
             (sample.pop("replica"), sample.pop("at"), EngineSnapshot(**sample))
             for sample in (dict(item) for item in data["samples"])])
         return Response({"stored": stored})
+
+
+class Certificate(ReplicaView):
+    def post(self, request: Request, replica_id: UUID) -> Response:
+        """Sign a certificate for the replica's engine, while it is being started; with the
+        authority's certificate, which gateways trust it by."""
+        data = validated(serializers.CertificateInput, request)
+        if self.replica.state not in selectors.STARTING_ENGINE:
+            raise exceptions.PermissionDenied("The replica's engine is not being started.")
+        try:
+            signed = certificates.sign_engine_certificate(
+                replica_id=self.replica.id, request_pem=data["signing_request"])
+        except certificates.SigningRefused as exc:
+            raise exceptions.ValidationError(
+                {"signing_request": [str(exc)]}) from exc
+        return Response({"certificate": signed,
+                         "authority": certificates.authority_certificate_pem(),
+                         "host_name": certificates.replica_host_name(self.replica.id)},
+                        status=status.HTTP_201_CREATED)

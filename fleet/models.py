@@ -44,3 +44,19 @@ class NodeCredential(models.Model):
 
     def __str__(self) -> str:
         return f"credential of {self.node.name}"
+
+
+class CertificateAuthority(models.Model):
+    """The control plane's authority for engines' TLS certificates (fleet.certificates):
+    one row, its key sealed (kvrun.common.sealing), so that every web process signs with
+    it and a stolen table alone signs nothing."""
+
+    ONLY = 1
+
+    id = models.PositiveSmallIntegerField(primary_key=True, default=ONLY)
+    certificate_pem = models.TextField()
+    key_sealed = models.TextField()
+    created_at = models.DateTimeField(default=timezone.now)
+
+    def __str__(self) -> str:
+        return "engine certificate authority"

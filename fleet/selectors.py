@@ -13,6 +13,8 @@ from kvrun.common.digests import engine_api_key
 
 # While a replica is in one of these, its agent may fetch its model's files (and the token).
 FETCHING_MODEL = [State.DOWNLOADING]
+# While in one of these, its engine is being started (and a certificate signed for it).
+STARTING_ENGINE = [State.STARTING, State.DOWNLOADING, State.LOADING]
 # While in one of these, its endpoint's adapters (an adapter is added while it serves).
 SERVING_ADAPTERS = [State.LOADING, State.READY]
 
@@ -81,12 +83,12 @@ def hub_token_for(*, replica: Replica, adapter_id: int | None = None) -> str | N
     Raises LookupError when the replica may not have it now."""
     if adapter_id is None:
         if replica.state not in FETCHING_MODEL:
-            raise LookupError("the replica is not downloading its weights")
+            raise LookupError("The replica is not downloading its weights.")
         return hub_token_of(replica.endpoint.model)
     adapter = Adapter.objects.filter(id=adapter_id, endpoint_id=replica.endpoint_id,
                                      source=AdapterSource.HUB).first()
     if adapter is None or replica.state not in SERVING_ADAPTERS:
-        raise LookupError("the replica does not serve that adapter now")
+        raise LookupError("The replica does not serve that adapter now.")
     return hub_token_of(adapter)
 
 

@@ -160,3 +160,8 @@ class SampleInput(StrictSerializer):
 
 class SamplesInput(StrictSerializer):
     samples = serializers.ListField(child=SampleInput(), max_length=1000)
+
+
+class CertificateInput(StrictSerializer):
+    signing_request = serializers.CharField(max_length=16_384, trim_whitespace=False,
+                                            help_text="A PEM certificate signing request.")

@@ -24,5 +24,6 @@ urlpatterns = [
     path(f"{REPLICA}/adapters/<int:adapter_id>/files/<path:path>", api.AdapterFile.as_view(),
          name="node-replica-adapter-file"),
     path(f"{REPLICA}/hub-token", api.HubToken.as_view(), name="node-replica-hub-token"),
+    path(f"{REPLICA}/certificate", api.Certificate.as_view(), name="node-replica-certificate"),
     path(f"{REPLICA}/pin", api.Pin.as_view(), name="node-replica-pin"),
 ]

@@ -8,7 +8,8 @@ from uuid import uuid4
 import pytest
 from django.utils import timezone
 
-from endpoints.models import Adapter, AdapterFile, AdapterSource, Node, Replica, State
+from bench.hub_server import Hub
+from endpoints.models import Adapter, AdapterFile, AdapterSource, ModelSpec, Node, Replica, State
 from kvrun.common.digests import engine_api_key
 from kvrun.common.sealing import seal
 from telemetry.models import EngineSample
@@ -223,3 +224,38 @@ def test_the_model_cache_report_is_the_node_s_own(credential: str) -> None:
     assert Node.objects.get(name="gpu-1").model_cache == [
         {"repo_id": "kvrun/demo", "commit": "a" * 40, "bytes": 1000,
          "last_used": used.isoformat()}]
+
+
+def test_the_first_node_to_fetch_a_hub_model_pins_it_through_the_channel(
+        credential: str, replica: Replica, hub: Hub, hub_url: str) -> None:
+    model = replica.endpoint.model
+    ModelSpec.objects.filter(id=model.id).update(hf_repo="kvrun/demo", hf_commit="", files=[])
+    agent = as_node(credential)
+    assert agent.post(url(replica, "pin"), {}, format="json").status_code == 403  # starting
+
+    Replica.objects.filter(id=replica.id).update(state=State.DOWNLOADING)
+    response = agent.post(url(replica, "pin"), {}, format="json")
+
+    assert response.status_code == 200
+    commit = hub.commit_of("kvrun/demo", "main")
+    assert (response.json()["hf_repo"], response.json()["hf_commit"]) == ("kvrun/demo", commit)
+    assert {file["path"] for file in response.json()["files"]} >= {"config.json",
+                                                                   "model.safetensors"}
+    assert ModelSpec.objects.get(id=model.id).hf_commit == commit
+
+
+def test_a_hub_adapter_s_token_is_given_while_the_replica_serves_adapters(
+        credential: str, replica: Replica) -> None:
+    adapter = Adapter.objects.create(
+        endpoint=replica.endpoint, name="legal", source=AdapterSource.HUB, rank=8,
+        hf_repo="acme/legal", hf_commit="b" * 40, hf_token_sealed=seal("hf_adapter"),
+        size_bytes=2)
+    agent = as_node(credential)
+    ask = {"adapter": adapter.id}
+
+    assert agent.post(url(replica, "hub-token"), ask, format="json").status_code == 403
+    Replica.objects.filter(id=replica.id).update(state=State.READY)
+    assert agent.post(url(replica, "hub-token"), ask, format="json").json() == {
+        "token": "hf_adapter"}
+    assert agent.post(url(replica, "hub-token"), {"adapter": "1"}, format="json"
+                      ).status_code == 400
