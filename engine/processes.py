@@ -25,6 +25,9 @@ from pathlib import Path
 from engine import sandbox
 
 PR_SET_PDEATHSIG = 1
+# Loaded here, in the parent: a child forked from a process with threads (the agent's) must
+# not load a library before exec, or it may wait forever on a lock another thread held.
+_LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
 logger = logging.getLogger(__name__)
 
 
@@ -43,10 +46,15 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
+def dying_with_parent() -> None:
+    """In a child, before exec: SIGTERM when the parent (the thread that started it) dies."""
+    _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def own_group_dying_with_parent() -> None:
     """In a child, before exec: a process group of its own, SIGTERM when the parent dies."""
     os.setsid()
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    dying_with_parent()
 
 
 # An engine yields the CPU to everything else on its host. Each child above starts a session

@@ -24,7 +24,7 @@ from endpoints.services import do_load_catalogs
 from engine import demo_model, lora
 from engine.build import EngineBuild
 from engine.devices import HostResources
-from engine.processes import free_port
+from engine.processes import dying_with_parent, free_port
 from fleet.reports import do_register_node
 from kvrun.celery import app as celery_app
 from nodes.weights import DEMO_SLUG
@@ -41,7 +41,6 @@ from tests.helpers import (
     PATIENT_CONNECT_SECONDS,
     ROOT,
     WEB_METRICS_TOKEN,
-    dying_with_pytest,
     start_agent,
     start_web,
     start_worker,
@@ -250,7 +249,7 @@ def stub_ports() -> Iterator[list[int]]:
     ports = [free_port(), free_port()]
     processes = [subprocess.Popen([sys.executable, *uvicorn_args("tests.stub_upstream:app",
                                                                  port=port)], cwd=ROOT,
-                                  preexec_fn=dying_with_pytest)
+                                  preexec_fn=dying_with_parent)
                  for port in ports]
     for process, port in zip(processes, ports, strict=True):
         wait_until_listening(process, port)

@@ -1,10 +1,8 @@
 """Helpers for tests that start real processes (worker, node agents, web, engines) and wait
 on them. Fixtures live in the conftest files; this module is imported like any other."""
 
-import ctypes
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 from django.conf import settings
 from django.db import connection
 
-from engine.processes import PR_SET_PDEATHSIG, free_port, unsandboxed
+from engine.processes import dying_with_parent, free_port, unsandboxed
 
 ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
@@ -126,13 +124,6 @@ def wait_until(predicate: Callable[[], object], timeout: float, interval: float 
     return bool(predicate())
 
 
-def dying_with_pytest() -> None:
-    """In a child the suite starts, before exec: SIGTERM when pytest dies, so that a run
-    killed before its teardown leaves no web process, worker or agent (and, with the agent,
-    no engine) behind."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def start_web(port: int, **env: str) -> subprocess.Popen:
     """The web process (gateway and Django) as `make run` starts it, against the test
     database."""
@@ -140,7 +131,7 @@ def start_web(port: int, **env: str) -> subprocess.Popen:
 
     process = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application",
                                                               port=port)],
-                               cwd=ROOT, env=process_env(**env), preexec_fn=dying_with_pytest)
+                               cwd=ROOT, env=process_env(**env), preexec_fn=dying_with_parent)
     wait_until_listening(process, port)
     return process
 
@@ -156,7 +147,7 @@ def start_worker(queue: str, **env: str) -> subprocess.Popen:
          # Holds no task beyond the one it runs: a test's purge of the queue then leaves it
          # none of an earlier test's (tests/conftest.py).
          "--prefetch-multiplier", "1"], cwd=ROOT, env=process_env(**env),
-        preexec_fn=dying_with_pytest)
+        preexec_fn=dying_with_parent)
     deadline = time.monotonic() + 60
     while not app.control.ping(destination=[name], timeout=1.0):
         assert process.poll() is None, "the Celery worker exited during start-up"
@@ -170,7 +161,7 @@ def start_agent(name: str, logs: Path, **extra: str) -> subprocess.Popen:
         [sys.executable, "manage.py", "node_agent", "--name", name],
         cwd=ROOT, env=process_env(KVRUN_NODE_GPUS="none", KVRUN_NODE_HEARTBEAT_SECONDS="1",
                                   KVRUN_ENGINE_LOG_DIR=str(logs), **ENGINE_TIMINGS, **extra),
-        preexec_fn=dying_with_pytest)
+        preexec_fn=dying_with_parent)
 
 
 def drive(predicate: Callable[[], bool], timeout: float, *,
@@ -264,7 +255,7 @@ class RestartableRedis:
         self._process = subprocess.Popen(
             [REDIS_SERVER_PATH, "-", "--bind", "127.0.0.1", "--port", str(self.port),
              "--dir", str(self.data_dir), "--appendonly", "yes", "--save", ""],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, preexec_fn=dying_with_pytest)
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, preexec_fn=dying_with_parent)
         assert self._process.stdin is not None
         self._process.stdin.write(f"requirepass {self.password}\n".encode())
         self._process.stdin.close()

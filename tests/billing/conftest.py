@@ -10,10 +10,10 @@ import pytest
 from accounts.models import Organization
 from billing.models import GPUPrice
 from endpoints.models import Endpoint, GPUType, Node, Replica
-from engine.processes import free_port
+from engine.processes import dying_with_parent, free_port
 from kvrun.launcher import wait_until_listening
 from tests.factories import demo_endpoint
-from tests.helpers import dying_with_pytest, stop
+from tests.helpers import stop
 
 WEBHOOK_SECRET = "whsec_kvrun_test"
 
@@ -34,7 +34,7 @@ def localstripe_url() -> Iterator[str]:
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "localstripe", "--port", str(port)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               preexec_fn=dying_with_pytest)
+                               preexec_fn=dying_with_parent)
     wait_until_listening(process, port)
     yield f"http://127.0.0.1:{port}"
     stop(process)

@@ -15,16 +15,9 @@ import httpx
 import pytest
 import redis
 
-from engine.processes import free_port, owner_of, running_engines
+from engine.processes import dying_with_parent, free_port, owner_of, running_engines
 from kvrun import launcher
-from tests.helpers import (
-    ROOT,
-    api_servers,
-    dying_with_pytest,
-    engine_processes,
-    process_alive,
-    wait_until,
-)
+from tests.helpers import ROOT, api_servers, engine_processes, process_alive, wait_until
 
 
 def descendants(pid: int) -> set[int]:
@@ -51,7 +44,7 @@ class Launch:
         env = {**Launch.environment(state_dir), "KVRUN_PORT": str(port)}
         self.process = subprocess.Popen([sys.executable, "-m", "kvrun.launcher", "run"], cwd=ROOT,
                                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, preexec_fn=dying_with_pytest)
+                                        text=True, preexec_fn=dying_with_parent)
         self.output: list[str] = []
 
     @staticmethod
