@@ -26,6 +26,8 @@ JOIN_TOKEN_PREFIX = "kvj_"
 CREDENTIAL_PREFIX = "kvn_"
 JOIN_TOKEN_LIFETIME = timedelta(minutes=15)
 JOIN_TOKEN_LONGEST_LIFETIME = timedelta(days=1)
+# How stale a credential's last use may be shown: a node calls several times a second.
+LAST_USED_PRECISION = timedelta(minutes=1)
 # A host name: a node's name is also its agent's queue and a folder's part.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
@@ -102,6 +104,8 @@ def node_for_credential(*, secret: str) -> Node | None:
             id=credential.id, first_used_at=None).update(first_used_at=now, last_used_at=now):
         NodeCredential.objects.filter(node_id=credential.node_id, revoked_at=None,
                                       created_at__lt=credential.created_at).update(revoked_at=now)
+    elif credential.last_used_at is None or now - credential.last_used_at > LAST_USED_PRECISION:
+        NodeCredential.objects.filter(id=credential.id).update(last_used_at=now)
     return credential.node
 
 

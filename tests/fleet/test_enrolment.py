@@ -52,6 +52,8 @@ def test_a_join_token_enrols_its_node_once_and_the_credential_opens_the_channel(
     assert token not in JoinToken.objects.values_list("digest", flat=True)
     beat = as_node(credential).post("/node/v1/heartbeat", {"engines": []}, format="json")
     assert (beat.status_code, beat.json()) == (200, {"stop": []})
+    used = NodeCredential.objects.get()
+    assert used.first_used_at is not None and used.last_used_at == used.first_used_at
 
     # Spent: a second enrolment with it is refused and makes nothing.
     status, body = enrol(token)
