@@ -11,6 +11,7 @@ from rest_framework import exceptions, status
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
 from endpoints.models import Node, Replica
@@ -59,12 +60,26 @@ class Enrol(APIView):
                         status=status.HTTP_201_CREATED)
 
 
+class NodeRateThrottle(SimpleRateThrottle):
+    """Calls per node: a busy node makes a few a second (heartbeats, progress, samples); a
+    node that makes many more is faulty or hostile, and must not slow the control plane."""
+
+    scope = "node"
+    rate = "1200/min"
+
+    def get_cache_key(self, request: Request, view: APIView | None) -> str:
+        principal = request.user
+        assert isinstance(principal, NodePrincipal)  # authenticated before it is throttled
+        return self.cache_format % {"scope": self.scope, "ident": principal.node.id}
+
+
 @extend_schema(exclude=True)
 class NodeView(APIView):
     """A view of the node channel: the caller is a node agent, acting for `self.node`."""
 
     authentication_classes = [NodeCredentialAuthentication]
     permission_classes = [IsNode]
+    throttle_classes = [NodeRateThrottle]
 
     @property
     def node(self) -> Node:

@@ -6,6 +6,7 @@ from rest_framework.test import APIClient
 
 from accounts.models import Organization
 from endpoints.models import Node, NodeState, Replica, State
+from fleet.api import NodeRateThrottle
 from tests.factories import api_key
 from tests.fleet.helpers import as_node, enrolled, placed_replica
 
@@ -52,3 +53,15 @@ def test_users_and_api_keys_cannot_open_the_node_channel(owner_api: APIClient,
         assert response.status_code in {401, 403}
     assert Node.objects.get(name="gpu-1").state == NodeState.ONLINE
     assert not Replica.objects.exists()
+
+
+def test_a_node_that_calls_too_often_is_slowed_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    busy, quiet = as_node(enrolled("gpu-1")), as_node(enrolled("gpu-2"))
+    limit = 5  # per minute, for the test: 1,200 in the product
+    monkeypatch.setattr(NodeRateThrottle, "rate", f"{limit}/min")
+
+    answers = [busy.post("/node/v1/heartbeat", {"engines": []}, format="json").status_code
+               for _ in range(limit + 1)]
+
+    assert answers[:limit] == [200] * limit and answers[limit] == 429
+    assert quiet.post("/node/v1/heartbeat", {"engines": []}, format="json").status_code == 200
