@@ -23,7 +23,7 @@ from endpoints.lifecycle import (
 )
 from endpoints.models import DesiredState, Endpoint, NodeState, Replica
 from endpoints.scheduling import do_place_replica
-from endpoints.states import ASKED_FOR, ON_NODE, UNSETTLED, State
+from endpoints.states import ASKED_FOR, HOLDING_DEVICES, UNSETTLED, State
 
 # What an agent's stop may take beyond its grace period (the process reaped, the port freed).
 QUIET_MARGIN_SECONDS = 30
@@ -68,13 +68,13 @@ def _release_replicas_on_lost_nodes(endpoint: Endpoint) -> None:
     so a heartbeat that brings one back waits and then sees these replicas settled; a node
     row a heartbeat holds is skipped until the next pass (an agent frozen mid-heartbeat must
     not stall every pass)."""
-    lost = endpoint.replicas.filter(state__in=ON_NODE | {State.STOPPING},
+    lost = endpoint.replicas.filter(state__in=HOLDING_DEVICES,
                                     node__state__in=[NodeState.LOST, NodeState.REVOKED])
     for replica in lost.select_related("node").select_for_update(of=("node",), skip_locked=True):
         why = ("was revoked" if replica.node.state == NodeState.REVOKED
                else "stopped sending heartbeats")
         do_transition_replica(
-            replica_id=replica.id, from_states=ON_NODE | {State.STOPPING},
+            replica_id=replica.id, from_states=HOLDING_DEVICES,
             to_state=State.STOPPED, stopped_at=timezone.now(),
             held_until=replica.node.last_heartbeat_at,
             message=f"node {replica.node.name} {why}; rescheduling",

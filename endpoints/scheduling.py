@@ -6,14 +6,14 @@ from django.db import transaction
 
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Node, NodeState, Replica
-from endpoints.states import ON_NODE, State
+from endpoints.states import HOLDING_DEVICES, ON_NODE, State
 from engine.sizing import CPU
 
 
 def free_devices(node: Node) -> list[int]:
     used = {
         index
-        for indices in Replica.objects.filter(node=node, state__in=ON_NODE | {State.STOPPING})
+        for indices in Replica.objects.filter(node=node, state__in=HOLDING_DEVICES)
         .values_list("device_indices", flat=True)
         for index in indices
     }

@@ -47,6 +47,8 @@ class BilledPhase(models.TextChoices):
 # Placed on a node, whose devices it holds; an agent may run its engine.
 ON_NODE = frozenset({State.SCHEDULING, State.STARTING, State.DOWNLOADING, State.LOADING,
                      State.READY})
+# On a node and holding its devices: placed there, or stopping (its engine may still run).
+HOLDING_DEVICES = ON_NODE | {State.STOPPING}
 # Asked for and not given up: what counts towards an endpoint's replicas.
 ASKED_FOR = ON_NODE | {State.PENDING}
 # On its way to ready: the gateway holds requests for an endpoint with one of these.

@@ -23,7 +23,7 @@ from fleet.models import JoinToken, NodeCredential
 
 class JoinTokenForm(forms.ModelForm):
     node_name = forms.RegexField(
-        regex=NODE_NAME, max_length=100,
+        regex=rf"\A{NODE_NAME.pattern}\Z", max_length=100,
         help_text="The name the node will have: letters, digits, '.', '_' or '-'.")
     minutes = forms.IntegerField(
         min_value=1, max_value=int(JOIN_TOKEN_LONGEST_LIFETIME.total_seconds() // 60),
@@ -52,8 +52,8 @@ class JoinTokenAdmin(admin.ModelAdmin):
         obj.pk = token.pk
         self.message_user(request, (
             f"Join token for node {token.node_name} (shown once, valid until "
-            f"{token.expires_at:%Y-%m-%d %H:%M} UTC): {secret}. Give it to the node's agent as "
-            "KVRUN_JOIN_TOKEN."), messages.WARNING)
+            f"{token.expires_at:%Y-%m-%d %H:%M} UTC): {secret}. The node's agent exchanges it "
+            "for a credential of its own at /node/v1/enrol."), messages.WARNING)
 
 
 @admin.register(NodeCredential)

@@ -2,6 +2,7 @@
 acts for the calling node alone (fleet.authentication); a replica id of another node is a
 404, as for an id that does not exist. Not part of the public API's schema."""
 
+import ipaddress
 from typing import Any
 from uuid import UUID
 
@@ -14,13 +15,18 @@ from rest_framework.response import Response
 from rest_framework.throttling import SimpleRateThrottle
 from rest_framework.views import APIView
 
-from endpoints.models import Node, Replica
+from endpoints.models import Node, NodeState, Replica
 from engine.build import EngineBuild
 from engine.hub import HubRefusal
 from engine.metrics import EngineSnapshot
 from fleet import certificates, replicas, selectors, serializers
 from fleet.authentication import IsNode, NodeCredentialAuthentication, NodePrincipal
-from fleet.enrolment import EnrolmentRefused, do_enrol_node, do_rotate_node_credential
+from fleet.enrolment import (
+    EnrolmentRefused,
+    TooManyWaiting,
+    do_enrol_node,
+    do_rotate_node_credential,
+)
 from fleet.reports import (
     NodeRevoked,
     do_record_model_cache,
@@ -28,7 +34,9 @@ from fleet.reports import (
     do_record_node_heartbeat,
     do_register_node,
 )
+from fleet.selectors import NotNow
 from kvrun.common.api import AddressRateThrottle, validated
+from kvrun.common.clients import client_address
 
 
 class EnrolThrottle(AddressRateThrottle):
@@ -36,6 +44,18 @@ class EnrolThrottle(AddressRateThrottle):
 
     scope = "node-enrol"
     rate = "30/hour"
+
+
+def caller_is_local(request: Request) -> bool:
+    """Whether the node calls from the control plane's own host (loopback)."""
+    try:
+        return ipaddress.ip_address(client_address(request)).is_loopback
+    except ValueError:
+        return False
+
+
+class RotationRefused(exceptions.APIException):
+    status_code = status.HTTP_409_CONFLICT
 
 
 class RegisterAgain(exceptions.APIException):
@@ -51,7 +71,8 @@ class Enrol(APIView):
 
     def post(self, request: Request) -> Response:
         """Exchange a join token for this node's credential (shown once); registers the node."""
-        data = validated(serializers.EnrolInput, request)
+        data = validated(serializers.EnrolInput, request,
+                         context={"caller_is_local": caller_is_local(request)})
         try:
             node, credential = do_enrol_node(**data)
         except EnrolmentRefused as exc:  # not HTTP authentication: the token is the body's
@@ -87,15 +108,21 @@ class NodeView(APIView):
         assert isinstance(principal, NodePrincipal)  # IsNode let nothing else in
         return principal.node
 
+    def handle_exception(self, exc: Exception) -> Response:
+        # What a node may not do, or not now, is a 403 that says why.
+        if isinstance(exc, replicas.MoveRefused | NotNow):
+            exc = exceptions.PermissionDenied(str(exc))
+        elif isinstance(exc, NodeRevoked):  # revoked since this request was authenticated
+            exc = exceptions.AuthenticationFailed(str(exc))
+        return super().handle_exception(exc)
+
 
 class Register(NodeView):
     def post(self, request: Request) -> Response:
         """The agent starts (again): what it detected on its host."""
-        data = validated(serializers.NodeReport, request)
-        try:
-            node = do_register_node(name=self.node.name, **data)
-        except NodeRevoked as exc:  # revoked since this request was authenticated
-            raise exceptions.AuthenticationFailed(str(exc)) from exc
+        data = validated(serializers.NodeReport, request,
+                         context={"caller_is_local": caller_is_local(request)})
+        node = do_register_node(name=self.node.name, **data)
         return Response({"node": serializers.NodeOutput(node).data})
 
 
@@ -115,6 +142,9 @@ class Heartbeat(NodeView):
         data = validated(serializers.HeartbeatInput, request)
         unexpected = do_record_node_heartbeat(name=self.node.name,
                                               engines={str(rid) for rid in data["engines"]})
+        if unexpected is None and Node.objects.filter(id=self.node.id,
+                                                      state=NodeState.REVOKED).exists():
+            raise NodeRevoked("This node was revoked since the call began.")
         if unexpected is None:
             raise RegisterAgain
         return Response({"stop": sorted(unexpected)})
@@ -124,8 +154,11 @@ class Credential(NodeView):
     def post(self, request: Request) -> Response:
         """A new credential for this node; the one used here stays valid until the new one
         is first used."""
-        return Response({"credential": do_rotate_node_credential(node=self.node)},
-                        status=status.HTTP_201_CREATED)
+        try:
+            secret = do_rotate_node_credential(node=self.node)
+        except TooManyWaiting as exc:
+            raise RotationRefused(str(exc)) from exc
+        return Response({"credential": secret}, status=status.HTTP_201_CREATED)
 
 
 class ModelCache(NodeView):
@@ -159,7 +192,7 @@ class ReplicaView(NodeView):
 class ReplicaSpec(ReplicaView):
     def get(self, request: Request, replica_id: UUID) -> Response:
         """What starting the replica's engine needs, its key included."""
-        return Response(selectors.replica_spec(self.replica))
+        return Response(selectors.replica_spec(replica=self.replica))
 
 
 class Move(ReplicaView):
@@ -167,24 +200,16 @@ class Move(ReplicaView):
         """Move the replica a step of its engine's start or stop; `moved` is false when it
         had moved on."""
         data = validated(serializers.MoveInput, request)
-        try:
-            moved = replicas.do_report_replica_move(node=self.node, replica_id=replica_id,
-                                                    **data)
-        except replicas.MoveRefused as exc:
-            raise exceptions.PermissionDenied(str(exc)) from exc
-        return Response({"moved": moved})
+        return Response({"moved": replicas.do_report_replica_move(
+            node=self.node, replica_id=replica_id, **data)})
 
 
 class Failure(ReplicaView):
     def post(self, request: Request, replica_id: UUID) -> Response:
         """The replica's engine failed; `moved` is false when the replica had moved on."""
         data = validated(serializers.FailureInput, request)
-        try:
-            moved = replicas.do_report_replica_failure(node=self.node, replica_id=replica_id,
-                                                       **data)
-        except replicas.MoveRefused as exc:
-            raise exceptions.PermissionDenied(str(exc)) from exc
-        return Response({"moved": moved})
+        return Response({"moved": replicas.do_report_replica_failure(
+            node=self.node, replica_id=replica_id, **data)})
 
 
 class Progress(ReplicaView):
@@ -197,6 +222,7 @@ class Progress(ReplicaView):
 
 class Pid(ReplicaView):
     def post(self, request: Request, replica_id: UUID) -> Response:
+        """The process id of the replica's engine, once spawned."""
         data = validated(serializers.PidInput, request)
         replicas.do_report_replica_pid(node=self.node, replica_id=replica_id, **data)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -204,6 +230,7 @@ class Pid(ReplicaView):
 
 class Log(ReplicaView):
     def post(self, request: Request, replica_id: UUID) -> Response:
+        """The last lines of the engine's log, while it loads and serves."""
         data = validated(serializers.LogInput, request)
         replicas.do_report_replica_log(node=self.node, replica_id=replica_id, **data)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -211,6 +238,7 @@ class Log(ReplicaView):
 
 class Event(ReplicaView):
     def post(self, request: Request, replica_id: UUID) -> Response:
+        """An event for the replica's user, while its agent is at work on it."""
         data = validated(serializers.EventInput, request)
         replicas.do_report_replica_event(node=self.node, replica_id=replica_id, **data)
         return Response(status=status.HTTP_204_NO_CONTENT)
@@ -219,7 +247,7 @@ class Event(ReplicaView):
 class Adapters(ReplicaView):
     def get(self, request: Request, replica_id: UUID) -> Response:
         """The adapters the replica's engine must serve."""
-        return Response({"adapters": selectors.replica_adapters(self.replica)})
+        return Response({"adapters": selectors.replica_adapters(replica=self.replica)})
 
     def post(self, request: Request, replica_id: UUID) -> Response:
         """The adapters the replica's engine serves now."""
@@ -243,40 +271,31 @@ class HubToken(ReplicaView):
     def post(self, request: Request, replica_id: UUID) -> Response:
         """The hub token for fetching the replica's model, or (`adapter`) one adapter of its
         endpoint, while it fetches it; null for a public one."""
-        adapter = request.data.get("adapter") if isinstance(request.data, dict) else None
-        if adapter is not None and (not isinstance(adapter, int) or isinstance(adapter, bool)):
-            raise exceptions.ValidationError({"adapter": ["An adapter's id, a number."]})
-        try:
-            token = selectors.hub_token_for(replica=self.replica,
-                                            adapter_id=adapter)
-        except LookupError as exc:
-            raise exceptions.PermissionDenied(str(exc)) from exc
-        return Response({"token": token})
+        data = validated(serializers.HubTokenInput, request)
+        return Response({"token": selectors.hub_token_for(replica=self.replica,
+                                                          adapter_id=data.get("adapter"))})
 
 
 class Pin(ReplicaView):
     def post(self, request: Request, replica_id: UUID) -> Response:
         """Pin the replica's model to a commit (the first node to fetch it does); returns
         the model as the replica's spec shows it."""
-        replica = self.replica
-        if replica.state not in selectors.FETCHING_MODEL:
-            raise exceptions.PermissionDenied("The replica is not downloading its weights.")
         try:
-            replica.endpoint.model = replicas.do_pin_replica_model(replica=replica)
+            model = replicas.do_pin_replica_model(replica=self.replica)
         except HubRefusal as exc:
             return Response({"error": {"type": "hub_refusal", "message": exc.message,
                                        "fields": {}}}, status=status.HTTP_502_BAD_GATEWAY)
-        return Response(selectors.replica_spec(replica)["model"])
+        return Response(selectors.model_spec(model=model))
 
 
 class Samples(NodeView):
     def post(self, request: Request) -> Response:
         """Samples of the node's engines' /metrics; those of other replicas are dropped."""
         data = validated(serializers.SamplesInput, request)
-        stored = replicas.do_report_engine_samples(node=self.node, samples=[
+        kept = replicas.do_report_engine_samples(node=self.node, samples=[
             (sample.pop("replica"), sample.pop("at"), EngineSnapshot(**sample))
             for sample in (dict(item) for item in data["samples"])])
-        return Response({"stored": stored})
+        return Response({"kept": kept})
 
 
 class Certificate(ReplicaView):
@@ -284,15 +303,12 @@ class Certificate(ReplicaView):
         """Sign a certificate for the replica's engine, while it is being started; with the
         authority's certificate, which gateways trust it by."""
         data = validated(serializers.CertificateInput, request)
-        if self.replica.state not in selectors.STARTING_ENGINE:
-            raise exceptions.PermissionDenied("The replica's engine is not being started.")
         try:
-            signed = certificates.sign_engine_certificate(
-                replica_id=self.replica.id, request_pem=data["signing_request"])
+            signed = certificates.do_sign_engine_certificate(
+                replica=self.replica, request_pem=data["signing_request"])
         except certificates.SigningRefused as exc:
-            raise exceptions.ValidationError(
-                {"signing_request": [str(exc)]}) from exc
+            raise exceptions.ValidationError({"signing_request": [str(exc)]}) from exc
         return Response({"certificate": signed,
                          "authority": certificates.authority_certificate_pem(),
-                         "host_name": certificates.replica_host_name(self.replica.id)},
+                         "host_name": certificates.replica_host_name(replica_id=replica_id)},
                         status=status.HTTP_201_CREATED)

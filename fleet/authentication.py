@@ -8,7 +8,7 @@ from rest_framework.request import Request
 from rest_framework.views import APIView
 
 from endpoints.models import Node
-from fleet.enrolment import node_for_credential
+from fleet.enrolment import do_use_node_credential
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class NodeCredentialAuthentication(authentication.BaseAuthentication):
             "latin-1").partition(" ")
         if keyword != self.keyword:
             return None
-        node = node_for_credential(secret=secret.strip())
+        node = do_use_node_credential(secret=secret.strip())
         if node is None:
             raise exceptions.AuthenticationFailed(
                 "This node credential is unknown or revoked; enrol the node anew with a join "

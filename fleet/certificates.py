@@ -1,11 +1,11 @@
 """TLS for the gateway's traffic to engines: the control plane's certificate authority, and
 the certificate it signs for each replica's engine.
 
-A replica's certificate names the replica, not the host (replica_host_name): the gateway
-asks for that name when it connects, so an engine answers as its own replica only, and no
-other engine on the node, whatever port it takes, can stand in for it. The engine's key is
-made on its node and never leaves it: the node sends a signing request, and only the name
-and usages the control plane sets go into the certificate.
+A replica's certificate names the replica, not the host (replica_host_name): a client that
+asks for that name when it connects (as the gateway is to) reaches that replica's engine
+only, and no other engine on the node, whatever port it takes, can stand in for it. The
+engine's key is made on its node and never leaves it: the node sends a signing request, and
+only the name and usages the control plane sets go into the certificate.
 """
 
 import functools
@@ -13,16 +13,20 @@ from datetime import timedelta
 from uuid import UUID
 
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from django.utils import timezone
 
+from endpoints.models import Replica
 from fleet.models import CertificateAuthority
+from fleet.selectors import STARTING_ENGINE, NotNow
 from kvrun.common.sealing import seal, unseal
 
 AUTHORITY_LIFETIME = timedelta(days=3650)
 ENGINE_CERTIFICATE_LIFETIME = timedelta(days=365)
+ACCEPTED_CURVES = (ec.SECP256R1, ec.SECP384R1, ec.SECP521R1)
 REPLICA_DOMAIN = "replicas.kvrun.internal"
 
 
@@ -30,12 +34,12 @@ class SigningRefused(ValueError):
     """A signing request that is not a valid request for an acceptable key."""
 
 
-def replica_host_name(replica_id: UUID | str) -> str:
+def replica_host_name(*, replica_id: UUID | str) -> str:
     """The name a replica's engine certificate carries and the gateway asks for."""
     return f"{replica_id}.{REPLICA_DOMAIN}"
 
 
-def _authority() -> CertificateAuthority:
+def _get_or_create_authority() -> CertificateAuthority:
     """The authority, made on first use; two processes making it at once keep one."""
     found = CertificateAuthority.objects.filter(id=CertificateAuthority.ONLY).first()
     if found is not None:
@@ -65,8 +69,8 @@ def _authority() -> CertificateAuthority:
 
 
 def authority_certificate_pem() -> str:
-    """The certificate gateways trust engines by."""
-    return _authority().certificate_pem
+    """The certificate engines are trusted by (the authority is made on first use)."""
+    return _get_or_create_authority().certificate_pem
 
 
 @functools.lru_cache(maxsize=4)
@@ -76,24 +80,31 @@ def _signing_key(key_sealed: str) -> ec.EllipticCurvePrivateKey:
     return key
 
 
-def sign_engine_certificate(*, replica_id: UUID, request_pem: str) -> str:
+def do_sign_engine_certificate(*, replica: Replica, request_pem: str) -> str:
     """A server certificate for the replica's engine, for the key in `request_pem` (a PEM
-    signing request, signed by that key: an EC key of 256 bits or more, or RSA of 2048 or
-    more). Raises SigningRefused."""
+    signing request, signed by that key: EC on P-256, P-384 or P-521, or RSA of 2048 bits or
+    more), while its engine is being started. Raises NotNow, and SigningRefused."""
+    if replica.state not in STARTING_ENGINE:
+        raise NotNow("The replica's engine is not being started.")
     try:
         request = x509.load_pem_x509_csr(request_pem.encode())
-    except ValueError as exc:
-        raise SigningRefused("Not a PEM certificate signing request.") from exc
-    if not request.is_signature_valid:
+        public_key = request.public_key()
+        signed_by_its_key = request.is_signature_valid
+    except (ValueError, UnsupportedAlgorithm) as exc:
+        raise SigningRefused("Not a PEM certificate signing request for an EC or RSA key."
+                             ) from exc
+    if not signed_by_its_key:
         raise SigningRefused("The signing request's signature does not match its key.")
-    public_key = request.public_key()
-    if not (isinstance(public_key, ec.EllipticCurvePublicKey) and public_key.curve.key_size >= 256
+    if not (isinstance(public_key, ec.EllipticCurvePublicKey)
+            and isinstance(public_key.curve, ACCEPTED_CURVES)
             or isinstance(public_key, rsa.RSAPublicKey) and public_key.key_size >= 2048):
-        raise SigningRefused("The key must be EC of 256 bits or more, or RSA of 2048 or more.")
-    authority = _authority()
+        raise SigningRefused(
+            "The key must be EC on P-256, P-384 or P-521, or RSA of 2048 bits or more.")
+    replica_id = replica.id
+    authority = _get_or_create_authority()
     issuer = x509.load_pem_x509_certificate(authority.certificate_pem.encode())
     now = timezone.now()
-    name = replica_host_name(replica_id)
+    name = replica_host_name(replica_id=replica_id)
     certificate = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))

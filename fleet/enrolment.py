@@ -1,9 +1,9 @@
 """Enrolment: join tokens an operator makes, the credential a node's agent exchanges one for,
 and revoking a node.
 
-A node's whole configuration is the control plane's URL and a join token. The token names
-the node, is used once and expires within minutes; the credential it buys is the node's own,
-rotatable by its agent and revocable by an operator. Only digests of either are stored.
+A join token names the node, is used once and expires within minutes; the credential it buys
+is the node's own, rotatable by its agent and revocable by an operator. Only digests of
+either are stored.
 """
 
 import re
@@ -15,8 +15,9 @@ from django.utils import timezone
 
 from accounts.models import User
 from endpoints.dispatch import reconcile_after_commit
+from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, Node, NodeState, Replica
-from endpoints.states import ON_NODE, State
+from endpoints.states import HOLDING_DEVICES, State
 from engine.devices import HostResources
 from fleet.models import JoinToken, NodeCredential
 from fleet.reports import do_register_node
@@ -30,6 +31,14 @@ JOIN_TOKEN_LONGEST_LIFETIME = timedelta(days=1)
 LAST_USED_PRECISION = timedelta(minutes=1)
 # A host name: a node's name is also its agent's queue and a folder's part.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+
+
+# New credentials a node may hold unused at once (a rotation whose answer was lost, retried).
+CREDENTIALS_WAITING_MOST = 3
+
+
+class TooManyWaiting(Exception):
+    """The node holds as many unused new credentials as it may."""
 
 
 class EnrolmentRefused(Exception):
@@ -76,22 +85,23 @@ def do_enrol_node(*, join_token: str, resources: HostResources, address: str,
                 "This join token is unknown, used or expired; ask an operator for a new one "
                 "(manage.py node_join_token NAME, or the console's join tokens).")
         token = JoinToken.objects.get(digest=digest)
-        node = Node.objects.select_for_update().filter(name=token.node_name).first()
-        if node is not None:
-            NodeCredential.objects.filter(node=node, revoked_at=None).update(revoked_at=now)
-            if node.state == NodeState.REVOKED:
-                Node.objects.filter(id=node.id).update(state=NodeState.LOST)
+        revoked = Node.objects.filter(name=token.node_name, state=NodeState.REVOKED)
+        revoked.update(state=NodeState.LOST)  # let back by this token; registered below
         node = do_register_node(name=token.node_name, resources=resources, address=address,
                                 model_cache_bytes=model_cache_bytes)
+        # The node's row is held from here (registering locked it): two enrolments of one
+        # name at once leave one live credential, the last.
+        NodeCredential.objects.filter(node=node, revoked_at=None).update(revoked_at=now)
         secret = _new_secret(CREDENTIAL_PREFIX)
         NodeCredential.objects.create(node=node, digest=secret_digest(secret), created_at=now)
     return node, secret
 
 
-def node_for_credential(*, secret: str) -> Node | None:
+def do_use_node_credential(*, secret: str) -> Node | None:
     """The node whose live credential `secret` is; None for any other secret (unknown,
-    revoked, or of a revoked node). The first use of a rotated credential revokes the
-    node's older ones."""
+    revoked, or of a revoked node). Its first use revokes every other credential of the node
+    (the one it was rotated from, and any other made meanwhile); its uses are noted to the
+    minute."""
     if not secret.startswith(CREDENTIAL_PREFIX):
         return None
     credential = (NodeCredential.objects.select_related("node")
@@ -102,34 +112,53 @@ def node_for_credential(*, secret: str) -> Node | None:
     now = timezone.now()
     if credential.first_used_at is None and NodeCredential.objects.filter(
             id=credential.id, first_used_at=None).update(first_used_at=now, last_used_at=now):
-        NodeCredential.objects.filter(node_id=credential.node_id, revoked_at=None,
-                                      created_at__lt=credential.created_at).update(revoked_at=now)
+        NodeCredential.objects.filter(node_id=credential.node_id, revoked_at=None).exclude(
+            id=credential.id).update(revoked_at=now)
     elif credential.last_used_at is None or now - credential.last_used_at > LAST_USED_PRECISION:
         NodeCredential.objects.filter(id=credential.id).update(last_used_at=now)
     return credential.node
 
 
 def do_rotate_node_credential(*, node: Node) -> str:
-    """A new credential for `node`; its current ones stay valid until the new one is first
-    used (node_for_credential). Returns the new secret."""
-    secret = _new_secret(CREDENTIAL_PREFIX)
-    NodeCredential.objects.create(node=node, digest=secret_digest(secret))
+    """A new credential for `node`; the one in use stays valid until the new one is first
+    used (do_use_node_credential), which also revokes any other made meanwhile (by whoever
+    held the old one). At most CREDENTIALS_WAITING_MOST wait unused: beyond, raises
+    TooManyWaiting. Returns the new secret."""
+    with transaction.atomic():
+        Node.objects.select_for_update().filter(id=node.id).first()  # one rotation at a time
+        if NodeCredential.objects.filter(node=node, revoked_at=None,
+                                         first_used_at=None).count() >= CREDENTIALS_WAITING_MOST:
+            raise TooManyWaiting(
+                f"This node has {CREDENTIALS_WAITING_MOST} new credentials it has not used: use "
+                "the latest, or ask an operator to enrol the node anew.")
+        secret = _new_secret(CREDENTIAL_PREFIX)
+        NodeCredential.objects.create(node=node, digest=secret_digest(secret))
     return secret
 
 
 def do_revoke_node(*, node_id: int) -> int:
-    """Refuse the node's agent from now on and replace its replicas elsewhere: its
-    credentials are revoked, the node is marked revoked (scheduling skips it, and neither
-    heartbeats nor registrations bring it back; only a new enrolment does), and each endpoint
-    with a replica on it is reconciled, which settles those replicas and places new ones.
-    Their engines may still run on the node, but no gateway routes to them. Returns how many
-    replicas were on the node."""
+    """Refuse the node's agent from now on and replace its replicas elsewhere.
+
+    In one transaction, the node's row held first: the node is marked revoked (scheduling
+    skips it, and neither heartbeats nor registrations bring it back), its credentials are
+    revoked and its unused join tokens expired (only a join token made after this lets it
+    back), and each of its replicas is settled as stopped, so that gateways stop routing to
+    it (within their route cache's seconds) though its engine may still run there. Once it
+    commits, each endpoint that had one is reconciled, which places a replacement. Returns
+    how many replicas were on the node."""
     now = timezone.now()
     with transaction.atomic():
+        node = Node.objects.select_for_update().get(id=node_id)
         Node.objects.filter(id=node_id).update(state=NodeState.REVOKED)
         NodeCredential.objects.filter(node_id=node_id, revoked_at=None).update(revoked_at=now)
-        on_node = Replica.objects.filter(node_id=node_id, state__in=ON_NODE | {State.STOPPING})
-        for endpoint in Endpoint.objects.filter(
-                id__in=on_node.values("endpoint_id")).distinct():
-            reconcile_after_commit(endpoint)
-        return on_node.count()
+        JoinToken.objects.filter(node_name=node.name, used_at=None,
+                                 expires_at__gt=now).update(expires_at=now)
+    settled = 0
+    for replica_id, endpoint_id in Replica.objects.filter(
+            node_id=node_id, state__in=HOLDING_DEVICES).values_list("id", "endpoint_id"):
+        settled += do_transition_replica(
+            replica_id=replica_id, from_states=HOLDING_DEVICES, to_state=State.STOPPED,
+            node_id=node_id, stopped_at=timezone.now(),
+            message=f"node {node.name} was revoked; rescheduling")
+        reconcile_after_commit(Endpoint(id=endpoint_id))
+    return settled

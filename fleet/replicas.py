@@ -19,10 +19,11 @@ from endpoints.lifecycle import (
     do_set_replica_progress,
     do_transition_replica,
 )
-from endpoints.models import ModelSpec, Node, Replica, State
+from endpoints.models import EndpointEvent, ModelSpec, Node, Replica, State
 from endpoints.selectors import hub_token_of
 from endpoints.services import do_pin_model
 from engine.metrics import EngineSnapshot
+from fleet.selectors import FETCHING_MODEL, NotNow
 from telemetry.services import do_record_engine_samples
 
 # To each state an agent may move a replica to: the states it may move it from, and the
@@ -30,11 +31,13 @@ from telemetry.services import do_record_engine_samples
 AGENT_MOVES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     State.DOWNLOADING: (frozenset({State.STARTING}), frozenset()),
     State.LOADING: (frozenset({State.STARTING, State.DOWNLOADING}),
-                    frozenset({"port", "policy_version", "download_seconds"})),
+                    frozenset({"port", "policy_version"})),
     State.READY: (frozenset({State.LOADING}), frozenset({"kv_cache_tokens", "log_tail"})),
     State.STOPPED: (frozenset({State.STOPPING}), frozenset({"log_tail"})),
 }
-# An engine fails while its agent is at work on it: fetching, loading or serving.
+# A replica in one of these has its agent at work on it: fetching its weights, then waiting
+# for its engine, then watching it serve. Only then can its engine fail, or the agent have
+# something to tell of it.
 AGENT_AT_WORK = frozenset({State.DOWNLOADING, State.LOADING, State.READY})
 # What a move sets besides what the agent reports.
 _SET_BY_MOVE: dict[str, Any] = {
@@ -46,6 +49,22 @@ _SET_BY_MOVE: dict[str, Any] = {
 
 class MoveRefused(ValueError):
     """An agent asked for a move or a field that is not its to make."""
+
+
+def failure_text(reason: str, log_tail: str) -> str:
+    """A failed replica's reason as its user reads it: with its engine's last lines."""
+    return f"{reason}. Last engine log lines:\n{log_tail}" if log_tail else reason
+
+
+def _downloaded_for(replica_id: UUID) -> dict[str, Any]:
+    """How long the replica's download took, by the control plane's clock: from its move to
+    downloading until now; nothing for a replica that downloaded nothing."""
+    began = (EndpointEvent.objects.filter(replica_id=replica_id, state=State.DOWNLOADING)
+             .order_by("-at").values_list("at", flat=True).first())
+    if began is None or not Replica.objects.filter(id=replica_id,
+                                                   state=State.DOWNLOADING).exists():
+        return {}
+    return {"download_seconds": (timezone.now() - began).total_seconds()}
 
 
 def do_report_replica_move(*, node: Node, replica_id: UUID, from_states: Iterable[str],
@@ -62,9 +81,10 @@ def do_report_replica_move(*, node: Node, replica_id: UUID, from_states: Iterabl
         raise MoveRefused(f"an agent does not set {sorted(fields.keys() - allowed_fields)} "
                           f"moving a replica to {to_state}")
     setting = _SET_BY_MOVE.get(to_state)
+    measured = _downloaded_for(replica_id) if to_state == State.LOADING else {}
     return do_transition_replica(replica_id=replica_id, from_states=asked_from,
                                  to_state=to_state, message=message, node_id=node.id,
-                                 **fields, **(setting() if setting else {}))
+                                 **fields, **measured, **(setting() if setting else {}))
 
 
 def do_report_replica_failure(*, node: Node, replica_id: UUID, from_states: Iterable[str],
@@ -74,9 +94,9 @@ def do_report_replica_failure(*, node: Node, replica_id: UUID, from_states: Iter
     asked_from = frozenset(from_states)
     if not asked_from or not asked_from <= AGENT_AT_WORK:
         raise MoveRefused(f"an agent does not fail a replica from {sorted(asked_from)}")
-    full = f"{reason}. Last engine log lines:\n{log_tail}" if log_tail else reason
     return do_fail_replica(replica_id=replica_id, from_states=asked_from, reason=reason,
-                           failure_reason=full, log_tail=log_tail, pid=None, node_id=node.id)
+                           failure_reason=failure_text(reason, log_tail), log_tail=log_tail,
+                           pid=None, node_id=node.id)
 
 
 def do_report_replica_progress(*, node: Node, replica_id: UUID, state: str, stage: str,
@@ -89,23 +109,30 @@ def do_report_replica_progress(*, node: Node, replica_id: UUID, state: str, stag
 
 
 def do_report_replica_pid(*, node: Node, replica_id: UUID, pid: int) -> None:
+    """The process id of the replica's engine (the console shows it), once it is spawned:
+    kept while the replica loads; ignored in any other state."""
     Replica.objects.filter(id=replica_id, node=node, state=State.LOADING).update(pid=pid)
 
 
 def do_report_replica_log(*, node: Node, replica_id: UUID, log_tail: str) -> None:
-    """The last lines of the engine's log, shown while it loads and serves."""
+    """The last lines of the engine's log, shown while it loads and serves; ignored in any
+    other state."""
     Replica.objects.filter(id=replica_id, node=node,
                            state__in=[State.LOADING, State.READY]).update(log_tail=log_tail)
 
 
 def do_report_replica_event(*, node: Node, replica_id: UUID, message: str) -> None:
-    """An event on the replica's endpoint that moves nothing (a self-test's verdict)."""
-    if Replica.objects.filter(id=replica_id, node=node).exists():
-        do_note_replica(replica_id=replica_id, message=message)
+    """An event on the replica's endpoint that moves nothing (a download finished, a
+    self-test's verdict, an adapter not served), while its agent is at work on it. Raises
+    NotNow otherwise: a node has nothing to tell a tenant of a replica it does not run."""
+    if not Replica.objects.filter(id=replica_id, node=node, state__in=AGENT_AT_WORK).exists():
+        raise NotNow("The replica's agent is not at work on it.")
+    do_note_replica(replica_id=replica_id, message=message)
 
 
 def do_report_served_adapters(*, node: Node, replica_id: UUID, names: list[str]) -> None:
-    """The adapters the replica's engine serves now, by name."""
+    """The adapters the replica's engine serves now, by name, while it is ready; ignored in
+    any other state."""
     Replica.objects.filter(id=replica_id, node=node, state=State.READY).update(
         adapters=sorted(names))
 
@@ -113,7 +140,7 @@ def do_report_served_adapters(*, node: Node, replica_id: UUID, names: list[str])
 def do_report_engine_samples(*, node: Node,
                              samples: list[tuple[UUID, datetime, EngineSnapshot]]) -> int:
     """Store the node's engines' samples (replica, read at, snapshot); those of replicas not
-    on the node are dropped. Returns how many were offered."""
+    on the node are dropped. Returns how many were kept or known already."""
     endpoints = dict(Replica.objects.filter(
         node=node, id__in=[replica_id for replica_id, _, _ in samples]).values_list(
         "id", "endpoint_id"))
@@ -124,6 +151,9 @@ def do_report_engine_samples(*, node: Node,
 
 def do_pin_replica_model(*, replica: Replica) -> ModelSpec:
     """Pin the replica's model to a commit (the first node to fetch a model named by its hub
-    id alone does), with the model's own token, which stays here. Raises hub.HubRefusal."""
+    id alone does), with the model's own token, which stays here. Raises NotNow unless the
+    replica is downloading its weights, and hub.HubRefusal."""
+    if replica.state not in FETCHING_MODEL:
+        raise NotNow("The replica is not downloading its weights.")
     model = replica.endpoint.model
     return do_pin_model(model=model, token=hub_token_of(model))

@@ -8,7 +8,7 @@ from django.utils import timezone
 
 from endpoints.models import GPUType, Node, NodeState, Replica
 from endpoints.selectors import gpu_type_for_device
-from endpoints.states import ON_NODE, State
+from endpoints.states import HOLDING_DEVICES
 from engine.build import EngineBuild
 from engine.devices import HostResources
 from engine.sizing import CPU
@@ -28,8 +28,10 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
     (nodes.agent.stop_engines_left_behind) before it calls this. Raises NodeRevoked for a
     revoked node."""
     with transaction.atomic():
-        # Held, so that a revocation either comes first and is seen, or waits for this.
-        if Node.objects.select_for_update().filter(name=name, state=NodeState.REVOKED).exists():
+        # Held, so that a revocation (fleet.enrolment.do_revoke_node, which holds it too)
+        # either comes first and is seen here, or waits for this registration.
+        held = Node.objects.select_for_update().filter(name=name).first()
+        if held is not None and held.state == NodeState.REVOKED:
             raise NodeRevoked(f"node {name} was revoked; enrol it anew with a join token")
         if resources.devices:
             first = resources.devices[0]
@@ -81,7 +83,7 @@ def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str]
         if node is None:
             return None
         expected = {str(replica_id) for replica_id in Replica.objects.filter(
-            node=node, state__in=ON_NODE | {State.STOPPING}).values_list("id", flat=True)}
+            node=node, state__in=HOLDING_DEVICES).values_list("id", flat=True)}
         unexpected = set(engines) - expected
         Node.objects.filter(id=node.id).update(
             last_heartbeat_at=timezone.now(),

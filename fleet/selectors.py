@@ -5,11 +5,16 @@ takes the calling node and finds nothing of another node's."""
 from typing import Any
 from uuid import UUID
 
-from endpoints.models import Adapter, AdapterSource, Node, Replica, State
+from endpoints.models import Adapter, AdapterSource, ModelSpec, Node, Replica, State
 from endpoints.selectors import hub_token_of
-from endpoints.states import ON_NODE
+from endpoints.states import HOLDING_DEVICES
 from engine.sizing import CPU, GIB
 from kvrun.common.digests import engine_api_key
+
+
+class NotNow(Exception):
+    """The replica is not in a state in which its agent may have, or do, that."""
+
 
 # While a replica is in one of these, its agent may fetch its model's files (and the token).
 FETCHING_MODEL = [State.DOWNLOADING]
@@ -30,15 +35,24 @@ def node_replicas(*, node: Node) -> list[dict[str, Any]]:
     return [{"id": str(replica_id), "state": state, "port": port,
              "endpoint": str(endpoint_id), "organization": str(organization_id)}
             for replica_id, state, port, endpoint_id, organization_id in
-            Replica.objects.filter(node=node, state__in=ON_NODE | {State.STOPPING})
+            Replica.objects.filter(node=node, state__in=HOLDING_DEVICES)
             .order_by("id").values_list("id", "state", "port", "endpoint_id",
                                         "endpoint__organization_id")]
 
 
-def replica_spec(replica: Replica) -> dict[str, Any]:
+def model_spec(*, model: ModelSpec) -> dict[str, Any]:
+    """Where an engine's weights come from."""
+    return {"id": model.id, "slug": model.slug, "hf_repo": model.hf_repo,
+            "hf_commit": model.hf_commit, "files": model.files,
+            "trust_remote_code": model.trust_remote_code,
+            # An organisation's model is never looked for in an operator's folders.
+            "catalog": model.organization_id is None}
+
+
+def replica_spec(*, replica: Replica) -> dict[str, Any]:
     """Everything the replica's agent needs to start its engine, its key included (derived
     here: the pepper never leaves the control plane)."""
-    endpoint, model = replica.endpoint, replica.endpoint.model
+    endpoint = replica.endpoint
     return {
         "id": str(replica.id),
         "state": replica.state,
@@ -58,17 +72,11 @@ def replica_spec(replica: Replica) -> dict[str, Any]:
             "lora_adapters": endpoint.lora_adapters, "lora_max_rank": endpoint.lora_max_rank,
             "lora_host_adapters": endpoint.lora_host_adapters,
         },
-        "model": {
-            "id": model.id, "slug": model.slug, "hf_repo": model.hf_repo,
-            "hf_commit": model.hf_commit, "files": model.files,
-            "trust_remote_code": model.trust_remote_code,
-            # An organisation's model is never looked for in an operator's folders.
-            "catalog": model.organization_id is None,
-        },
+        "model": model_spec(model=endpoint.model),
     }
 
 
-def replica_adapters(replica: Replica) -> list[dict[str, Any]]:
+def replica_adapters(*, replica: Replica) -> list[dict[str, Any]]:
     """The adapters the replica's engine must serve, and where each one's files come from."""
     return [{"id": adapter.id, "name": adapter.name, "folder": adapter.folder,
              "source": adapter.source, "hf_repo": adapter.hf_repo,
@@ -80,22 +88,22 @@ def replica_adapters(replica: Replica) -> list[dict[str, Any]]:
 def hub_token_for(*, replica: Replica, adapter_id: int | None = None) -> str | None:
     """The hub token that fetching the replica's model (or, given `adapter_id`, that adapter
     of its endpoint) needs, opened for this request: only while the replica fetches it.
-    Raises LookupError when the replica may not have it now."""
+    Raises NotNow when the replica may not have it now."""
     if adapter_id is None:
         if replica.state not in FETCHING_MODEL:
-            raise LookupError("The replica is not downloading its weights.")
+            raise NotNow("The replica is not downloading its weights.")
         return hub_token_of(replica.endpoint.model)
     adapter = Adapter.objects.filter(id=adapter_id, endpoint_id=replica.endpoint_id,
                                      source=AdapterSource.HUB).first()
     if adapter is None or replica.state not in SERVING_ADAPTERS:
-        raise LookupError("The replica does not serve that adapter now.")
+        raise NotNow("The replica does not serve that adapter now.")
     return hub_token_of(adapter)
 
 
 def uploaded_adapter_file(*, replica: Replica, adapter_id: int, path: str) -> bytes | None:
     """A file of an uploaded adapter of the replica's endpoint, while the replica serves its
     adapters; None otherwise."""
-    if replica.state not in SERVING_ADAPTERS:
+    if replica.state not in SERVING_ADAPTERS or "\x00" in path:  # no column holds a NUL
         return None
     upload = (Adapter.objects.filter(id=adapter_id, endpoint_id=replica.endpoint_id,
                                      source=AdapterSource.UPLOAD).first())

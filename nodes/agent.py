@@ -21,7 +21,7 @@ import subprocess
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -43,6 +43,7 @@ from endpoints.models import Adapter, Endpoint, ModelSpec, Node, Replica, State
 from endpoints.states import PROGRESS
 from engine import kv_policy, metrics, model_cache, offload_check, processes, sandbox, supervisor
 from engine.sizing import CPU, GIB, GPU
+from fleet.replicas import AGENT_AT_WORK, failure_text
 from fleet.reports import do_record_node_heartbeat
 from kvrun.common.digests import engine_api_key
 from nodes import weights
@@ -619,11 +620,6 @@ def _is_uuid(text: str) -> bool:
     return True
 
 
-# A replica in one of these has an agent's start task working on it: fetching its weights,
-# then waiting for its engine, then watching it serve.
-AGENT_AT_WORK = [State.DOWNLOADING, State.LOADING, State.READY]
-
-
 def do_fail_replicas_of_previous_agent(*, node: Node) -> int:
     """On agent start: the engines of the agent's previous life are gone (it stopped those
     left behind first)."""
@@ -635,13 +631,14 @@ def do_fail_replicas_of_previous_agent(*, node: Node) -> int:
     return count
 
 
-def _record_failure(replica_id: UUID, reason: str, log: Path, *, from_states: list[str]) -> bool:
+def _record_failure(replica_id: UUID, reason: str, log: Path, *,
+                    from_states: Collection[str]) -> bool:
     shutil.rmtree(cache_dir(replica_id), ignore_errors=True)  # its engine is gone
     last_lines = supervisor.tail(log)
-    full = f"{reason}. Last engine log lines:\n{last_lines}" if last_lines else reason
     logger.warning("replica %s failed: %s", replica_id, reason)
     return do_fail_replica(replica_id=replica_id, from_states=from_states, reason=reason,
-                           failure_reason=full, log_tail=last_lines, pid=None)
+                           failure_reason=failure_text(reason, last_lines), log_tail=last_lines,
+                           pid=None)
 
 
 def _in_background(target: Callable[..., None], *args: object) -> None:

@@ -14,7 +14,7 @@ from django.conf import settings
 from endpoints.models import Adapter, AdapterSource, ModelSpec, Replica
 from endpoints.selectors import hub_token_of
 from endpoints.services import do_pin_model
-from endpoints.states import ON_NODE, State
+from endpoints.states import HOLDING_DEVICES
 from engine import demo_model
 from engine.hub import HubFile, HubRefusal
 from engine.model_cache import DownloadFailed, ModelCache, Progress
@@ -81,7 +81,7 @@ def in_use(node_name: str) -> set[Path]:
     """The cached snapshots of the models this node's replicas use or are about to, and of
     their endpoints' adapters."""
     cache = model_cache()
-    replicas = Replica.objects.filter(node__name=node_name, state__in=ON_NODE | {State.STOPPING})
+    replicas = Replica.objects.filter(node__name=node_name, state__in=HOLDING_DEVICES)
     models = replicas.exclude(endpoint__model__hf_commit="").values_list(
         "endpoint__model__hf_repo", "endpoint__model__hf_commit")
     adapters = Adapter.objects.filter(

@@ -128,9 +128,11 @@ def test_a_certificate_the_authority_did_not_sign_is_refused(
 
 
 @pytest.mark.parametrize("request_pem, says", [
-    ("not a request", "Not a PEM certificate signing request."),
+    ("not a request", "Not a PEM certificate signing request"),
     (lambda: signing_request(rsa.generate_private_key(public_exponent=65537, key_size=1024)),
-     "The key must be EC of 256 bits or more"),
+     "The key must be EC on P-256, P-384 or P-521, or RSA of 2048 bits or more."),
+    (lambda: signing_request(ec.generate_private_key(ec.SECP256K1())),
+     "The key must be EC on P-256, P-384 or P-521, or RSA of 2048 bits or more."),
 ])
 def test_a_bad_signing_request_is_refused(credential: str, replica: Replica,
                                           request_pem: object, says: str) -> None:

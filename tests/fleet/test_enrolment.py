@@ -13,6 +13,7 @@ from rest_framework.test import APIClient
 
 from endpoints.models import Node, NodeState, State
 from endpoints.reconciler import reconcile_endpoint
+from endpoints.selectors import endpoints_for_gateway
 from engine.devices import Device, HostResources
 from fleet.enrolment import do_create_join_token, do_revoke_node
 from fleet.models import JoinToken, NodeCredential
@@ -95,6 +96,11 @@ def test_an_enrolment_with_a_bad_report_is_refused_and_spends_nothing() -> None:
     assert enrol(token)[0] == 201
 
 
+def beat(credential: str) -> int:
+    return as_node(credential).post("/node/v1/heartbeat", {"engines": []},
+                                    format="json").status_code
+
+
 def test_a_rotated_credential_replaces_the_old_one_once_it_is_used() -> None:
     _, body = enrol(join_token())
     old = body["credential"]
@@ -103,15 +109,39 @@ def test_a_rotated_credential_replaces_the_old_one_once_it_is_used() -> None:
     assert rotated.status_code == 201
     new = rotated.json()["credential"]
     # The answer may be lost on the way: until the new one is used, the old one still works.
-    assert as_node(old).post("/node/v1/heartbeat", {"engines": []}, format="json"
-                             ).status_code == 200
-    assert as_node(new).post("/node/v1/heartbeat", {"engines": []}, format="json"
-                             ).status_code == 200
+    assert beat(old) == 200
+    # Whoever else held the old one mints one of their own meanwhile...
+    minted = as_node(old).post("/node/v1/credential").json()["credential"]
 
+    assert beat(new) == 200
+    # ...and the new one's first use revokes both.
     refused = as_node(old).post("/node/v1/heartbeat", {"engines": []}, format="json")
     assert refused.status_code == 401
     assert "unknown or revoked" in refused.json()["error"]["message"]
+    assert beat(minted) == 401
     assert NodeCredential.objects.filter(revoked_at=None).count() == 1
+
+
+def test_a_node_holds_at_most_three_new_credentials_unused() -> None:
+    _, body = enrol(join_token())
+    node = as_node(body["credential"])
+
+    answers = [node.post("/node/v1/credential").status_code for _ in range(4)]
+
+    assert answers == [201, 201, 201, 409]
+    assert NodeCredential.objects.count() == 4
+    assert beat(body["credential"]) == 200  # refused a fourth, it keeps working
+
+
+def test_enrolling_a_node_anew_revokes_its_live_credentials() -> None:
+    _, first = enrol(join_token("gpu-1"))
+    assert beat(first["credential"]) == 200
+
+    status, second = enrol(join_token("gpu-1"))
+
+    assert status == 201
+    assert (beat(first["credential"]), beat(second["credential"])) == (401, 200)
+    assert Node.objects.count() == 1
 
 
 def test_a_revoked_node_is_refused_at_once_and_its_replicas_move(
@@ -120,9 +150,15 @@ def test_a_revoked_node_is_refused_at_once_and_its_replicas_move(
     node = Node.objects.get(name="gpu-1")
     replica = placed_replica(node)
 
+    spare = join_token("gpu-1")  # made before the revocation, never used
     with django_capture_on_commit_callbacks() as reconciles:
         assert do_revoke_node(node_id=node.id) == 1
     assert len(reconciles) == 1
+    # Settled at once: no gateway that reads its routes now finds the replica.
+    replica.refresh_from_db()
+    assert replica.state == State.STOPPED
+    [endpoint] = endpoints_for_gateway(organization_id=replica.endpoint.organization_id)
+    assert endpoint.ready_replicas == []
 
     refused = as_node(body["credential"]).post("/node/v1/heartbeat", {"engines": []},
                                                format="json")
@@ -135,15 +171,15 @@ def test_a_revoked_node_is_refused_at_once_and_its_replicas_move(
     assert Node.objects.get(id=node.id).state == NodeState.REVOKED
 
     reconcile_endpoint(endpoint_id=replica.endpoint_id)
-    replica.refresh_from_db()
-    assert replica.state == State.STOPPED
     assert replica.endpoint.events.filter(
         message__contains="node gpu-1 was revoked; rescheduling").exists()
     # Its replacement waits for another node: the revoked one takes none.
     replacement = replica.endpoint.replicas.exclude(id=replica.id).get()
     assert (replacement.state, replacement.node) == (State.PENDING, None)
 
-    # Only a new join token lets it back, with a new credential; the old one stays refused.
+    # Only a join token made after the revocation lets it back, with a new credential; the
+    # old credential stays refused.
+    assert enrol(spare)[0] == 403
     status, again = enrol(join_token("gpu-1"))
     assert status == 201
     assert Node.objects.get(id=node.id).state == NodeState.ONLINE
@@ -160,6 +196,10 @@ def node_resources(node: Node) -> HostResources:
 
 def test_the_console_makes_a_join_token_shown_once_and_revokes_a_node(client: Client) -> None:
     client.force_login(UserFactory(is_staff=True, is_superuser=True))
+    for name in ["gpu 9", "gpu/9"]:
+        refused = client.post("/admin/fleet/jointoken/add/", {"node_name": name, "minutes": 30})
+        assert refused.status_code == 200 and refused.context["adminform"].form.errors
+    assert not JoinToken.objects.exists()
     response = client.post("/admin/fleet/jointoken/add/", {"node_name": "gpu-9", "minutes": 30},
                            follow=True)
     assert response.status_code == 200

@@ -5,10 +5,10 @@ import pytest
 from rest_framework.test import APIClient
 
 from accounts.models import Organization
-from endpoints.models import Node, NodeState, Replica, State
+from endpoints.models import Node, NodeState, State
 from fleet.api import NodeRateThrottle
 from tests.factories import api_key
-from tests.fleet.helpers import as_node, enrolled, placed_replica
+from tests.fleet.helpers import as_node, enrolled, host, placed_replica
 
 pytestmark = pytest.mark.django_db
 
@@ -48,11 +48,15 @@ def test_users_and_api_keys_cannot_open_the_node_channel(owner_api: APIClient,
     keyed = APIClient()
     keyed.credentials(HTTP_AUTHORIZATION=f"Bearer {secret}")
 
-    for client in [owner_api, keyed, APIClient()]:
-        response = client.post("/node/v1/heartbeat", {"engines": []}, format="json")
-        assert response.status_code in {401, 403}
-    assert Node.objects.get(name="gpu-1").state == NodeState.ONLINE
-    assert not Replica.objects.exists()
+    heard = Node.objects.get(name="gpu-1").last_heartbeat_at
+
+    answers = [client.post("/node/v1/heartbeat", {"engines": []}, format="json")
+               for client in [owner_api, keyed, APIClient()]]
+
+    assert [(answer.status_code, answer.json()["error"]["type"]) for answer in answers] == [
+        (403, "permission_denied"), (401, "authentication_failed"),
+        (401, "not_authenticated")]
+    assert Node.objects.get(name="gpu-1").last_heartbeat_at == heard
 
 
 def test_a_node_that_calls_too_often_is_slowed_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,3 +69,35 @@ def test_a_node_that_calls_too_often_is_slowed_alone(monkeypatch: pytest.MonkeyP
 
     assert answers[:limit] == [200] * limit and answers[limit] == 429
     assert quiet.post("/node/v1/heartbeat", {"engines": []}, format="json").status_code == 200
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"address": "127.0.0.1"}, "address"),  # loopback, from another host
+    ({"address": "169.254.169.254"}, "address"),  # link-local: a cloud's metadata service
+    ({"address": "0.0.0.0"}, "address"),
+    ({"resources": {**host()["resources"], "cpu_count": 2**31}}, "resources"),
+    ({"resources": {**host()["resources"], "devices": [
+        {"index": 40000, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 1}]}}, "resources"),
+    ({"resources": {**host()["resources"], "devices": [
+        {"index": 0, "name": "NVIDIA H100 80GB HBM3", "memory_bytes": 1}] * 2}}, "resources"),
+    ({"model_cache_bytes": 2**63}, "model_cache_bytes"),
+])
+def test_a_node_s_report_out_of_bounds_is_refused(change: dict, field: str) -> None:
+    node = as_node(enrolled("gpu-1"))
+    before = Node.objects.values().get(name="gpu-1")
+
+    response = node.post("/node/v1/register", {**host(), **change}, format="json",
+                         REMOTE_ADDR="10.0.0.7")
+
+    assert response.status_code == 400
+    assert field in response.json()["error"]["fields"]
+    assert Node.objects.values().get(name="gpu-1") == before
+
+
+def test_a_node_on_the_control_plane_s_host_may_listen_on_loopback() -> None:
+    response = as_node(enrolled("gpu-1")).post("/node/v1/register",
+                                               {**host(), "address": "127.0.0.1"},
+                                               format="json", REMOTE_ADDR="127.0.0.1")
+
+    assert response.status_code == 200
+    assert Node.objects.get(name="gpu-1").address == "127.0.0.1"

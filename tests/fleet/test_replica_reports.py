@@ -3,7 +3,6 @@ needs, the steps of its start and stop, failures, progress, samples, and the sec
 files it needs only while it fetches them. Another node's replica is a 404 everywhere."""
 
 from datetime import timedelta
-from uuid import uuid4
 
 import pytest
 from django.utils import timezone
@@ -44,12 +43,13 @@ def test_the_start_spec_carries_what_the_engine_needs_and_its_key(credential: st
     spec = response.json()
     assert spec["engine_key"] == engine_api_key(replica.id)
     assert (spec["state"], spec["device_indices"]) == ("starting", [0, 1])
-    assert spec["endpoint"] | {"id": None, "organization": None} == {
-        "id": None, "organization": None, "name": "chat", "device": "gpu", "gpu_count": 2,
-        "context_length": 8192, "concurrency": 8, "kv_cache_dtype": "auto",
-        "prefix_caching": True, "host_tier_gib": 0, "disk_tier_gib": 0,
-        "cpu_kv_cache_bytes": spec["endpoint"]["cpu_kv_cache_bytes"], "lora_adapters": 0,
-        "lora_max_rank": spec["endpoint"]["lora_max_rank"], "lora_host_adapters": 0}
+    endpoint = replica.endpoint
+    assert spec["endpoint"] == {
+        "id": str(endpoint.id), "organization": str(endpoint.organization_id), "name": "chat",
+        "device": "gpu", "gpu_count": 2, "context_length": 8192, "concurrency": 8,
+        "kv_cache_dtype": "auto", "prefix_caching": True, "host_tier_gib": 0,
+        "disk_tier_gib": 0, "cpu_kv_cache_bytes": 2**30, "lora_adapters": 0,
+        "lora_max_rank": endpoint.lora_max_rank, "lora_host_adapters": 0}
     assert spec["model"]["slug"] == "llama-3.1-8b-instruct" and spec["model"]["catalog"]
     listed = as_node(credential).get("/node/v1/replicas").json()["replicas"]
     assert [(item["id"], item["state"]) for item in listed] == [(str(replica.id), "starting")]
@@ -122,25 +122,35 @@ def test_a_failure_keeps_the_engine_s_last_lines(credential: str, replica: Repli
     assert refused.status_code == 403
 
 
-def test_another_node_s_replica_is_not_found_anywhere(replica: Replica) -> None:
-    thief = as_node(enrolled("gpu-2"))
-    Replica.objects.filter(id=replica.id).update(state=State.DOWNLOADING)
-    attempts = [
-        thief.get(url(replica)),
-        thief.post(url(replica, "move"), {"from_states": ["downloading"], "to_state": "loading",
-                                          "message": "", "port": 9}, format="json"),
-        thief.post(url(replica, "failure"), {"from_states": ["downloading"], "reason": "x",
-                                             "log_tail": ""}, format="json"),
-        thief.post(url(replica, "hub-token"), {}, format="json"),
-        thief.post(url(replica, "pin"), {}, format="json"),
-        thief.get(url(replica, "adapters")),
-        thief.get(f"/node/v1/replicas/{uuid4()}"),
-    ]
+REPLICA_ROUTES = [
+    ("get", ""), ("post", "move"), ("post", "failure"), ("post", "progress"), ("post", "pid"),
+    ("post", "log"), ("post", "events"), ("get", "adapters"), ("post", "adapters"),
+    ("get", "adapters/1/files/adapter_config.json"), ("post", "hub-token"), ("post", "pin"),
+    ("post", "certificate"),
+]
 
-    assert [response.status_code for response in attempts] == [404] * len(attempts)
+
+def test_every_replica_route_is_scoped_to_the_node() -> None:
+    from fleet.urls import urlpatterns
+
+    routes = {str(pattern.pattern).removeprefix("replicas/<uuid:replica_id>").lstrip("/")
+              for pattern in urlpatterns if "<uuid:replica_id>" in str(pattern.pattern)}
+    assert routes == {path.replace("1/files/adapter_config.json",
+                                   "<int:adapter_id>/files/<path:path>")
+                      for _, path in REPLICA_ROUTES}
+
+
+@pytest.mark.parametrize("method, step", REPLICA_ROUTES)
+def test_another_node_s_replica_is_not_found(replica: Replica, method: str, step: str) -> None:
+    thief = as_node(enrolled("gpu-2"))
+    Replica.objects.filter(id=replica.id).update(state=State.READY, port=8001)
+    before = Replica.objects.values().get(id=replica.id)
+
+    response = getattr(thief, method)(url(replica, step), {}, format="json")
+
+    assert response.status_code == 404
+    assert Replica.objects.values().get(id=replica.id) == before
     assert thief.get("/node/v1/replicas").json() == {"replicas": []}
-    replica.refresh_from_db()
-    assert (replica.state, replica.port) == (State.DOWNLOADING, None)
 
 
 def test_a_hub_token_is_given_only_while_the_replica_downloads(credential: str,
@@ -196,7 +206,7 @@ def test_samples_are_kept_for_the_node_s_own_replicas_only(credential: str,
                                     format="json")
     stolen = thief.post("/node/v1/samples", {"samples": [sample(replica)]}, format="json")
 
-    assert (mine.json(), stolen.json()) == ({"stored": 1}, {"stored": 0})
+    assert (mine.json(), stolen.json()) == ({"kept": 1}, {"kept": 0})
     assert list(EngineSample.objects.values_list("replica_id", "prefix_hits")) == [
         (replica.id, 128)]
 
@@ -259,3 +269,101 @@ def test_a_hub_adapter_s_token_is_given_while_the_replica_serves_adapters(
         "token": "hf_adapter"}
     assert agent.post(url(replica, "hub-token"), {"adapter": "1"}, format="json"
                       ).status_code == 400
+
+
+def test_a_download_s_time_is_the_control_plane_s_own(credential: str,
+                                                       replica: Replica) -> None:
+    agent = as_node(credential)
+    assert agent.post(url(replica, "move"), {"from_states": ["starting"],
+                                             "to_state": "downloading", "message": "fetching"},
+                      format="json").json() == {"moved": True}
+    claimed = agent.post(url(replica, "move"), {
+        "from_states": ["downloading"], "to_state": "loading", "message": "", "port": 8123,
+        "download_seconds": 1e300}, format="json")
+    assert claimed.status_code == 400  # not a field an agent sets
+
+    moved = agent.post(url(replica, "move"), {"from_states": ["downloading"],
+                                              "to_state": "loading", "message": "",
+                                              "port": 8123}, format="json")
+
+    assert moved.json() == {"moved": True}
+    replica.refresh_from_db()
+    assert replica.download_seconds is not None and 0 <= replica.download_seconds < 60
+
+
+@pytest.mark.parametrize("step, body", [
+    ("move", {"from_states": ["starting"], "to_state": "loading", "message": "",
+              "policy_version": 2**31}),
+    ("move", {"from_states": ["loading"], "to_state": "ready", "message": "",
+              "kv_cache_tokens": 2**60}),
+    ("move", {"from_states": ["starting"], "to_state": "loading", "message": "a\x00b"}),
+    ("pid", {"pid": 2**31}),
+    ("log", {"log_tail": "x" * (64 * 1024 + 1)}),
+    ("events", {"message": "x" * 501}),
+    ("hub-token", {"adapter": "1"}),
+    ("hub-token", {"adapter": 1, "rogue": True}),
+])
+def test_bodies_out_of_bounds_are_refused_and_change_nothing(
+        credential: str, replica: Replica, step: str, body: dict) -> None:
+    before = Replica.objects.values().get(id=replica.id)
+
+    response = as_node(credential).post(url(replica, step), body, format="json")
+
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request"
+    assert Replica.objects.values().get(id=replica.id) == before
+
+
+def test_a_node_tells_a_tenant_nothing_of_a_replica_it_does_not_run(
+        credential: str, replica: Replica) -> None:
+    agent = as_node(credential)
+    events = replica.endpoint.events.count()
+    Replica.objects.filter(id=replica.id).update(state=State.STOPPED)
+
+    refused = agent.post(url(replica, "events"), {"message": "Visit evil.example"},
+                         format="json")
+
+    assert refused.status_code == 403
+    assert replica.endpoint.events.count() == events
+    Replica.objects.filter(id=replica.id).update(state=State.READY)
+    assert agent.post(url(replica, "events"), {"message": "KV tier self-test passed"},
+                      format="json").status_code == 204
+    assert replica.endpoint.events.count() == events + 1
+
+
+def test_another_endpoint_s_adapters_are_out_of_reach(credential: str,
+                                                      replica: Replica) -> None:
+    elsewhere = placed_replica(Node.objects.get(name="gpu-1"))
+    hub_adapter = Adapter.objects.create(
+        endpoint=elsewhere.endpoint, name="theirs", source=AdapterSource.HUB, rank=8,
+        hf_repo="other/legal", hf_commit="c" * 40, hf_token_sealed=seal("hf_theirs"),
+        size_bytes=2)
+    upload = Adapter.objects.create(
+        endpoint=elsewhere.endpoint, name="secret", source=AdapterSource.UPLOAD, rank=8,
+        files=[{"path": "adapter_config.json", "size": 2, "sha256": "x"}], size_bytes=2)
+    AdapterFile.objects.create(adapter=upload, path="adapter_config.json", content=b"{}",
+                               sha256="x")
+    Replica.objects.filter(id=replica.id).update(state=State.READY)
+    agent = as_node(credential)
+
+    token = agent.post(url(replica, "hub-token"), {"adapter": hub_adapter.id}, format="json")
+    file = agent.get(url(replica, f"adapters/{upload.id}/files/adapter_config.json"))
+    nul = agent.get(url(replica, f"adapters/{upload.id}/files/a%00b"))
+
+    assert (token.status_code, file.status_code, nul.status_code) == (403, 404, 404)
+    assert "hf_theirs" not in token.content.decode()
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"at": "2000-01-01T00:00:00Z"}, "more than five minutes"),
+    ({"ttft_buckets": {"abc": 1.0}}, "a number, or +Inf"),
+    ({"ttft_buckets": {"1\x00": 1.0}}, ""),
+])
+def test_sample_times_and_bucket_bounds_are_checked(credential: str, replica: Replica,
+                                                    fields: dict, says: str) -> None:
+    response = as_node(credential).post("/node/v1/samples", {
+        "samples": [sample(replica, **fields)]}, format="json")
+
+    assert response.status_code == 400
+    assert says in response.json()["error"]["message"]
+    assert not EngineSample.objects.exists()

@@ -7,7 +7,7 @@ from fleet.enrolment import JOIN_TOKEN_LIFETIME, do_create_join_token
 
 class Command(BaseCommand):
     help = ("Make a one-time join token for the node NAME and print it: the node's agent "
-            "enrols with it (KVRUN_JOIN_TOKEN) and gets a credential of its own.")
+            "exchanges it at /node/v1/enrol for a credential of its own.")
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="The node's name (a host name).")

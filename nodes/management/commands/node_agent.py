@@ -4,12 +4,12 @@ from typing import Any
 
 from celery.signals import worker_shutting_down
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections
 
 from engine import build, devices
 from engine.sizing import CPU, GIB, GPU
-from fleet.reports import do_record_node_build, do_register_node
+from fleet.reports import NodeRevoked, do_record_node_build, do_register_node
 from kvrun.celery import app
 from nodes import weights
 from nodes.agent import (
@@ -44,7 +44,10 @@ class Command(BaseCommand):
         registration: dict[str, Any] = {
             "resources": resources, "address": address,
             "model_cache_bytes": settings.KVRUN_MODEL_CACHE_GIB * GIB}
-        node = do_register_node(name=name, **registration)
+        try:
+            node = do_register_node(name=name, **registration)
+        except NodeRevoked as exc:
+            raise CommandError(f"{exc}; this agent stops") from exc
         weights.report(name)
         # The vLLM build's architectures take seconds to read (once per version): the node
         # takes replicas meanwhile, and adding a model waits for them.
@@ -105,6 +108,10 @@ class Command(BaseCommand):
                 if not agent.beat():  # row removed, or catalog type missing
                     do_register_node(name=agent.name, **registration)
                     agent.beat()
+            except NodeRevoked as exc:  # an operator's decision: said once; no beat helps
+                self.stderr.write(f"{exc}; its engines are no longer routed to, and it sends "
+                                  "no more heartbeats")
+                return
             except Exception:  # a database blip must not kill the agent; the next beat retries
                 self.stderr.write("heartbeat failed; retrying at the next interval")
             finally:
