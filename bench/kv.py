@@ -68,14 +68,16 @@ MODEL = "kvrun-bench-prefill"
 CORES_PER_ENGINE = 1
 CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
-TENANTS, QUESTIONS = 16, 6
+TENANTS, QUESTIONS = 32, 8
 ROUNDS = 3  # of each routing, taking turns
-# Each document makes its prompts share six whole 128-token blocks of the CPU engine (768 of
+# Each document makes its prompts share four whole 128-token blocks of the CPU engine (512 of
 # the demo tokenizer's tokens) and a few tokens more, so that a question stays within the next
-# block: a request then caches no block of its own, which would push documents out. The 16
-# documents overflow one replica's 8,192 tokens by half, and the ring's split of them fits
-# two however uneven (up to 10 of 16 on one).
-BLOCK_TOKENS, SHARED_BLOCKS = 128, 6
+# block: a request then caches no block of its own, which would push documents out. The 32
+# documents are twice one replica's 8,192 tokens: under affinity each replica's share about
+# fills its cache, while least-loaded keeps every document on both and so holds half of
+# them. Many small documents rather than a few large ones keep the ring's split of them
+# near even, and eight questions each let a cached document be reused.
+BLOCK_TOKENS, SHARED_BLOCKS = 128, 4
 # A conversation's shared prefix: with six turns its last prompt stays within the context.
 SYSTEM_WORDS = 160
 PREFILL_TOKENS = 2000  # the prompt whose prefill is timed, as token ids
