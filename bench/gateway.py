@@ -128,7 +128,8 @@ def main() -> int:
     seed.ready_endpoint(organization, "minimal", [upstream_port])
     engine_endpoint = seed.ready_endpoint(organization, "engine", [engine_port])
     model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / "kvrun-demo-tiny"))
-    engine_key = engine_api_key(engine_endpoint.replicas.get().id)
+    engine_replica = engine_endpoint.replicas.get()
+    engine_key = engine_api_key(replica_id=engine_replica.id, node_id=engine_replica.node_id)
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="engine",
                                  port=engine_port, max_model_len=2048, max_num_seqs=8,
                                  device=CPU, api_key=engine_key)

@@ -266,8 +266,9 @@ class Counters:
             pass
         engine, metered = {}, {}
         for replica in self.replicas:
+            key = engine_api_key(replica_id=replica.id, node_id=replica.node_id)
             answer = httpx.get(f"http://127.0.0.1:{replica.port}/metrics", timeout=60,
-                               headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"})
+                               headers={"Authorization": f"Bearer {key}"})
             engine[replica.id] = metrics.snapshot(answer.text).prefix_hits
             metered[replica.id] = UsageRecord.objects.filter(replica=replica).aggregate(
                 hits=Sum("cached_tokens"))["hits"] or 0

@@ -310,5 +310,6 @@ class Certificate(ReplicaView):
             raise exceptions.ValidationError({"signing_request": [str(exc)]}) from exc
         return Response({"certificate": signed,
                          "authority": certificates.authority_certificate_pem(),
-                         "host_name": certificates.replica_host_name(replica_id=replica_id)},
+                         "host_name": certificates.replica_host_name(
+                             replica_id=replica_id, node_id=self.node.id)},
                         status=status.HTTP_201_CREATED)

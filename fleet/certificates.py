@@ -1,11 +1,12 @@
 """TLS for the gateway's traffic to engines: the control plane's certificate authority, and
 the certificate it signs for each replica's engine.
 
-A replica's certificate names the replica, not the host (replica_host_name): a client that
-asks for that name when it connects (as the gateway is to) reaches that replica's engine
-only, and no other engine on the node, whatever port it takes, can stand in for it. The
-engine's key is made on its node and never leaves it: the node sends a signing request, and
-only the name and usages the control plane sets go into the certificate.
+A replica's certificate names the replica on its node, not the host (replica_host_name): a
+client that asks for that name when it connects (as the gateway is to) reaches that
+replica's engine only, and no other engine on the node, whatever port it takes, can stand
+in for it. The engine's key is made on its node and never leaves it: the node sends a
+signing request, and only the name and usages the control plane sets go into the
+certificate.
 """
 
 import functools
@@ -34,9 +35,11 @@ class SigningRefused(ValueError):
     """A signing request that is not a valid request for an acceptable key."""
 
 
-def replica_host_name(*, replica_id: UUID | str) -> str:
-    """The name a replica's engine certificate carries and the gateway asks for."""
-    return f"{replica_id}.{REPLICA_DOMAIN}"
+def replica_host_name(*, replica_id: UUID | str, node_id: int) -> str:
+    """The name a replica's engine certificate carries, on node `node_id`: a replica that
+    restarts on another node after a failure keeps its id, and the node it left must hold
+    no certificate for its new place."""
+    return f"{replica_id}.node-{node_id}.{REPLICA_DOMAIN}"
 
 
 def _get_or_create_authority() -> CertificateAuthority:
@@ -100,14 +103,16 @@ def do_sign_engine_certificate(*, replica: Replica, request_pem: str) -> str:
             or isinstance(public_key, rsa.RSAPublicKey) and public_key.key_size >= 2048):
         raise SigningRefused(
             "The key must be EC on P-256, P-384 or P-521, or RSA of 2048 bits or more.")
-    replica_id = replica.id
+    assert replica.node_id is not None  # being started: placed on a node
     authority = _get_or_create_authority()
     issuer = x509.load_pem_x509_certificate(authority.certificate_pem.encode())
     now = timezone.now()
-    name = replica_host_name(replica_id=replica_id)
+    name = replica_host_name(replica_id=replica.id, node_id=replica.node_id)
     certificate = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        # The name is in the alternative names, where clients look; a common name holds
+        # 64 characters at most, fewer than it has.
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvrun engine")]))
         .issuer_name(issuer.subject).public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - timedelta(minutes=5))

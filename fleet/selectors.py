@@ -53,12 +53,13 @@ def replica_spec(*, replica: Replica) -> dict[str, Any]:
     """Everything the replica's agent needs to start its engine, its key included (derived
     here: the pepper never leaves the control plane)."""
     endpoint = replica.endpoint
+    assert replica.node_id is not None  # node_replica found it on the calling node
     return {
         "id": str(replica.id),
         "state": replica.state,
         "policy_version": endpoint.policy_version,
         "device_indices": list(replica.device_indices),
-        "engine_key": engine_api_key(replica.id),
+        "engine_key": engine_api_key(replica_id=replica.id, node_id=replica.node_id),
         "endpoint": {
             "id": str(endpoint.id), "name": endpoint.name,
             "organization": str(endpoint.organization_id),

@@ -94,6 +94,7 @@ class Route:
 class _ReplicaRow:
     replica_id: str
     base_url: str
+    authorization: str
     adapters: tuple[str, ...] = ()
 
 
@@ -127,10 +128,11 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
                       starting_since=min(starting, default=None))
         # Prefetched by endpoints_for_gateway, to an attribute the model does not declare.
         ready = endpoint.ready_replicas  # type: ignore[attr-defined]
-        replicas = tuple(_ReplicaRow(replica_id=str(replica.id),
-                                     base_url=_base_url(replica.node.address, replica.port),
-                                     adapters=tuple(replica.adapters))
-                         for replica in ready)
+        replicas = tuple(_ReplicaRow(
+            replica_id=str(replica.id), base_url=_base_url(replica.node.address, replica.port),
+            authorization="Bearer " + engine_api_key(replica_id=replica.id,
+                                                     node_id=replica.node_id),
+            adapters=tuple(replica.adapters)) for replica in ready)
         rows.append((route, replicas))
         for adapter in endpoint.adapters.all():
             rows.append((replace(route, name=f"{endpoint.name}:{adapter.name}",
@@ -216,11 +218,12 @@ class Directory:
         upstreams = []
         for replica in replicas:
             upstream = self._upstreams.get(replica.replica_id)
-            if upstream is None or upstream.base_url != replica.base_url:
+            if upstream is None or (upstream.base_url, upstream.authorization) != (
+                    replica.base_url, replica.authorization):
                 if len(self._upstreams) >= MAX_REMEMBERED_UPSTREAMS:
                     self._upstreams.clear()
                 upstream = Upstream(replica_id=replica.replica_id, base_url=replica.base_url,
-                                    authorization=f"Bearer {engine_api_key(replica.replica_id)}")
+                                    authorization=replica.authorization)
                 self._upstreams[replica.replica_id] = upstream
             upstreams.append(upstream)
         return replace(route, upstreams=tuple(upstreams), ring=Ring.of(upstreams))

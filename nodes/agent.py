@@ -172,7 +172,7 @@ class NodeAgent:
         endpoint = replica.endpoint
         if not endpoint.lora_adapters:
             return
-        api_key = engine_api_key(replica.id)
+        api_key = engine_api_key(replica_id=replica.id, node_id=replica.node_id)
         with self._lock:
             lock = self._adapter_locks.setdefault(str(replica.id), threading.Lock())
         with lock:  # one change of this engine's adapters at a time; other replicas go on
@@ -464,7 +464,7 @@ def spec_for(replica: Replica, port: int) -> supervisor.EngineSpec:
         # Endpoints sized before the exact budget had a whole GiB.
         cpu_kv_cache_bytes=endpoint.sizing.get("cpu_kv_cache_bytes") or GIB,
         device_indices=tuple(replica.device_indices),
-        api_key=engine_api_key(replica.id),
+        api_key=engine_api_key(replica_id=replica.id, node_id=replica.node_id),
         owner=owner(replica.node.name),
         replica=str(replica.id),
         lora_adapters=endpoint.lora_adapters,
@@ -497,7 +497,8 @@ def _drain(replica: Replica) -> None:
     time.sleep(min(settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS + ROUTE_MARGIN_SECONDS,
                    settings.KVRUN_ENGINE_DRAIN_SECONDS))
     while time.monotonic() < deadline and replica.port:
-        busy = _read_metrics(replica.id, replica.node.address, replica.port)
+        busy = _read_metrics(replica.id, replica.node.address, replica.port,
+                             engine_api_key(replica_id=replica.id, node_id=replica.node.id))
         if busy is None or busy.running + busy.waiting == 0:
             return
         time.sleep(0.5)
@@ -532,32 +533,33 @@ def scrape(*, name: str) -> int:
     whose answer is late or too large (_read_one) is left out this time. Returns how many
     samples were stored."""
     ready = list(Replica.objects.filter(node__name=name, state=State.READY).values_list(
-        "id", "endpoint_id", "node__address", "port"))
-    read = asyncio.run(_read_all([(replica_id, address, port)
-                                  for replica_id, _, address, port in ready]))
+        "id", "endpoint_id", "node__address", "port", "node_id"))
+    read = asyncio.run(_read_all([
+        (replica_id, address, port, engine_api_key(replica_id=replica_id, node_id=node_id))
+        for replica_id, _, address, port, node_id in ready]))
     return do_record_engine_samples(samples=[
         (replica_id, endpoint_id, at, snapshot)
-        for (replica_id, endpoint_id, _, _), (snapshot, at) in zip(ready, read, strict=True)
+        for (replica_id, endpoint_id, *_), (snapshot, at) in zip(ready, read, strict=True)
         if snapshot is not None])
 
 
-def _read_metrics(replica_id: UUID | str, address: str, port: int
+def _read_metrics(replica_id: UUID | str, address: str, port: int, api_key: str
                   ) -> metrics.EngineSnapshot | None:
     """One engine's /metrics now, as _read_one reads it."""
-    return asyncio.run(_read_all([(replica_id, address, port)]))[0][0]
+    return asyncio.run(_read_all([(replica_id, address, port, api_key)]))[0][0]
 
 
-async def _read_all(engines: list[tuple[UUID | str, str, int]]
+async def _read_all(engines: list[tuple[UUID | str, str, int, str]]
                     ) -> list[tuple[metrics.EngineSnapshot | None, datetime]]:
     """Each engine's /metrics (None where _read_one gives none) and when it was read, at
     most SCRAPE_MOST_ENGINES_AT_ONCE at a time."""
     at_once = asyncio.Semaphore(SCRAPE_MOST_ENGINES_AT_ONCE)
     async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS) as client:
-        async def read(replica_id: UUID | str, address: str, port: int
+        async def read(replica_id: UUID | str, address: str, port: int, api_key: str
                        ) -> tuple[metrics.EngineSnapshot | None, datetime]:
             async with at_once:
                 try:
-                    snapshot = await _read_one(client, replica_id, address, port)
+                    snapshot = await _read_one(client, replica_id, address, port, api_key)
                 except Exception:  # one engine's answer never costs the others their samples
                     logger.exception("the /metrics of replica %s could not be read", replica_id)
                     snapshot = None
@@ -565,8 +567,8 @@ async def _read_all(engines: list[tuple[UUID | str, str, int]]
         return await asyncio.gather(*(read(*engine) for engine in engines))
 
 
-async def _read_one(client: httpx.AsyncClient, replica_id: UUID | str, address: str, port: int
-                    ) -> metrics.EngineSnapshot | None:
+async def _read_one(client: httpx.AsyncClient, replica_id: UUID | str, address: str, port: int,
+                    api_key: str) -> metrics.EngineSnapshot | None:
     """The engine's /metrics now. None when it does not answer, or not as Prometheus text,
     or when its whole answer, headers included, takes more than SCRAPE_TIMEOUT_SECONDS, is
     larger than SCRAPE_MOST_BYTES, or comes compressed (a small body can unpack to any
@@ -575,7 +577,7 @@ async def _read_one(client: httpx.AsyncClient, replica_id: UUID | str, address: 
     try:
         async with asyncio.timeout(SCRAPE_TIMEOUT_SECONDS), client.stream(
                 "GET", f"http://{address}:{port}/metrics",
-                headers={"Authorization": f"Bearer {engine_api_key(replica_id)}",
+                headers={"Authorization": f"Bearer {api_key}",
                          "Accept-Encoding": "identity"}) as response:
             response.raise_for_status()
             if response.headers.get("content-encoding", "identity") != "identity":

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
@@ -113,6 +113,14 @@ def at_once(*calls: Callable[[], T]) -> list[T]:
     if errors:
         raise errors[0]
     return [results[index] for index in range(len(calls))]
+
+
+def engine_headers(replica: Any) -> dict[str, str]:
+    """What a replica's engine demands of a caller: its key, as a gateway sends it."""
+    from kvrun.common.digests import engine_api_key
+
+    return {"Authorization": "Bearer " + engine_api_key(replica_id=replica.id,
+                                                        node_id=replica.node_id)}
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.2) -> bool:

@@ -1,6 +1,6 @@
 """Every HMAC kvrun keys with its pepper (KVRUN_KEY_PEPPER), in one place.
 
-Each use hashes a message of its own shape (a `kvr_` secret, `engine:<replica>`,
+Each use hashes a message of its own shape (a `kvr_` secret, `engine:<replica>:node:<id>`,
 `playground:<key>`, `cache-salt:<organisation>`), so no value of one kind can stand for
 another.
 """
@@ -23,10 +23,12 @@ def secret_digest(secret: str) -> str:
     return _keyed(secret)
 
 
-def engine_api_key(replica_id: UUID | str) -> str:
-    """The key a replica's engine demands; derived, so that the node agent that starts the
-    engine and every gateway that calls it agree on it and nothing stores it."""
-    return _keyed(f"engine:{replica_id}")
+def engine_api_key(*, replica_id: UUID | str, node_id: int) -> str:
+    """The key a replica's engine on node `node_id` demands; derived, so that the node agent
+    that starts the engine and every gateway that calls it agree on it and nothing stores it.
+    The node is part of it: a replica that restarts on another node after a failure keeps its
+    id, and the node it left must not know the key it serves with now."""
+    return _keyed(f"engine:{replica_id}:node:{node_id}")
 
 
 def playground_secret(key_id: UUID | str) -> str:

@@ -15,11 +15,17 @@ from bench.hub_server import Hub
 from endpoints.models import Adapter, Endpoint, Node, Replica, State
 from endpoints.services import do_add_adapter_from_hub, do_add_adapter_from_upload
 from engine import demo_model, lora
-from kvrun.common.digests import engine_api_key
 from nodes.weights import DEMO_SLUG
 from tests.e2e.test_provisioning import delete_and_settle
 from tests.factories import inference_key
-from tests.helpers import ENGINE_READY_WITHIN, drive, records_for, story_of, wait_until
+from tests.helpers import (
+    ENGINE_READY_WITHIN,
+    drive,
+    engine_headers,
+    records_for,
+    story_of,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -112,7 +118,7 @@ def test_adapters_answer_apart_arrive_without_a_restart_on_every_replica_metered
                             ).status_code == 204
     assert wait_until(lambda: serves(replica, ["b"]), 30)
     listed = httpx.get(f"http://127.0.0.1:{replica.port}/v1/models",
-                       headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"})
+                       headers=engine_headers(replica))
     assert [model["id"] for model in listed.json()["data"]] == ["tuned", "tuned:b"]
     assert wait_until(lambda: answer(web, secret, "tuned:a").status_code == 404, 30)
     assert not Adapter.objects.filter(name="a").exists()

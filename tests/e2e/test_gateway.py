@@ -34,9 +34,17 @@ from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
 from engine.metrics import engine_token_totals, totals
 from engine.processes import free_port
-from kvrun.common.digests import engine_api_key
 from tests.factories import UserFactory, inference_key
-from tests.helpers import PATIENT, api_servers, drive, records_for, start_web, stop, wait_until
+from tests.helpers import (
+    PATIENT,
+    api_servers,
+    drive,
+    engine_headers,
+    records_for,
+    start_web,
+    stop,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -57,8 +65,7 @@ class Served:
 
     def engine_metrics(self) -> str:
         replica = Replica.objects.get(endpoint=self.endpoint, state=State.READY)
-        return httpx.get(f"{self.engine}/metrics", headers={
-            "Authorization": f"Bearer {engine_api_key(replica.id)}"}).text
+        return httpx.get(f"{self.engine}/metrics", headers=engine_headers(replica)).text
 
 
 @pytest.fixture(scope="module")

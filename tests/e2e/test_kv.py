@@ -31,7 +31,7 @@ from endpoints.services import (
 from engine.metrics import totals
 from gateway.affinity import Ring, prefix_key
 from gateway.directory import Upstream
-from kvrun.common.digests import cache_salt, engine_api_key
+from kvrun.common.digests import cache_salt
 from telemetry.models import EngineSample
 from tests.factories import UserFactory, api_key, inference_key
 from tests.helpers import (
@@ -40,6 +40,7 @@ from tests.helpers import (
     WEB_METRICS_TOKEN,
     api_servers,
     drive,
+    engine_headers,
     records_for,
     story_of,
     wait_until,
@@ -72,7 +73,7 @@ class Pair:
         for replica in Replica.objects.filter(endpoint=self.endpoint, state=State.READY):
             text = httpx.get(
                 f"http://127.0.0.1:{replica.port}/metrics", timeout=ANSWER_WITHIN,
-                headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"}).text
+                headers=engine_headers(replica)).text
             found[replica.id] = totals(text)["vllm:prefix_cache_hits_total"]
         return found
 

@@ -21,8 +21,7 @@ from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.planning import shape_of
 from engine.processes import port_is_free
 from engine.sizing import kv_cache_tokens
-from kvrun.common.digests import engine_api_key
-from tests.helpers import api_servers, drive, process_alive, wait_until
+from tests.helpers import api_servers, drive, engine_headers, process_alive, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -58,7 +57,7 @@ def delete_and_settle(api: APIClient, org: Organization, name: str) -> None:
 
 def complete(replica: Replica, name: str) -> httpx.Response:
     return httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions", timeout=30,
-                      headers={"Authorization": f"Bearer {engine_api_key(replica.id)}"},
+                      headers=engine_headers(replica),
                       json={"model": name, "prompt": "Hello, world!", "max_tokens": 5})
 
 
@@ -86,7 +85,7 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
                          ("GET", "/v1/models")]:
         refused = httpx.request(method, f"{engine}{path}", json={"model": "chat", "prompt": "x"})
         assert refused.status_code == 401, (path, refused.status_code)
-    key = {"Authorization": f"Bearer {engine_api_key(replica.id)}"}
+    key = engine_headers(replica)
     assert httpx.get(f"{engine}/metrics", headers=key).status_code == 200
     assert httpx.post(f"{engine}/tokenize", headers=key,
                       json={"model": "chat", "prompt": "x"}).status_code == 200

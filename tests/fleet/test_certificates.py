@@ -80,7 +80,7 @@ def test_an_engine_certificate_names_its_replica_and_verifies_through_the_author
 
     assert response.status_code == 201
     body = response.json()
-    assert body["host_name"] == f"{replica.id}.replicas.kvrun.internal"
+    assert body["host_name"] == f"{replica.id}.node-{replica.node_id}.replicas.kvrun.internal"
     certificate = x509.load_pem_x509_certificate(body["certificate"].encode())
     # The name is the control plane's choice, not the request's.
     names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
@@ -102,7 +102,8 @@ def test_a_certificate_for_one_replica_does_not_pass_for_another(
 
     port = served_once(tmp_path, key, body["certificate"])
     with pytest.raises(ssl.SSLCertVerificationError, match="Hostname mismatch"):
-        handshake(port, body["authority"], f"{other.id}.replicas.kvrun.internal")
+        handshake(port, body["authority"],
+                  f"{other.id}.node-{other.node_id}.replicas.kvrun.internal")
 
 
 def test_a_certificate_the_authority_did_not_sign_is_refused(
@@ -111,8 +112,8 @@ def test_a_certificate_the_authority_did_not_sign_is_refused(
         "signing_request": signing_request(ec.generate_private_key(ec.SECP256R1()))},
         format="json").json()["authority"]
     key = ec.generate_private_key(ec.SECP256R1())
-    name = f"{replica.id}.replicas.kvrun.internal"
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    name = f"{replica.id}.node-{replica.node_id}.replicas.kvrun.internal"
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvrun engine")])
     forged = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject)
               .public_key(key.public_key()).serial_number(1)
               .not_valid_before(x509.load_pem_x509_certificate(

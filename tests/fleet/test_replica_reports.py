@@ -41,7 +41,7 @@ def test_the_start_spec_carries_what_the_engine_needs_and_its_key(credential: st
 
     assert response.status_code == 200
     spec = response.json()
-    assert spec["engine_key"] == engine_api_key(replica.id)
+    assert spec["engine_key"] == engine_api_key(replica_id=replica.id, node_id=replica.node_id)
     assert (spec["state"], spec["device_indices"]) == ("starting", [0, 1])
     endpoint = replica.endpoint
     assert spec["endpoint"] == {

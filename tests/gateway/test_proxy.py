@@ -16,9 +16,9 @@ from accounts.models import APIKey, Organization
 from billing.models import UsageRecord
 from endpoints.models import Endpoint, ModelSpec
 from engine.processes import free_port
-from kvrun.common.digests import engine_api_key
 from tests.factories import inference_key, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, documented_cache_salt, events, received, stored
+from tests.helpers import engine_headers
 from tests.stub_upstream import LONG_EVENT_TEXT_BYTES
 
 # e2e: the stand-in engines are processes of their own.
@@ -40,7 +40,7 @@ def test_it_proxies_a_completion_and_records_its_usage(
     [sent] = received(stubs[0])
     replica = stub_endpoint.replicas.get()
     assert sent["body"]["cache_salt"] == documented_cache_salt(org.id)
-    assert sent["authorization"] == f"Bearer {engine_api_key(replica.id)}"
+    assert sent["authorization"] == engine_headers(replica)["Authorization"]
 
     assert stored(1)
     record = UsageRecord.objects.get()

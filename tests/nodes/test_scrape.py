@@ -92,7 +92,7 @@ def plain(handler: BaseHTTPRequestHandler) -> None:
 
 
 def test_an_engine_s_metrics_are_read(engine: Callable[[Answer], int]) -> None:
-    snapshot = agent._read_metrics("an-engine", "127.0.0.1", engine(plain))
+    snapshot = agent._read_metrics("an-engine", "127.0.0.1", engine(plain), "key")
 
     assert snapshot is not None and snapshot.running == 1
 
@@ -100,7 +100,7 @@ def test_an_engine_s_metrics_are_read(engine: Callable[[Answer], int]) -> None:
 @pytest.mark.parametrize("answer", [endless, dripping, dripping_headers, compressed])
 def test_an_engine_s_endless_slow_or_compressed_metrics_are_dropped(
         engine: Callable[[Answer], int], answer: Answer) -> None:
-    assert agent._read_metrics("a-hostile-engine", "127.0.0.1", engine(answer)) is None
+    assert agent._read_metrics("a-hostile-engine", "127.0.0.1", engine(answer), "key") is None
 
 
 def ready_replica(node: Node, port: int) -> Replica:
