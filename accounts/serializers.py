@@ -97,8 +97,13 @@ class SignUpOutput(serializers.Serializer):
     organization = OrganizationSerializer()
 
 
+# A name is trimmed, so it needs one character that is not white space (the schema says so).
+SOME_TEXT = r"\S"
+
+
 class OrganizationInput(StrictSerializer):
-    name = serializers.CharField(max_length=100)
+    name = serializers.RegexField(SOME_TEXT, max_length=100, error_messages={
+        "invalid": "Give the organisation a name, not only spaces."})
 
 
 class MemberRoleInput(StrictSerializer):
@@ -118,7 +123,8 @@ class AcceptInviteInput(StrictSerializer):
 
 
 class APIKeyInput(StrictSerializer):
-    name = serializers.CharField(max_length=100)
+    name = serializers.RegexField(SOME_TEXT, max_length=100, error_messages={
+        "invalid": "Give the key a name, not only spaces."})
     scope = serializers.ChoiceField(choices=Scope.choices, default=Scope.INFERENCE)
     expires_at = serializers.DateTimeField(required=False, allow_null=True, default=None)
     endpoint_names = serializers.ListField(
