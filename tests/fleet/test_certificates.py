@@ -29,11 +29,6 @@ def signing_request(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey,
 
 
 @pytest.fixture
-def credential() -> str:
-    return enrolled("gpu-1")
-
-
-@pytest.fixture
 def replica(credential: str) -> Replica:
     replica = placed_replica(Node.objects.get(name="gpu-1"))
     Replica.objects.filter(id=replica.id).update(state=State.LOADING)

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
-def credential() -> str:
-    return enrolled("gpu-1")
-
-
-@pytest.fixture
 def replica(credential: str) -> Replica:
     """A replica of gpu-1 that its agent is to start."""
     replica = placed_replica(Node.objects.get(name="gpu-1"))
