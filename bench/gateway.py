@@ -75,7 +75,7 @@ COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "i
 def serve(app: str, port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     process = subprocess.Popen([sys.executable, *uvicorn_args(app, port=port)], cwd=ROOT,
                                env={**os.environ, **(env or {})}, stdout=log.open("w"),
-                               stderr=subprocess.STDOUT)
+                               stderr=subprocess.STDOUT, preexec_fn=processes.dying_with_parent)
     wait_until_listening(process, port)
     return process
 

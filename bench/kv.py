@@ -120,13 +120,18 @@ def ask(web: str, secret: str, body: dict, path: str = "chat/completions"
                       json={**body, "stream": True,
                             "stream_options": {"include_usage": True}}) as response:
         assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = orjson.loads(line[6:])
-            if first is None and chunk.get("choices"):
-                first = time.perf_counter() - started
-            usage = chunk.get("usage") or usage
+        # Events end at "\n" alone: a token's text may hold any other line break (U+2028,
+        # NEL), on which httpx's iter_lines, like str.splitlines, would split an event.
+        pending = b""
+        for received in response.iter_bytes():
+            *lines, pending = (pending + received).split(b"\n")
+            for line in lines:
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                chunk = orjson.loads(line[6:])
+                if first is None and chunk.get("choices"):
+                    first = time.perf_counter() - started
+                usage = chunk.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
     return (first or 0.0, usage["prompt_tokens"], details.get("cached_tokens") or 0,
             time.perf_counter() - started)

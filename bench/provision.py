@@ -133,9 +133,11 @@ def start_processes(logs: Path, **node_env: str) -> list[subprocess.Popen]:
            **node_env}
     worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "kvrun", "worker", "-Q",
                                "control", "-n", "bench-control@%h", "--pool", "solo",
-                               "--loglevel", "WARNING"], cwd=ROOT, env=env)
+                               "--loglevel", "WARNING"], cwd=ROOT, env=env,
+                              preexec_fn=processes.dying_with_parent)
     agent = subprocess.Popen([sys.executable, "manage.py", "node_agent", "--name", "bench-node"],
-                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             preexec_fn=processes.dying_with_parent)
     deadline = time.monotonic() + 90
     while not (app.control.ping(timeout=1.0) and Node.objects.filter(name="bench-node").exists()):
         assert time.monotonic() < deadline, "worker or node agent did not start"
@@ -148,7 +150,8 @@ def start_web(children: list[subprocess.Popen]) -> str:
     before it is waited for; returns its base URL."""
     port = processes.free_port()
     web = subprocess.Popen([sys.executable, *uvicorn_args("kvrun.asgi:application", port=port)],
-                           cwd=ROOT, env=os.environ.copy())
+                           cwd=ROOT, env=os.environ.copy(),
+                           preexec_fn=processes.dying_with_parent)
     children.append(web)
     wait_until_listening(web, port)
     return f"http://127.0.0.1:{port}"
