@@ -28,13 +28,14 @@ from django.conf import settings  # noqa: E402
 
 from accounts.models import Role  # noqa: E402
 from bench import seed  # noqa: E402
-from bench.provision import CONCURRENCY, CONTEXT_LENGTH, bare_start, start_processes, start_web  # noqa: E402
+from bench.provision import CONCURRENCY, CONTEXT_LENGTH, bare_start, start_processes  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, ModelSpec, Replica, State  # noqa: E402
 from endpoints.policies import EndpointPolicy, EndpointScaling  # noqa: E402
 from endpoints.services import do_create_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model  # noqa: E402
 from kvrun.celery import app  # noqa: E402
+from nodes.config import AgentConfig  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
 IDLE_SECONDS = 2
@@ -109,13 +110,12 @@ def main() -> int:
     do_load_catalogs()
     settings.KVRUN_SCALE_TO_ZERO_MIN_SECONDS = IDLE_SECONDS  # this process creates it
     model = ModelSpec.objects.get(slug="kvrun-demo-tiny")
-    model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / model.slug))
+    model_dir = str(demo_model.build(AgentConfig.from_environ().model_dir / model.slug))
     organization = seed.organization("bench autoscale")
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
-    children = start_processes(logs)
+    children, base = start_processes(logs)
     bare, rounds = [], []
     try:
-        base = start_web(children)
         _, secret = seed.key(organization)
         endpoint = do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name="sleepy",

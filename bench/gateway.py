@@ -43,6 +43,7 @@ from engine.metrics import engine_token_totals  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
 from kvrun.common.digests import engine_api_key  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
+from nodes.config import AgentConfig  # noqa: E402
 
 SECONDS = int(os.environ.get("BENCH_SECONDS", "10"))
 WRK_SCRIPT = ROOT / "bench" / "wrk_post.lua"
@@ -127,7 +128,7 @@ def main() -> int:
     upstream_port, engine_port, web_port = (processes.free_port() for _ in range(3))
     seed.ready_endpoint(organization, "minimal", [upstream_port])
     engine_endpoint = seed.ready_endpoint(organization, "engine", [engine_port])
-    model_dir = str(demo_model.build(Path(settings.KVRUN_MODEL_DIR) / "kvrun-demo-tiny"))
+    model_dir = str(demo_model.build(AgentConfig.from_environ().model_dir / "kvrun-demo-tiny"))
     engine_replica = engine_endpoint.replicas.get()
     engine_key = engine_api_key(replica_id=engine_replica.id, node_id=engine_replica.node_id)
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="engine",

@@ -21,7 +21,6 @@ Writes bench/results/models.json.
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ from accounts.models import Organization, Role, User  # noqa: E402
 from accounts.services import do_create_organization  # noqa: E402
 from bench import seed  # noqa: E402
 from bench.hub_server import Hub  # noqa: E402
-from bench.provision import delete_and_settle, kvrun_start, start_processes, start_web  # noqa: E402
+from bench.provision import delete_and_settle, kvrun_start, start_processes  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from billing.ingestion import do_ingest_usage  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
@@ -154,7 +153,7 @@ def measure(served: Hub, scratch: Path) -> int:
     served.publish("bench/demo", demo)
     owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
     organization = do_create_organization(user=owner, name="bench")
-    children = start_processes(Path(settings.KVRUN_STATE_DIR) / "bench-logs")
+    children, web = start_processes(Path(settings.KVRUN_STATE_DIR) / "bench-logs")
     try:
         deadline = time.monotonic() + 300
         while not Node.objects.filter(name="bench-node").exclude(architectures=[]).exists():
@@ -179,7 +178,7 @@ def measure(served: Hub, scratch: Path) -> int:
             own.append(engine_own)
             print(f"start {round_number + 1} from the cache: {elapsed:.2f} s "
                   f"(engine itself {engine_own:.2f} s)", flush=True)
-        adapters = measure_adapters(served, organization, model, scratch, children)
+        adapters = measure_adapters(served, organization, model, scratch, web)
     finally:
         for child in children:
             child.terminate()
@@ -221,7 +220,7 @@ def measure(served: Hub, scratch: Path) -> int:
 
 
 def measure_adapters(served: Hub, organization: Organization, model: ModelSpec, scratch: Path,
-                     children: list[subprocess.Popen]) -> dict[str, object]:
+                     web: str) -> dict[str, object]:
     """The adapters' figures, on an endpoint with four LoRA slots of `model`."""
     for number in range(ADAPTERS):
         served.publish(f"bench/lora-{number}", lora.build_demo_adapter(
@@ -233,7 +232,6 @@ def measure_adapters(served: Hub, organization: Organization, model: ModelSpec, 
                                            concurrency=CONCURRENCY, lora_adapters=ADAPTERS,
                                            lora_max_rank=8))
     wait_for(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 300)
-    web = start_web(children)
     _, secret = seed.key(organization)
     with httpx.Client(base_url=web, timeout=120,
                       headers={"Authorization": f"Bearer {secret}"}) as client:

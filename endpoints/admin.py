@@ -14,7 +14,7 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 
 from accounts.models import Organization, Role
-from endpoints.dispatch import send_pull
+from endpoints.dispatch import request_pull
 from endpoints.models import (
     Endpoint,
     EndpointEvent,
@@ -116,7 +116,7 @@ class ModelSpecAdmin(admin.ModelAdmin):
         nodes = list(Node.objects.filter(state=NodeState.ONLINE))
         for model in queryset:
             for node in nodes:
-                send_pull(model_id=model.id, node=node)
+                request_pull(model_id=model.id, node=node)
         self.message_user(request, f"{queryset.count()} model(s) are downloading onto "
                                    f"{len(nodes)} node(s); each node's page shows its cache.",
                           messages.SUCCESS)

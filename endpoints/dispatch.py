@@ -1,47 +1,57 @@
-"""The one place the control plane sends work: to node agents, and reconcile passes to its
-own worker.
+"""The one place the control plane tells node agents there is work, and sends reconcile
+passes to its own worker.
 
-A node agent serves the Celery queue `Node.queue` with the tasks named here (nodes.tasks);
-they are sent by name because endpoints/ does not import the agent. Each is sent once the
-transition that asked for it has committed, and takes only the replica's id (a pull, the
-model's).
+A node's work is what its replicas' rows say (a replica starting there is to be started,
+one stopping to be stopped, a ready one's adapters to be served) and the pulls asked of it;
+its agent reads it through the node channel's long poll (fleet.feed). Whatever gives a node
+work wakes that poll once the transaction commits, on the Redis channel
+node_work_channel(node). A wake that is lost (Redis restarting) costs seconds: the poll
+looks again on its own.
 """
 
-from celery import current_app
+import logging
+
 from django.db import transaction
+from redis.exceptions import RedisError
 
 from endpoints.models import Endpoint, Node, Replica, State
+from kvrun.common.redis import redis_client
 
-START_REPLICA = "engine.start_replica"
-STOP_REPLICA = "engine.stop_replica"
-PULL_MODEL = "engine.pull_model"
-SYNC_ADAPTERS = "engine.sync_adapters"
+logger = logging.getLogger(__name__)
 
-
-def send_start_after_commit(*, replica: Replica, node: Node) -> None:
-    _send_after_commit(START_REPLICA, replica=replica, node=node)
+# How long a node may take to come for a pull an operator asked of it.
+PULL_WAITS_SECONDS = 3600
 
 
-def send_stop_after_commit(*, replica: Replica, node: Node) -> None:
-    _send_after_commit(STOP_REPLICA, replica=replica, node=node)
+def node_work_channel(node_id: int) -> str:
+    return f"kvrun:node-work:{node_id}"
 
 
-def _send_after_commit(task: str, *, replica: Replica, node: Node) -> None:
-    replica_id, queue = str(replica.id), node.queue
-    transaction.on_commit(lambda: current_app.send_task(task, args=[replica_id], queue=queue))
+def wake_node(node_id: int) -> None:
+    """Wake the node's long poll now, if it is waiting. With Redis away the wake is lost,
+    and the poll finds the change when it looks again."""
+    try:
+        redis_client().publish(node_work_channel(node_id), b"1")
+    except RedisError:
+        logger.warning("node %s was not woken: Redis is unreachable", node_id)
 
 
-def send_adapter_change_after_commit(*, endpoint: Endpoint) -> None:
-    """Once this transaction commits, have each ready replica of `endpoint` serve exactly its
-    adapters. A replica still starting reads them itself once it is ready, after this commit
-    (nodes.agent), so none is missed between the two."""
-    def send() -> None:
-        for replica in Replica.objects.filter(endpoint=endpoint, state=State.READY,
-                                              node__isnull=False).select_related("node"):
-            assert replica.node is not None
-            current_app.send_task(SYNC_ADAPTERS, args=[str(replica.id)],
-                                  queue=replica.node.queue)
-    transaction.on_commit(send)
+def wake_node_after_commit(*, node: Node) -> None:
+    """Once this transaction commits, wake `node`'s agent: its replicas changed."""
+    node_id = node.id
+    transaction.on_commit(lambda: wake_node(node_id))
+
+
+def wake_adapter_servers_after_commit(*, endpoint: Endpoint) -> None:
+    """Once this transaction commits, wake the agents of `endpoint`'s ready replicas: each
+    makes its engine serve exactly the endpoint's adapters. A replica still starting reads
+    them itself once it is ready, after this commit (nodes.agent), so none is missed."""
+    def wake() -> None:
+        for node_id in set(Replica.objects.filter(
+                endpoint=endpoint, state=State.READY, node__isnull=False).values_list(
+                "node_id", flat=True)):
+            wake_node(node_id)
+    transaction.on_commit(wake)
 
 
 def reconcile_after_commit(endpoint: Endpoint) -> None:
@@ -52,6 +62,32 @@ def reconcile_after_commit(endpoint: Endpoint) -> None:
     reconcile.delay_on_commit(str(endpoint.id))
 
 
-def send_pull(*, model_id: int, node: Node) -> None:
-    """Have `node` download a model's weights into its cache before any replica needs them."""
-    current_app.send_task(PULL_MODEL, args=[model_id], queue=node.queue)
+def _pulls_key(node_id: int) -> str:
+    return f"kvrun:node-pulls:{node_id}"
+
+
+def request_pull(*, model_id: int, node: Node) -> None:
+    """Have `node` download a model's weights into its cache before any replica needs them:
+    the pull waits in the node's work (at most PULL_WAITS_SECONDS) until its agent takes it."""
+    with redis_client().pipeline() as pipeline:
+        pipeline.sadd(_pulls_key(node.id), model_id)
+        pipeline.expire(_pulls_key(node.id), PULL_WAITS_SECONDS)
+        pipeline.execute()
+    wake_node(node.id)
+
+
+def pulls_for(*, node_id: int) -> list[int]:
+    """The models whose pull waits for the node, by id; none while Redis is away (the
+    node's replicas' work, in PostgreSQL, still reaches it)."""
+    try:
+        return sorted(int(model_id) for model_id in redis_client().smembers(_pulls_key(node_id)))
+    except RedisError:
+        logger.warning("the pulls waiting for node %s could not be read: Redis is unreachable",
+                       node_id)
+        return []
+
+
+def take_pull(*, node_id: int, model_id: int) -> bool:
+    """Whether a pull of the model waited for the node; taking it ends it (a node has a
+    model's token for a pull only once per asking)."""
+    return bool(redis_client().srem(_pulls_key(node_id), model_id))

@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import F
 from django.utils import timezone
 
-from endpoints.dispatch import send_stop_after_commit
+from endpoints.dispatch import wake_node_after_commit
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, ReplicaInterval
 from endpoints.states import ON_NODE, PHASE_OF_STATE, PROGRESS, UNSETTLED, State, check_transition
 
@@ -110,7 +110,7 @@ def do_stop_replica(*, replica: Replica, reason: str) -> bool:
     moved = do_transition_replica(replica_id=replica.id, from_states=ON_NODE,
                                   to_state=State.STOPPING, message=reason)
     if moved and replica.node is not None:
-        send_stop_after_commit(replica=replica, node=replica.node)
+        wake_node_after_commit(node=replica.node)
     return moved
 
 

@@ -165,7 +165,7 @@ class NodeState(models.TextChoices):
 
 
 class Node(models.Model):
-    """A host running a node agent; it serves the Celery queue `node.<name>`."""
+    """A host running a node agent, which reaches kvrun through the node channel (fleet)."""
 
     name = models.CharField(max_length=100, unique=True)
     address = models.GenericIPAddressField(
@@ -199,11 +199,6 @@ class Node(models.Model):
         return bool(model.hf_commit) and any(
             entry["repo_id"] == model.hf_repo and entry["commit"] == model.hf_commit
             for entry in self.model_cache)
-
-    @property
-    def queue(self) -> str:
-        """The Celery queue its agent serves; endpoints.dispatch sends its tasks there."""
-        return f"node.{self.name}"
 
 
 class DesiredState(models.TextChoices):

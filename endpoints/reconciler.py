@@ -13,7 +13,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from endpoints.dispatch import send_start_after_commit, send_stop_after_commit
+from endpoints.dispatch import wake_node_after_commit
 from endpoints.lifecycle import (
     do_create_replica,
     do_fail_replica,
@@ -134,11 +134,11 @@ def _schedule_pending(endpoint: Endpoint) -> None:
                                       to_state=State.STARTING,
                                       message=f"start sent to node {node.name}")
         if moved:
-            send_start_after_commit(replica=replica, node=node)
+            wake_node_after_commit(node=node)
 
 
 def _fail_stuck(endpoint: Endpoint) -> None:
-    """A start that no node agent picked up in time (agent down, queue lost) counts as a failure."""
+    """A start that no node agent picked up in time (its agent down or away) counts as a failure."""
     for replica in endpoint.replicas.filter(state__in=[State.SCHEDULING, State.STARTING]):
         if _quiet_for(replica, settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS):
             do_fail_replica(replica_id=replica.id, from_states=[State.SCHEDULING, State.STARTING],
@@ -168,9 +168,9 @@ def _retry_quiet_transitions(endpoint: Endpoint) -> None:
         if replica.node is not None and _quiet_for(replica, grace):
             moved = do_transition_replica(
                 replica_id=replica.id, from_states=[State.STOPPING], to_state=State.STOPPING,
-                message=f"no stop confirmed in {grace} s; sending it again")
+                message=f"no stop confirmed in {grace} s; asking its node again")
             if moved:
-                send_stop_after_commit(replica=replica, node=replica.node)
+                wake_node_after_commit(node=replica.node)
 
 
 def _quiet_for(replica: Replica, seconds: float) -> bool:

@@ -56,6 +56,12 @@ def caller_is_local(request: Request) -> bool:
         return False
 
 
+def hub_refusal(exc: HubRefusal) -> Response:
+    """The hub refused the control plane (pinning a model for the node): its words, a 502."""
+    return Response({"error": {"type": "hub_refusal", "message": exc.message, "fields": {}}},
+                    status=status.HTTP_502_BAD_GATEWAY)
+
+
 class RotationRefused(exceptions.APIException):
     status_code = status.HTTP_409_CONFLICT
 
@@ -79,8 +85,8 @@ class Enrol(APIView):
             node, credential = do_enrol_node(**data)
         except EnrolmentRefused as exc:  # not HTTP authentication: the token is the body's
             raise exceptions.PermissionDenied(str(exc)) from exc
-        return Response({"node": serializers.NodeOutput(node).data, "credential": credential},
-                        status=status.HTTP_201_CREATED)
+        return Response({"node": serializers.NodeOutput(node).data, "credential": credential,
+                         "timings": selectors.node_timings()}, status=status.HTTP_201_CREATED)
 
 
 class NodeRateThrottle(SimpleRateThrottle):
@@ -125,7 +131,8 @@ class Register(NodeView):
         data = validated(serializers.NodeReport, request,
                          context={"caller_is_local": caller_is_local(request)})
         node = do_register_node(name=self.node.name, **data)
-        return Response({"node": serializers.NodeOutput(node).data})
+        return Response({"node": serializers.NodeOutput(node).data,
+                         "timings": selectors.node_timings()})
 
 
 class Build(NodeView):
@@ -285,9 +292,22 @@ class Pin(ReplicaView):
         try:
             model = replicas.do_pin_replica_model(replica=self.replica)
         except HubRefusal as exc:
-            return Response({"error": {"type": "hub_refusal", "message": exc.message,
-                                       "fields": {}}}, status=status.HTTP_502_BAD_GATEWAY)
+            return hub_refusal(exc)
         return Response(selectors.model_spec(model=model))
+
+
+class Pull(NodeView):
+    def post(self, request: Request, model_id: int) -> Response:
+        """A pull of a model an operator asked of this node: the model, pinned, and its hub
+        token. Taken once; a 404 when none was asked (or it was taken)."""
+        try:
+            pull = replicas.do_take_model_pull(node=self.node, model_id=model_id)
+        except HubRefusal as exc:
+            return hub_refusal(exc)
+        if pull is None:
+            raise exceptions.NotFound("No pull of that model was asked of this node.")
+        model, token = pull
+        return Response({"model": selectors.model_spec(model=model), "token": token})
 
 
 class Samples(NodeView):

@@ -29,7 +29,7 @@ JOIN_TOKEN_LIFETIME = timedelta(minutes=15)
 JOIN_TOKEN_LONGEST_LIFETIME = timedelta(days=1)
 # How stale a credential's last use may be shown: a node calls several times a second.
 LAST_USED_PRECISION = timedelta(minutes=1)
-# A host name: a node's name is also its agent's queue and a folder's part.
+# A host name: a node's name is also a folder's part on its host.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
 
 
@@ -67,9 +67,10 @@ def do_create_join_token(*, node_name: str, valid_for: timedelta = JOIN_TOKEN_LI
     return token, secret
 
 
-def do_enrol_node(*, join_token: str, resources: HostResources, address: str,
+def do_enrol_node(*, join_token: str, name: str, resources: HostResources, address: str,
                   model_cache_bytes: int) -> tuple[Node, str]:
-    """Exchange a join token for the node it names and a credential of the node's own.
+    """Exchange a join token for the node it names, `name`, and a credential of the node's
+    own; a token made for another name is refused and stays unspent.
 
     The token is spent by a conditional update, so two agents racing with one token get
     one node. Enrolling a node that exists (a reinstalled host, a revoked node let back)
@@ -79,8 +80,13 @@ def do_enrol_node(*, join_token: str, resources: HostResources, address: str,
     now = timezone.now()
     with transaction.atomic():
         digest = secret_digest(join_token)
-        if JoinToken.objects.filter(digest=digest, used_at=None, expires_at__gt=now).update(
-                used_at=now) != 1:
+        live = JoinToken.objects.filter(digest=digest, used_at=None, expires_at__gt=now)
+        if live.filter(node_name=name).update(used_at=now) != 1:
+            made_for = live.values_list("node_name", flat=True).first()
+            if made_for is not None:
+                raise EnrolmentRefused(
+                    f"This join token is for node {made_for}, not {name}: start the agent "
+                    f"with --name {made_for}, or ask an operator for a token for {name}.")
             raise EnrolmentRefused(
                 "This join token is unknown, used or expired; ask an operator for a new one "
                 "(manage.py node_join_token NAME, or the console's join tokens).")

@@ -13,6 +13,7 @@ from uuid import UUID
 
 from django.utils import timezone
 
+from endpoints.dispatch import take_pull
 from endpoints.lifecycle import (
     do_fail_replica,
     do_note_replica,
@@ -22,8 +23,9 @@ from endpoints.lifecycle import (
 from endpoints.models import EndpointEvent, ModelSpec, Node, Replica, State
 from endpoints.selectors import hub_token_of
 from endpoints.services import do_pin_model
+from endpoints.states import PROGRESS
 from engine.metrics import EngineSnapshot
-from fleet.selectors import FETCHING_MODEL, NotNow
+from fleet.selectors import FETCHING_MODEL, SERVING_ADAPTERS, NotNow
 from telemetry.services import do_record_engine_samples
 
 # To each state an agent may move a replica to: the states it may move it from, and the
@@ -102,7 +104,11 @@ def do_report_replica_failure(*, node: Node, replica_id: UUID, from_states: Iter
 def do_report_replica_progress(*, node: Node, replica_id: UUID, state: str, stage: str,
                                percent: int, download_done_at: datetime | None = None) -> bool:
     """Show how far the replica's step is; False once it has left `state` (the agent gives
-    the step up)."""
+    the step up). While it downloads, `percent` is the download's, shown as the part of the
+    replica's start that downloading is."""
+    if state == State.DOWNLOADING:
+        span = PROGRESS[State.LOADING] - PROGRESS[State.DOWNLOADING]
+        percent = PROGRESS[State.DOWNLOADING] + percent * span // 100
     return do_set_replica_progress(replica_id=replica_id, state=state, stage=stage,
                                    percent=percent, node_id=node.id,
                                    download_done_at=download_done_at)
@@ -131,9 +137,9 @@ def do_report_replica_event(*, node: Node, replica_id: UUID, message: str) -> No
 
 
 def do_report_served_adapters(*, node: Node, replica_id: UUID, names: list[str]) -> None:
-    """The adapters the replica's engine serves now, by name, while it is ready; ignored in
-    any other state."""
-    Replica.objects.filter(id=replica_id, node=node, state=State.READY).update(
+    """The adapters the replica's engine serves now, by name, while it loads (its agent
+    serves them before the replica takes traffic) or is ready; ignored in any other state."""
+    Replica.objects.filter(id=replica_id, node=node, state__in=SERVING_ADAPTERS).update(
         adapters=sorted(names))
 
 
@@ -147,6 +153,19 @@ def do_report_engine_samples(*, node: Node,
     return do_record_engine_samples(samples=[
         (replica_id, endpoints[replica_id], at, snapshot)
         for replica_id, at, snapshot in samples if replica_id in endpoints])
+
+
+def do_take_model_pull(*, node: Node, model_id: int) -> tuple[ModelSpec, str | None] | None:
+    """Take the pull of a model an operator asked of the node (endpoints.dispatch.request_pull):
+    the model, pinned, and its hub token, once per asking; None when none waits. Raises
+    hub.HubRefusal."""
+    model = ModelSpec.objects.filter(id=model_id).first()
+    if model is None or not take_pull(node_id=node.id, model_id=model_id):
+        return None
+    token = hub_token_of(model)
+    if not model.hf_repo or model.hf_repo.startswith("/"):  # built here, or an import's folder
+        return model, token
+    return do_pin_model(model=model, token=token), token
 
 
 def do_pin_replica_model(*, replica: Replica) -> ModelSpec:

@@ -2,9 +2,14 @@
 and, while one needs them, its model's or adapters' hub tokens and uploaded files. Each
 takes the calling node and finds nothing of another node's."""
 
+import hashlib
+import json
 from typing import Any
 from uuid import UUID
 
+from django.conf import settings
+
+from endpoints.dispatch import pulls_for
 from endpoints.models import Adapter, AdapterSource, ModelSpec, Node, Replica, State
 from endpoints.selectors import hub_token_of
 from endpoints.states import HOLDING_DEVICES
@@ -31,13 +36,47 @@ def node_replica(*, node: Node, replica_id: UUID) -> Replica | None:
 
 
 def node_replicas(*, node: Node) -> list[dict[str, Any]]:
-    """The node's replicas that have, or may have, an engine there."""
+    """The node's replicas that have, or may have, an engine there, each with the pinned
+    hub snapshots (repository, commit) of its model and adapters: its node's model cache
+    keeps them."""
+    replicas = list(Replica.objects.filter(node=node, state__in=HOLDING_DEVICES)
+                    .order_by("id").values_list("id", "state", "port", "endpoint_id",
+                                                "endpoint__organization_id",
+                                                "endpoint__model__hf_repo",
+                                                "endpoint__model__hf_commit"))
+    pinned: dict[UUID, list[list[str]]] = {}
+    served: dict[UUID, list[list[str]]] = {}
+    for adapter in Adapter.objects.filter(
+            endpoint_id__in={row[3] for row in replicas}).order_by("name"):
+        served.setdefault(adapter.endpoint_id, []).append([adapter.name, adapter.folder])
+        if adapter.source == AdapterSource.HUB:
+            pinned.setdefault(adapter.endpoint_id, []).append(
+                [adapter.hf_repo, adapter.hf_commit])
     return [{"id": str(replica_id), "state": state, "port": port,
-             "endpoint": str(endpoint_id), "organization": str(organization_id)}
-            for replica_id, state, port, endpoint_id, organization_id in
-            Replica.objects.filter(node=node, state__in=HOLDING_DEVICES)
-            .order_by("id").values_list("id", "state", "port", "endpoint_id",
-                                        "endpoint__organization_id")]
+             "endpoint": str(endpoint_id), "organization": str(organization_id),
+             "pinned": ([[repo, commit]] if commit else []) + pinned.get(endpoint_id, []),
+             "adapters": served.get(endpoint_id, [])}
+            for replica_id, state, port, endpoint_id, organization_id, repo, commit in replicas]
+
+
+def node_work(*, node: Node) -> dict[str, Any]:
+    """The node's work as its rows state it now: its replicas (nodes.agent starts those
+    starting, stops those stopping, and serves each ready one's adapters) and the pulls that
+    wait for it; `version` changes whenever any of it does."""
+    work = {"replicas": node_replicas(node=node), "pulls": pulls_for(node_id=node.id)}
+    return {"version": hashlib.sha256(json.dumps(work, sort_keys=True).encode()).hexdigest(),
+            **work}
+
+
+def node_timings() -> dict[str, float]:
+    """How often agents beat and read their engines, and how long they wait on engines: the
+    control plane's settings, told to each agent as it registers, so that both agree."""
+    return {"heartbeat_seconds": settings.KVRUN_NODE_HEARTBEAT_SECONDS,
+            "scrape_seconds": settings.KVRUN_ENGINE_SCRAPE_SECONDS,
+            "start_timeout_seconds": settings.KVRUN_ENGINE_START_TIMEOUT_SECONDS,
+            "stop_grace_seconds": settings.KVRUN_ENGINE_STOP_GRACE_SECONDS,
+            "drain_seconds": settings.KVRUN_ENGINE_DRAIN_SECONDS,
+            "route_cache_seconds": settings.KVRUN_GATEWAY_ROUTE_CACHE_SECONDS}
 
 
 def model_spec(*, model: ModelSpec) -> dict[str, Any]:
@@ -57,6 +96,7 @@ def replica_spec(*, replica: Replica) -> dict[str, Any]:
     return {
         "id": str(replica.id),
         "state": replica.state,
+        "port": replica.port,
         "policy_version": endpoint.policy_version,
         "device_indices": list(replica.device_indices),
         "engine_key": engine_api_key(replica_id=replica.id, node_id=replica.node_id),

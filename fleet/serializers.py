@@ -69,6 +69,8 @@ class NodeReport(StrictSerializer):
 
 class EnrolInput(NodeReport):
     join_token = serializers.CharField(max_length=200)
+    name = serializers.CharField(max_length=100, help_text="The node's name, as its agent "
+                                 "was given it; the join token must be for it.")
 
 
 class BuildInput(StrictSerializer):

@@ -1,6 +1,6 @@
 from django.urls import path
 
-from fleet import api
+from fleet import api, feed
 
 REPLICA = "replicas/<uuid:replica_id>"
 
@@ -12,7 +12,9 @@ urlpatterns = [
     path("credential", api.Credential.as_view(), name="node-credential"),
     path("model-cache", api.ModelCache.as_view(), name="node-model-cache"),
     path("samples", api.Samples.as_view(), name="node-samples"),
+    path("work", feed.work, name="node-work"),
     path("replicas", api.Replicas.as_view(), name="node-replicas"),
+    path("pulls/<int:model_id>", api.Pull.as_view(), name="node-pull"),
     path(REPLICA, api.ReplicaSpec.as_view(), name="node-replica"),
     path(f"{REPLICA}/move", api.Move.as_view(), name="node-replica-move"),
     path(f"{REPLICA}/failure", api.Failure.as_view(), name="node-replica-failure"),

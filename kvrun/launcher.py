@@ -48,6 +48,7 @@ from engine.processes import (
     stop_group,
     stop_groups,
 )
+from nodes.config import agent_environment
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 STATE_DIR = Path(os.environ.get("KVRUN_STATE_DIR", BASE_DIR / ".kvrun"))
@@ -354,11 +355,19 @@ def run() -> int:
                        "-n", "control@%h", "--concurrency", "2", "--loglevel", "WARNING"],
             "beat": ["-m", "celery", "-A", "kvrun", "--quiet", "beat", "--loglevel", "WARNING",
                      "-s", str(STATE_DIR / "celerybeat-schedule")],
-            "node": ["manage.py", "node_agent", "--name", node_name],
+            "node": ["-m", "nodes", "--name", node_name],
         }
+        # The node joins through the node channel, as a GPU host would: a join token made now
+        # (left unused when its credential from an earlier run is still valid).
+        token = subprocess.run([sys.executable, "manage.py", "node_join_token", node_name],
+                               cwd=BASE_DIR, env=env, check=True, capture_output=True,
+                               text=True).stdout.strip()
+        envs = {"node": agent_environment(env, KVRUN_CONTROL_PLANE_URL=base,
+                                          KVRUN_JOIN_TOKEN=token)}
         for name, args in commands.items():
             children.append(
-                (name, subprocess.Popen([sys.executable, *args], cwd=BASE_DIR, env=env,
+                (name, subprocess.Popen([sys.executable, *args], cwd=BASE_DIR,
+                                        env=envs.get(name, env),
                                         preexec_fn=own_group_dying_with_parent))
             )
         # The URLs once they answer: a port already taken ends the run here, with its cause.

@@ -46,7 +46,6 @@ INSTALLED_APPS = [
     "axes",
     "accounts",
     "endpoints",
-    "nodes",
     "fleet",
     "billing",
     "telemetry",
@@ -271,29 +270,16 @@ KVRUN_METRICS_TOKEN = env.str("KVRUN_METRICS_TOKEN", default="")
 # How often a node agent reads each of its engines' /metrics into the database.
 KVRUN_ENGINE_SCRAPE_SECONDS = env.float("KVRUN_ENGINE_SCRAPE_SECONDS", default=5.0)
 KVRUN_NODE_LOST_AFTER_SECONDS = env.int("KVRUN_NODE_LOST_AFTER_SECONDS", default=30)
-# The private address a node agent's engines listen on (one that web processes reach).
-KVRUN_NODE_ADDRESS = env.str("KVRUN_NODE_ADDRESS", default="127.0.0.1")
-# Cores a CPU node gives each of its engines, bound to it alone while enough are free (the
-# least used otherwise): two engines on one set of cores slow each other's batches. 0: vLLM
-# binds each engine by itself, every one to the same cores.
-KVRUN_NODE_CPU_CORES_PER_ENGINE = env.int("KVRUN_NODE_CPU_CORES_PER_ENGINE", default=0)
 
-# Engines
+# Engines (a node agent's own settings are nodes.config's)
 KVRUN_STATE_DIR = Path(env.str("KVRUN_STATE_DIR", default=str(BASE_DIR / ".kvrun")))
-KVRUN_MODEL_DIR = Path(env.str("KVRUN_MODEL_DIR", default=str(KVRUN_STATE_DIR / "models")))
 # The Hugging Face hub (or a mirror of it) that models are added from and downloaded from.
 KVRUN_HUB_URL = env.str("KVRUN_HUB_URL", default="https://huggingface.co").rstrip("/")
 # Hub repositories whose engines may run code from the repository (--trust-remote-code).
 KVRUN_REMOTE_CODE_REPOS = env.list("KVRUN_REMOTE_CODE_REPOS", default=[])
-# Disk a node agent keeps for downloaded weights (its model cache, under KVRUN_MODEL_DIR).
-KVRUN_MODEL_CACHE_GIB = env.int("KVRUN_MODEL_CACHE_GIB", default=100)
 # An uploaded LoRA adapter's files, at most; kept in the database until nodes write them out.
 # Larger adapters come from the hub.
 KVRUN_ADAPTER_UPLOAD_MIB = env.int("KVRUN_ADAPTER_UPLOAD_MIB", default=64)
-KVRUN_ENGINE_LOG_DIR = Path(env.str("KVRUN_ENGINE_LOG_DIR",
-                                    default=str(KVRUN_STATE_DIR / "engines")))
-# How long a stopped replica's engine log stays on its node (its last lines stay on the row).
-KVRUN_ENGINE_LOG_KEPT_DAYS = env.float("KVRUN_ENGINE_LOG_KEPT_DAYS", default=7.0)
 KVRUN_RECONCILE_SECONDS = env.float("KVRUN_RECONCILE_SECONDS", default=3.0)
 # How often beat runs the autoscaler (scaling.tasks), and the shortest idle time a user may
 # give before an endpoint scales to zero (each wake is a cold start).

@@ -41,7 +41,7 @@ from tests.helpers import (
     PATIENT_CONNECT_SECONDS,
     ROOT,
     WEB_METRICS_TOKEN,
-    start_agent,
+    SuiteAgent,
     start_web,
     start_worker,
     stop,
@@ -233,7 +233,9 @@ def web(celery_worker: subprocess.Popen, hub: Hub) -> Iterator[str]:
     # guard against floods of unknown keys counts per client address, and every test is
     # 127.0.0.1: so that no test inherits the failures of those before it, the guard is
     # out of reach here and tested on a gateway of its own (tests/gateway/test_auth.py).
+    # Its node channel tells the suite's node agents to beat every second.
     process = start_web(port, KVRUN_BASE_URL=base, KVRUN_METRICS_TOKEN=WEB_METRICS_TOKEN,
+                        KVRUN_NODE_HEARTBEAT_SECONDS="1",
                         KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE=str(10**9),
                         KVRUN_HUB_URL=hub.url,
                         KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS=PATIENT_CONNECT_SECONDS)
@@ -301,14 +303,16 @@ def engine_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def agent(celery_worker: object, engine_logs: Path, hub: Hub) -> Iterator[subprocess.Popen]:
-    process = start_agent("e2e-a", engine_logs, KVRUN_HUB_URL=hub.url)
-    yield process
-    stop(process)
+def agent(celery_worker: object, web: str, engine_logs: Path,
+          hub: Hub) -> Iterator[SuiteAgent]:
+    suite_agent = SuiteAgent("e2e-a", engine_logs, web=web, KVRUN_HUB_URL=hub.url)
+    yield suite_agent
+    suite_agent.stop()
 
 
 @pytest.fixture
-def ready_node(agent: subprocess.Popen) -> Node:
+def ready_node(agent: SuiteAgent) -> Node:
+    agent.enrolled()
     do_load_catalogs()
     # Online, and with its vLLM build read (what adding a model by id is judged by).
     assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",

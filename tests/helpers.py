@@ -163,13 +163,46 @@ def start_worker(queue: str, **env: str) -> subprocess.Popen:
     return process
 
 
-def start_agent(name: str, logs: Path, **extra: str) -> subprocess.Popen:
-    """A node agent on this machine's CPU, with its engines' logs under `logs`."""
+def start_agent(name: str, logs: Path, *, web: str, rejoin: bool = True,
+                **extra: str) -> subprocess.Popen:
+    """A node agent on this machine's CPU, with its engines' logs under `logs`, reaching the
+    control plane at `web`, started as on a host of its own (nodes.config.agent_environment:
+    none of the control plane's settings). It enrols with a join token made now (`rejoin`),
+    or, restarted, goes on with the credential its node's last agent left."""
+    from fleet.enrolment import do_create_join_token
+    from nodes.config import AgentConfig, agent_environment
+
+    token = ""
+    if rejoin:
+        AgentConfig.from_environ().credential_file(name).unlink(missing_ok=True)
+        _, token = do_create_join_token(node_name=name)
     return subprocess.Popen(
-        [sys.executable, "manage.py", "node_agent", "--name", name],
-        cwd=ROOT, env=process_env(KVRUN_NODE_GPUS="none", KVRUN_NODE_HEARTBEAT_SECONDS="1",
-                                  KVRUN_ENGINE_LOG_DIR=str(logs), **ENGINE_TIMINGS, **extra),
+        [sys.executable, "-m", "nodes", "--name", name], cwd=ROOT,
+        env=agent_environment(os.environ, KVRUN_NODE_GPUS="none", KVRUN_ENGINE_LOG_DIR=str(logs),
+                              KVRUN_CONTROL_PLANE_URL=web, KVRUN_JOIN_TOKEN=token, **extra),
         preexec_fn=dying_with_parent)
+
+
+class SuiteAgent:
+    """The node agent the end-to-end tests share (start_agent). A transactional test ends by
+    emptying every table, its node's credential too, and the agent is then refused as a
+    revoked node would be: enrolled() starts it again, with a new join token, when it is."""
+
+    def __init__(self, name: str, logs: Path, *, web: str, **extra: str) -> None:
+        self.name, self.logs, self.web, self.extra = name, logs, web, extra
+        self.process: subprocess.Popen | None = None
+
+    def enrolled(self) -> None:
+        from fleet.models import NodeCredential
+
+        if self.process is None or self.process.poll() is not None or not (
+                NodeCredential.objects.filter(node__name=self.name, revoked_at=None).exists()):
+            self.stop()
+            self.process = start_agent(self.name, self.logs, web=self.web, **self.extra)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop(self.process)
 
 
 def drive(predicate: Callable[[], bool], timeout: float, *,

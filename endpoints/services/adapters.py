@@ -107,7 +107,7 @@ def do_remove_adapter(*, adapter: Adapter, actor_role: str | None) -> None:
         if deleted:
             EndpointEvent.objects.create(endpoint=endpoint, state=endpoint.state,
                                          message=f"adapter {adapter.name} removed")
-            dispatch.send_adapter_change_after_commit(endpoint=endpoint)
+            dispatch.wake_adapter_servers_after_commit(endpoint=endpoint)
 
 
 def _refuse_without_lora(endpoint: Endpoint) -> None:
@@ -155,7 +155,7 @@ def _insert(adapter: Adapter, *, uploads: Mapping[str, bytes]) -> Adapter:
                 message=f"adapter {adapter.name} added from {source} (rank {adapter.rank}, "
                         f"{', '.join(adapter.target_modules)}); served as "
                         f"{adapter.endpoint.name}:{adapter.name}")
-            dispatch.send_adapter_change_after_commit(endpoint=adapter.endpoint)
+            dispatch.wake_adapter_servers_after_commit(endpoint=adapter.endpoint)
     except IntegrityError as exc:
         if REPEATED in str(exc):
             raise ValidationError({"name": [

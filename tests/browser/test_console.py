@@ -35,8 +35,8 @@ def test_an_operator_enrols_a_node_with_a_join_token_and_revokes_it(
     shot("console-join-token-shown")
     token = next(word.rstrip(".") for word in shown.inner_text().split()
                  if word.startswith("kvj_"))
-    enrolled = APIClient().post("/node/v1/enrol", {"join_token": token, **host()},
-                                format="json")
+    enrolled = APIClient().post("/node/v1/enrol", {"join_token": token, "name": "gpu-node-7",
+                                                   **host()}, format="json")
     assert enrolled.status_code == 201
     page.reload()  # shown once: gone on the next page
     expect(page.locator(".messagelist")).to_have_count(0)

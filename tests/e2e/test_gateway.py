@@ -37,6 +37,7 @@ from engine.processes import free_port
 from tests.factories import UserFactory, inference_key
 from tests.helpers import (
     PATIENT,
+    SuiteAgent,
     api_servers,
     drive,
     engine_headers,
@@ -69,8 +70,9 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(django_db_blocker: object, agent: object, web: str) -> Iterator[Served]:
+def served(django_db_blocker: object, agent: SuiteAgent, web: str) -> Iterator[Served]:
     with django_db_blocker.unblock():
+        agent.enrolled()
         do_load_catalogs()
         assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",
                                                       gpu_type__slug="cpu").exists(), 60)

@@ -38,6 +38,7 @@ from tests.helpers import (
     ANSWER_WITHIN,
     ENGINE_READY_WITHIN,
     WEB_METRICS_TOKEN,
+    SuiteAgent,
     api_servers,
     drive,
     engine_headers,
@@ -79,8 +80,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(django_db_blocker: object, agent: object, web: str) -> Iterator[Pair]:
+def pair(django_db_blocker: object, agent: SuiteAgent, web: str) -> Iterator[Pair]:
     with django_db_blocker.unblock():
+        agent.enrolled()
         do_load_catalogs()
         assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online").exists(),
                           ANSWER_WITHIN)

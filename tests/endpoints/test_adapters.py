@@ -12,12 +12,14 @@ from rest_framework.test import APIClient
 
 from accounts.models import Organization
 from bench.hub_server import Hub
-from endpoints.dispatch import SYNC_ADAPTERS
 from endpoints.models import Adapter, AdapterFile, Endpoint, EndpointEvent, Node, Replica, State
 from engine import demo_model, lora
+from fleet.selectors import node_work
 from kvrun.common.sealing import unseal
 from nodes import weights
+from nodes.config import AgentConfig
 from tests.factories import demo_endpoint
+from tests.nodes.helpers import channel_of
 
 pytestmark = pytest.mark.django_db
 
@@ -49,8 +51,9 @@ def endpoint(org: Organization, cpu_node: Node) -> Endpoint:
 
 @pytest.fixture
 def sent() -> mock.MagicMock:
-    with mock.patch("endpoints.dispatch.current_app.send_task") as send_task:
-        yield send_task
+    """Wakes of node agents (endpoints.dispatch.wake_node), by node id."""
+    with mock.patch("endpoints.dispatch.wake_node") as wake_node:
+        yield wake_node
 
 
 def test_an_adapter_from_the_hub_is_pinned_and_sent_to_ready_replicas(
@@ -67,8 +70,10 @@ def test_an_adapter_from_the_hub_is_pinned_and_sent_to_ready_replicas(
         8, sorted(lora.ATTENTION_MODULES), weights.DEMO_SLUG)
     assert {f["path"] for f in adapter.files} == {lora.CONFIG_FILE, lora.WEIGHTS_FILE}
     replica = endpoint.replicas.get()
-    sent.assert_called_once_with(SYNC_ADAPTERS, args=[str(replica.id)],
-                                 queue=replica.node.queue)  # type: ignore[union-attr]
+    # Its node is woken, and reads in its work that the replica is to serve it.
+    sent.assert_called_once_with(replica.node_id)
+    [work] = node_work(node=replica.node)["replicas"]  # type: ignore[arg-type]
+    assert work["adapters"] == [["legal", adapter.folder]]
     assert "adapter legal added from kvrun/demo-lora-a" in endpoint.events.last().message
     listed = owner_api.get(adapters_url(org)).json()["results"]
     assert [(a["name"], a["replicas_serving"]) for a in listed] == [("legal", 0)]
@@ -147,23 +152,29 @@ def test_an_uploaded_adapter_is_kept_for_the_nodes_to_write_out(
         tmp_path: Path, settings: object) -> None:
     folder = lora.build_demo_adapter(tmp_path / "up", seed=5, base_model=weights.DEMO_SLUG,
                                      shape=demo_model.lora_shape())
-    settings.KVRUN_MODEL_DIR = tmp_path / "models"  # type: ignore[attr-defined]
+    node = AgentConfig(model_dir=tmp_path / "models")
 
     answer = add(owner_api, org, name="support", **upload(folder))
 
     assert answer["status"] == 201, answer
     adapter = Adapter.objects.get()
     assert (adapter.source, adapter.rank, answer["model"]) == ("upload", 8, "chat:support")
-    written = weights.adapter_dir(adapter, node_name=cpu_node.name)
+    # A node writes it out from the control plane's copy, through its channel.
+    channel, replica = channel_of(cpu_node, tmp_path), endpoint.replicas.get()
+    [sent_to_node] = channel.adapters(replica.id)
+    written = weights.adapter_dir(sent_to_node, replica_id=str(replica.id), channel=channel,
+                                  config=node)
     assert (written / lora.WEIGHTS_FILE).read_bytes() == (folder / lora.WEIGHTS_FILE).read_bytes()
-    assert written == weights.adapter_dir(adapter, node_name=cpu_node.name)  # written once
+    assert written == weights.adapter_dir(sent_to_node, replica_id=str(replica.id),
+                                          channel=channel, config=node)  # written once
     # A copy that does not match the digest taken when it was added is never served.
     AdapterFile.objects.filter(path=lora.WEIGHTS_FILE).update(content=b"tampered")
     Adapter.objects.filter(id=adapter.id).update(files=[
         {**f, "sha256": "0" * 64} if f["path"] == lora.WEIGHTS_FILE else f
         for f in adapter.files])
+    [tampered] = channel.adapters(replica.id)
     with pytest.raises(Exception, match="does not match the digest"):
-        weights.adapter_dir(Adapter.objects.get(), node_name=cpu_node.name)
+        weights.adapter_dir(tampered, replica_id=str(replica.id), channel=channel, config=node)
 
 
 @pytest.mark.parametrize(("changes", "files", "field", "words"), [
@@ -223,7 +234,8 @@ def test_a_removed_adapter_is_unloaded_and_its_row_goes(
 
     assert response.status_code == 204
     assert not Adapter.objects.exists()
-    assert sent.call_args.args[0] == SYNC_ADAPTERS
+    sent.assert_called_once_with(endpoint.replicas.get().node_id)
+    assert node_work(node=endpoint.replicas.get().node)["replicas"][0]["adapters"] == []
     assert EndpointEvent.objects.filter(endpoint=endpoint,
                                         message="adapter legal removed").exists()
     assert owner_api.delete(adapters_url(org, rest="legal/")).status_code == 404
@@ -341,17 +353,18 @@ def test_the_same_weights_under_another_config_are_another_folder(endpoint: Endp
 def test_an_upload_removed_while_it_is_written_out_leaves_nothing(
         owner_api: APIClient, org: Organization, endpoint: Endpoint, cpu_node: Node,
         tmp_path: Path, settings: object) -> None:
-    settings.KVRUN_MODEL_DIR = tmp_path / "models"  # type: ignore[attr-defined]
+    node = AgentConfig(model_dir=tmp_path / "models")
     folder = lora.build_demo_adapter(tmp_path / "up", seed=5, base_model=weights.DEMO_SLUG,
                                      shape=demo_model.lora_shape())
     assert add(owner_api, org, name="support", **upload(folder))["status"] == 201
-    adapter = Adapter.objects.get()
+    channel, replica = channel_of(cpu_node, tmp_path), endpoint.replicas.get()
+    [adapter] = channel.adapters(replica.id)
     AdapterFile.objects.all().delete()  # removed between the agent's read and its write
 
     with pytest.raises(Exception, match="was removed while it was written out"):
-        weights.adapter_dir(adapter, node_name=cpu_node.name)
-    assert not weights.adapter_folder(adapter).exists()
-    assert not list(weights.adapter_folder(adapter).parent.glob("*.partial"))
+        weights.adapter_dir(adapter, replica_id=str(replica.id), channel=channel, config=node)
+    assert not weights.adapter_folder(adapter, config=node).exists()
+    assert not list(weights.adapter_folder(adapter, config=node).parent.glob("*.partial"))
 
 
 def test_a_policy_change_keeps_room_for_the_adapters_served(

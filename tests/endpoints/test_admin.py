@@ -7,6 +7,8 @@ from django.utils import timezone
 
 from accounts.models import Organization, Role
 from bench.hub_server import Hub
+from endpoints import dispatch
+from endpoints.dispatch import pulls_for
 from endpoints.models import (
     DesiredState,
     Endpoint,
@@ -59,6 +61,14 @@ def sent(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, list, str | None]]:
         calls.append((name, list(args or []), options.get("queue")))
 
     monkeypatch.setattr(app, "send_task", send_task)
+    return calls
+
+
+@pytest.fixture
+def woken(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The nodes whose agents were woken to read their work, by id."""
+    calls: list[int] = []
+    monkeypatch.setattr(dispatch, "wake_node", calls.append)
     return calls
 
 
@@ -199,7 +209,7 @@ def test_an_endpoint_page_shows_its_replicas_and_cannot_be_changed(operator: Cli
 
 def test_it_drains_a_node(operator: Client, org: Organization,
                           django_capture_on_commit_callbacks: Callable,
-                          sent: list) -> None:
+                          sent: list, woken: list) -> None:
     node = h100_node("gpu-1")
     endpoint = endpoint_on(node, org)
     replica = endpoint.replicas.get()
@@ -211,7 +221,7 @@ def test_it_drains_a_node(operator: Client, org: Organization,
     assert Node.objects.get(id=node.id).draining
     replica.refresh_from_db()
     assert replica.state == State.STOPPING
-    assert ("engine.stop_replica", [str(replica.id)], "node.gpu-1") in sent
+    assert woken == [node.id]
     assert ("endpoints.reconcile", [str(endpoint.id)], None) in sent
     assert endpoint.events.filter(replica=replica,
                                   message__contains="node gpu-1 is draining").exists()
@@ -273,7 +283,7 @@ def test_it_undrains_a_node(operator: Client) -> None:
 
 def test_it_restarts_an_endpoint_with_fresh_replicas(
         operator: Client, org: Organization, django_capture_on_commit_callbacks: Callable,
-        sent: list) -> None:
+        woken: list) -> None:
     endpoint = endpoint_on(h100_node("gpu-1"), org)
     old = endpoint.replicas.get()
 
@@ -283,7 +293,7 @@ def test_it_restarts_an_endpoint_with_fresh_replicas(
     assert status == 302
     old.refresh_from_db()
     assert old.state == State.STOPPING
-    assert ("engine.stop_replica", [str(old.id)], "node.gpu-1") in sent
+    assert woken == [old.node_id]
     assert endpoint.events.filter(message="restarting: replacing 1 replica(s)").exists()
 
     reconcile_endpoint(endpoint_id=endpoint.id)
@@ -350,7 +360,7 @@ def test_an_endpoint_past_its_quota_is_not_started_and_the_operator_is_told(
 
 
 def test_an_operator_promotes_an_organisation_s_model_and_pre_pulls_it_onto_nodes(
-        operator: Client, org: Organization, sent: list, hub: Hub, hub_url: str) -> None:
+        operator: Client, org: Organization, woken: list, hub: Hub, hub_url: str) -> None:
     hub.tokens.add("hf_secret_1234")  # a token the hub knows, with no special access
     node = h100_node("n1")
     Node.objects.filter(id=node.id).update(architectures=["LlamaForCausalLM"],
@@ -365,7 +375,7 @@ def test_an_operator_promotes_an_organisation_s_model_and_pre_pulls_it_onto_node
 
     assert post_action(operator, "/admin/endpoints/modelspec/", "pull_onto_nodes",
                        model.id) == 302
-    assert sent == [("engine.pull_model", [model.id], "node.n1")]
+    assert pulls_for(node_id=node.id) == [model.id] and woken == [node.id]
     assert post_action(operator, "/admin/endpoints/modelspec/", "promote", model.id) == 302
     assert ModelSpec.objects.get(id=model.id).organization is None
     assert model.slug in set(model_catalog().values_list("slug", flat=True))

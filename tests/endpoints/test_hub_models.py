@@ -13,8 +13,10 @@ from bench.hub_server import Hub
 from endpoints.models import Endpoint, ModelSpec, Node
 from endpoints.services import do_add_model_from_hub
 from engine import demo_model
+from fleet.selectors import model_spec
 from kvrun.common.sealing import unseal
 from nodes import weights
+from nodes.config import AgentConfig
 from tests.factories import UserFactory
 
 pytestmark = pytest.mark.django_db
@@ -201,11 +203,13 @@ def test_an_organisation_sizes_its_own_model_and_nobody_else_can(
 def test_an_organisation_s_model_never_loads_from_a_folder_named_like_it(
         org: Organization, cpu_node: Node, hub_url: str, settings: object,
         tmp_path: Path) -> None:
-    settings.KVRUN_MODEL_DIR = tmp_path  # type: ignore[attr-defined]
     model = do_add_model_from_hub(organization=org, actor_role="owner", added_by=None,
                                   repo_id="kvrun/demo")
     (tmp_path / model.slug).mkdir()  # an operator's folder, or one named to look like it
 
-    assert weights.local_weights(model) is None
-    assert weights.weights_dir(model) == weights.model_cache().snapshot(model.hf_repo,
-                                                                        model.hf_commit)
+    as_sent = model_spec(model=model)  # as the node channel sends it to a node
+
+    node = AgentConfig(model_dir=tmp_path)
+    assert weights.local_weights(as_sent, config=node) is None
+    assert weights.weights_dir(as_sent, config=node) == weights.model_cache(node).snapshot(
+        model.hf_repo, model.hf_commit)

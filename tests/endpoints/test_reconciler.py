@@ -240,7 +240,7 @@ def test_a_stop_nobody_confirmed_is_sent_again_and_keeps_its_devices(
         reconcile_endpoint(endpoint_id=endpoint.id)
 
     assert Replica.objects.get(id=replica.id).state == State.STOPPING
-    assert "sending it again" in replica.events.order_by("-at", "-id").first().message
+    assert "asking its node again" in replica.events.order_by("-at", "-id").first().message
     assert len(sent) == 1
     assert free_devices(node) == [2, 3, 4, 5, 6, 7]
 

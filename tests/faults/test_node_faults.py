@@ -9,7 +9,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from django.conf import settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -17,7 +16,7 @@ from accounts.models import Organization
 from bench.hub_server import Hub
 from endpoints.models import Node, NodeState, Replica, State
 from endpoints.services import do_drain_node, do_load_catalogs, do_undrain_node
-from nodes import agent
+from nodes.config import AgentConfig
 from tests.e2e.test_provisioning import (
     RESTART_WITHIN,
     create,
@@ -51,8 +50,9 @@ def online(name: str) -> bool:
 
 
 def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_first(
-        ready_node: Node, owner_api: APIClient, org: Organization, engine_logs: Path) -> None:
-    node_agent = start_agent(NODE, engine_logs)
+        ready_node: Node, web: str, owner_api: APIClient, org: Organization,
+        engine_logs: Path) -> None:
+    node_agent = start_agent(NODE, engine_logs, web=web)
     try:
         assert wait_until(lambda: online(NODE), 60)
         create(owner_api, org, "returner")
@@ -96,10 +96,10 @@ def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_firs
 
 
 def test_a_killed_agent_takes_its_loading_engine_along_and_a_restart_stops_any_left(
-        celery_worker: object, owner_api: APIClient, org: Organization,
+        celery_worker: object, web: str, owner_api: APIClient, org: Organization,
         engine_logs: Path) -> None:
     do_load_catalogs()
-    first = start_agent(NODE, engine_logs)
+    first = start_agent(NODE, engine_logs, web=web)
     second = left = None
     try:
         assert wait_until(lambda: online(NODE), 60)
@@ -121,10 +121,11 @@ def test_a_killed_agent_takes_its_loading_engine_along_and_a_restart_stops_any_l
         # One left all the same, marked as that replica's engine: the restarted agent stops
         # it before it registers.
         replica = Replica.objects.get(endpoint__name="leftover")
-        left = sandboxed(UP_AND_ASLEEP, owner=agent.owner(NODE), replica=str(replica.id),
-                         model_dir=engine_logs, log_path=engine_logs / "left.log")
+        left = sandboxed(UP_AND_ASLEEP, owner=AgentConfig.from_environ().owner(NODE),
+                         replica=str(replica.id), model_dir=engine_logs,
+                         log_path=engine_logs / "left.log")
         assert said(engine_logs / "left.log", "up")
-        second = start_agent(NODE, engine_logs)
+        second = start_agent(NODE, engine_logs, web=web, rejoin=False)
 
         def back_without_the_leftover() -> bool:
             back = Node.objects.filter(name=NODE, last_heartbeat_at__gt=killed_at).exists()
@@ -147,15 +148,15 @@ def test_a_killed_agent_takes_its_loading_engine_along_and_a_restart_stops_any_l
 
 
 def test_a_node_killed_mid_download_resumes_it_when_back(
-        celery_worker: object, owner_api: APIClient, org: Organization, engine_logs: Path,
-        hub: Hub, hub_url: str, tmp_path: Path) -> None:
+        celery_worker: object, web: str, owner_api: APIClient, org: Organization,
+        engine_logs: Path, hub: Hub, hub_url: str, tmp_path: Path) -> None:
     do_load_catalogs()
     folder = shutil.copytree(hub.root / "kvrun/demo" / hub.commit_of("kvrun/demo", "main"),
                              tmp_path / "demo")
     (folder / "padding.txt").write_bytes(os.urandom(24 * MB))  # long enough to cut midway
     repo = f"acme/resumed-{uuid.uuid4().hex[:8]}"  # never downloaded before on this machine
     hub.publish(repo, folder)
-    first = start_agent(NODE, engine_logs, KVRUN_HUB_URL=hub.url)
+    first = start_agent(NODE, engine_logs, web=web, KVRUN_HUB_URL=hub.url)
     second = None
     try:
         assert wait_until(lambda: online(NODE) and Node.objects.get(name=NODE).architectures,
@@ -173,14 +174,14 @@ def test_a_node_killed_mid_download_resumes_it_when_back(
         assert (replica.state, replica.node.name) == (State.DOWNLOADING, NODE)
         first.kill()  # as a crash or a power cut would
         first.wait()
-        [cut] = (Path(settings.KVRUN_MODEL_DIR) / "hub").glob(
+        [cut] = (AgentConfig.from_environ().model_dir / "hub").glob(
             f"{repo.replace('/', '--')}/*.partial/padding.txt.incomplete")
         written = cut.stat().st_size
         assert written >= 10 * MB
 
         hub.rate_bytes_per_second = None
         sent_at_restart = hub.bytes_sent
-        second = start_agent(NODE, engine_logs, KVRUN_HUB_URL=hub.url)
+        second = start_agent(NODE, engine_logs, web=web, rejoin=False, KVRUN_HUB_URL=hub.url)
         assert drive(lambda: state_of("resumed") == State.READY, RESTART_WITHIN), story_of(
             replica.endpoint_id)
         # The second download asked only for what the first had not written.

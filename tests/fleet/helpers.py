@@ -31,7 +31,8 @@ def as_node(credential: str) -> APIClient:
 def enrolled(name: str) -> str:
     """The credential of a node `name` just enrolled through the channel."""
     _, token = do_create_join_token(node_name=name)
-    response = APIClient().post("/node/v1/enrol", {"join_token": token, **host()}, format="json")
+    response = APIClient().post("/node/v1/enrol", {"join_token": token, "name": name, **host()},
+                                format="json")
     assert response.status_code == 201
     return response.json()["credential"]
 

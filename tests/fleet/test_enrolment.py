@@ -23,9 +23,9 @@ from tests.fleet.helpers import as_node, host, placed_replica
 
 pytestmark = pytest.mark.django_db
 
-def enrol(token: str, **report: object) -> tuple[int, dict]:
-    response = APIClient().post("/node/v1/enrol", {"join_token": token, **host(), **report},
-                                format="json")
+def enrol(token: str, name: str = "gpu-1", **report: object) -> tuple[int, dict]:
+    response = APIClient().post("/node/v1/enrol", {
+        "join_token": token, "name": name, **host(), **report}, format="json")
     return response.status_code, response.json()
 
 
@@ -84,6 +84,19 @@ def test_a_join_token_needs_a_host_name_and_a_lifetime_of_at_most_a_day(
     with pytest.raises(CommandError, match=says):
         call_command("node_join_token", name, "--minutes", str(minutes), stdout=StringIO())
     assert not JoinToken.objects.exists()
+
+
+def test_a_join_token_enrols_only_the_node_it_was_made_for() -> None:
+    token = join_token("gpu-1")
+
+    status, body = enrol(token, name="gpu-2")  # a host given another's token
+
+    assert status == 403
+    assert body["error"]["message"] == (
+        "This join token is for node gpu-1, not gpu-2: start the agent with --name gpu-1, "
+        "or ask an operator for a token for gpu-2.")
+    assert not Node.objects.exists() and JoinToken.objects.get().used_at is None
+    assert enrol(token, name="gpu-1")[0] == 201
 
 
 def test_an_enrolment_with_a_bad_report_is_refused_and_spends_nothing() -> None:
@@ -210,7 +223,7 @@ def test_the_console_makes_a_join_token_shown_once_and_revokes_a_node(client: Cl
     assert (token.node_name, token.created_by.is_superuser) == ("gpu-9", True)
     assert timedelta(minutes=29) < token.expires_at - timezone.now() <= timedelta(minutes=30)
 
-    assert enrol(secret)[0] == 201
+    assert enrol(secret, name="gpu-9")[0] == 201
     credential = NodeCredential.objects.get()
     response = client.post("/admin/fleet/nodecredential/", {
         "action": "revoke_nodes", "_selected_action": [credential.id]}, follow=True)

@@ -32,9 +32,9 @@ def endpoint(org: Organization) -> Endpoint:
 
 @pytest.fixture(autouse=True)
 def no_tasks() -> mock.MagicMock:
-    """The replicas here have no agent: what would be sent to one is not sent."""
-    with mock.patch("endpoints.dispatch.current_app.send_task") as send_task:
-        yield send_task
+    """The replicas here have no agent: none is woken."""
+    with mock.patch("endpoints.dispatch.wake_node") as wake_node:
+        yield wake_node
 
 
 def test_the_page_lists_each_adapter_with_its_replicas_and_usage(

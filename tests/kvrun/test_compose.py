@@ -10,7 +10,9 @@ from django.core.management import get_commands
 
 from tests.helpers import ROOT
 
-KVRUN_SERVICES = {"web", "worker", "beat", "node"}
+CONTROL_PLANE = {"web", "worker", "beat"}
+KVRUN_SERVICES = CONTROL_PLANE | {"node"}
+SECRETS = {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER", "KVRUN_SEALING_KEY"}
 
 
 @pytest.fixture(scope="module")
@@ -27,22 +29,36 @@ def test_it_has_every_service(compose: dict) -> None:
     assert set(compose["services"]) == {"postgres", "redis"} | KVRUN_SERVICES
 
 
-def test_kvrun_services_share_one_image_recipe_and_environment(compose: dict) -> None:
+def test_kvrun_services_share_one_image_recipe_and_the_control_plane_one_environment(
+        compose: dict) -> None:
     services = compose["services"]
-    # One environment, but the node's model cache, which lives on the node's volume.
-    environments = [{name: value for name, value in services[name]["environment"].items()
-                     if name != "KVRUN_MODEL_DIR"} for name in KVRUN_SERVICES]
+    environments = [services[name]["environment"] for name in CONTROL_PLANE]
     assert all(env == environments[0] for env in environments)
-    cache = services["node"]["environment"]["KVRUN_MODEL_DIR"]
-    assert services["node"]["volumes"] == [f"model-cache:{cache}"]
-    assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY", "KVRUN_KEY_PEPPER"} <= set(environments[0])
+    assert SECRETS - {"KVRUN_SEALING_KEY"} <= set(environments[0])
     assert "@postgres:5432/kvrun" in environments[0]["DATABASE_URL"]
     assert re.fullmatch(r"redis://:\$\{REDIS_PASSWORD:\?[^}]+\}@redis:6379/0",
                         environments[0]["REDIS_URL"])
     for name in KVRUN_SERVICES:
         assert services[name]["build"]["dockerfile"] == "platform/Dockerfile"
         assert (ROOT / services[name]["build"]["dockerfile"]).exists()
+    for name in CONTROL_PLANE:
         assert set(services[name]["depends_on"]) == {"postgres", "redis"}
+
+
+def test_the_node_holds_the_control_plane_s_url_and_a_join_token_and_no_secret_of_it(
+        compose: dict) -> None:
+    node = compose["services"]["node"]
+    environment = node["environment"]
+
+    assert not SECRETS & set(environment)
+    assert environment["KVRUN_CONTROL_PLANE_URL"] == "http://web:8000"
+    assert environment["KVRUN_JOIN_TOKEN"] == "${KVRUN_JOIN_TOKEN:-}"
+    assert set(node["depends_on"]) == {"web"}
+    # The web service answers to the name the node calls it by.
+    allowed = compose["services"]["web"]["environment"]["ALLOWED_HOSTS"]
+    assert "web" in allowed.removeprefix("${ALLOWED_HOSTS:-").removesuffix("}").split(",")
+    # Its credential is kept across restarts, in its state directory, on a volume.
+    assert node["volumes"] == [f"node-state:{environment['KVRUN_STATE_DIR']}"]
 
 
 def test_each_service_runs_the_right_process(compose: dict) -> None:
@@ -52,7 +68,7 @@ def test_each_service_runs_the_right_process(compose: dict) -> None:
     assert command_of(services["worker"])[:4] == ["celery", "-A", "kvrun", "worker"]
     assert "control" in command_of(services["worker"])
     assert command_of(services["beat"])[:4] == ["celery", "-A", "kvrun", "beat"]
-    assert command_of(services["node"])[1:3] == ["manage.py", "node_agent"]
+    assert command_of(services["node"])[:3] == ["python", "-m", "nodes"]
     management = set(get_commands())
     for name in KVRUN_SERVICES:
         for used in re.findall(r"manage\.py (\w+)", " ".join(command_of(services[name]))):

@@ -1,23 +1,24 @@
-"""The node agent in this process (a NodeAgent of its own per test), against engines' stand-ins."""
+"""The node agent in this process (a NodeAgent of its own per test, tests/nodes/conftest.py),
+against engines' stand-ins."""
 
 import os
 import subprocess
 import sys
 import threading
 import time
+import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from django.db import connection
-from django.utils import timezone
 
-from accounts.models import Role
-from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
-from endpoints.policies import EndpointPolicy
-from endpoints.services import do_create_endpoint
+from endpoints.models import Node, Replica, State
+from fleet.selectors import node_work
 from nodes import agent
-from tests.factories import organization_with_owner
+from nodes.config import AgentConfig, Timings
 from tests.helpers import UP_AND_ASLEEP, process_alive, said, sandboxed, wait_until
+from tests.nodes.helpers import demo_replica
 
 # An API server that exited, leaving a worker of its group that ignores SIGTERM, as a
 # loading engine's does: stopping its group takes the whole grace period. The worker gives
@@ -30,27 +31,10 @@ subprocess.Popen([sys.executable, "-c", "import os, signal, time; "
 """
 
 
-def demo_replica(node: Node, state: str) -> Replica:
-    """A replica of an endpoint of the demo model on `node`, in `state`."""
-    endpoint = do_create_endpoint(
-        organization=organization_with_owner("Acme"), actor_role=Role.OWNER, created_by=None,
-        name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
-        policy=EndpointPolicy(context_length=2048, concurrency=4))
-    return Replica.objects.create(endpoint=endpoint, node=node, state=state)
-
-
-@pytest.fixture
-def node_agent(cpu_node: Node) -> agent.NodeAgent:
-    """A node agent of its own for each test, as manage.py node_agent builds one."""
-    return agent.NodeAgent(name=cpu_node.name)
-
-
 @pytest.mark.django_db(transaction=True)
 def test_a_heartbeat_never_waits_for_an_engine_to_stop(
-        cpu_node: Node, node_agent: agent.NodeAgent, settings: object,
-        tmp_path: Path) -> None:
-    settings.KVRUN_ENGINE_STOP_GRACE_SECONDS = 3
-    settings.KVRUN_ENGINE_LOG_DIR = tmp_path
+        cpu_node: Node, node_agent: agent.NodeAgent) -> None:
+    node_agent.timings = Timings(stop_grace_seconds=3)
     replica = demo_replica(cpu_node, State.READY)
     server = subprocess.Popen([sys.executable, "-c", EXITED_WITH_A_STUBBORN_WORKER],
                               start_new_session=True, stdout=subprocess.PIPE, text=True)
@@ -60,7 +44,7 @@ def test_a_heartbeat_never_waits_for_an_engine_to_stop(
 
     started = time.monotonic()
     assert node_agent.beat()
-    assert time.monotonic() - started < settings.KVRUN_ENGINE_STOP_GRACE_SECONDS / 2
+    assert time.monotonic() - started < node_agent.timings.stop_grace_seconds / 2
 
     # Its devices stay held until the group is gone; then the replica fails and restarts.
     assert process_alive(worker) and Replica.objects.get(id=replica.id).state == State.READY
@@ -71,9 +55,7 @@ def test_a_heartbeat_never_waits_for_an_engine_to_stop(
 
 @pytest.mark.django_db(transaction=True)
 def test_a_start_delivered_twice_while_starting_starts_one_engine(
-        cpu_node: Node, node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch,
-        settings: object, tmp_path: Path) -> None:
-    settings.KVRUN_ENGINE_LOG_DIR = tmp_path
+        cpu_node: Node, node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch) -> None:
     replica = demo_replica(cpu_node, State.STARTING)
     spawned: list[object] = []
     both_in = threading.Barrier(2)
@@ -107,80 +89,78 @@ def test_a_start_delivered_twice_while_starting_starts_one_engine(
 
 @pytest.mark.django_db(transaction=True)
 def test_an_agent_starting_deletes_the_kv_caches_its_replicas_left_on_disk(
-        cpu_node: Node, settings: object, tmp_path: Path) -> None:
-    settings.KVRUN_STATE_DIR = tmp_path
+        cpu_node: Node, node_agent: agent.NodeAgent) -> None:
     stopped = demo_replica(cpu_node, State.STOPPING)  # the agent died while it stopped
     elsewhere = Replica.objects.create(endpoint=stopped.endpoint, state=State.READY,
                                        node=Node.objects.create(name="cpu-2", address="10.0.0.2",
                                                                 cpu_count=2, memory_bytes=2**34))
     for replica in (stopped, elsewhere):
-        (agent.cache_dir(replica.id) / "lmcache").mkdir(parents=True)
+        (node_agent.config.kv_dir(replica.id) / "lmcache").mkdir(parents=True)
 
-    agent.stop_engines_left_behind(name=cpu_node.name)
+    node_agent.delete_kv_caches_left_behind()
 
-    assert not agent.cache_dir(stopped.id).exists()
-    assert (agent.cache_dir(elsewhere.id) / "lmcache").is_dir()  # another node's, running
+    assert not node_agent.config.kv_dir(stopped.id).exists()
+    assert (node_agent.config.kv_dir(elsewhere.id) / "lmcache").is_dir()  # another node's, running
 
 
 @pytest.mark.django_db(transaction=True)
 def test_an_engine_kvrun_no_longer_expects_is_stopped_and_its_kv_cache_deleted(
-        cpu_node: Node, node_agent: agent.NodeAgent, settings: object, tmp_path: Path) -> None:
-    settings.KVRUN_STATE_DIR = tmp_path
+        cpu_node: Node, node_agent: agent.NodeAgent, tmp_path: Path) -> None:
     replica = demo_replica(cpu_node, State.STOPPED)
-    (agent.cache_dir(replica.id) / "lmcache").mkdir(parents=True)
-    engine = sandboxed(UP_AND_ASLEEP, owner=agent.owner(cpu_node.name), replica=str(replica.id),
-                       model_dir=tmp_path, log_path=tmp_path / "engine.log")
+    (node_agent.config.kv_dir(replica.id) / "lmcache").mkdir(parents=True)
+    engine = sandboxed(UP_AND_ASLEEP, owner=node_agent.config.owner(cpu_node.name),
+                       replica=str(replica.id), model_dir=tmp_path,
+                       log_path=tmp_path / "engine.log")
     assert said(tmp_path / "engine.log", "up")
 
     assert node_agent.beat()
 
     assert wait_until(lambda: engine.poll() is not None, 15)
-    assert wait_until(lambda: not agent.cache_dir(replica.id).exists(), 5)
+    assert wait_until(lambda: not node_agent.config.kv_dir(replica.id).exists(), 5)
 
 
 
-@pytest.mark.django_db
-def test_an_organisation_s_compile_cache_is_its_own_and_goes_with_its_last_endpoint(
-        cpu_node: Node, settings: object, tmp_path: Path) -> None:
-    settings.KVRUN_STATE_DIR = tmp_path
-    kept, emptied = (demo_replica(cpu_node, State.READY).endpoint for _ in range(2))
-    assert kept.organization_id != emptied.organization_id
-    assert agent.spec_for(demo_replica(cpu_node, State.STARTING), 8000).compile_cache not in (
-        str(agent.compile_cache_dir(kept.organization_id)),
-        str(agent.compile_cache_dir(emptied.organization_id)))
-    for endpoint in (kept, emptied):
-        (agent.compile_cache_dir(endpoint.organization_id) / "vllm").mkdir(parents=True)
-    Endpoint.objects.filter(id=emptied.id).update(deleted_at=timezone.now())
-
-    assert agent.delete_unused_compile_caches() == 1
-
-    assert [path.name for path in agent.compile_cache_root().iterdir()] == [
-        str(kept.organization_id)]
-
-
-@pytest.mark.django_db
-def test_old_engine_logs_of_stopped_replicas_are_deleted(
-        cpu_node: Node, settings: object, tmp_path: Path) -> None:
-    settings.KVRUN_ENGINE_LOG_DIR = tmp_path
-    stopped, ready, failed, recent = (demo_replica(cpu_node, state) for state in (
-        State.STOPPED, State.READY, State.FAILED, State.STOPPED))
-    gone = "0b6f4e4e-8f3c-4a55-9d5e-1f2a3b4c5d6e"  # a replica whose row was deleted
+@pytest.mark.django_db(transaction=True)
+def test_an_organisation_s_compile_cache_is_its_own_and_outlives_its_last_engine_a_week(
+        cpu_node: Node, node_agent: agent.NodeAgent) -> None:
+    config = node_agent.config
+    here, gone_long, gone_lately = (demo_replica(cpu_node, State.READY) for _ in range(3))
+    starting = demo_replica(cpu_node, State.STARTING)
+    spec = node_agent.channel.replica(starting.id)
+    assert node_agent.engine_spec(spec, 8000).compile_cache == str(
+        config.compile_cache_dir(starting.endpoint.organization_id))
+    for replica in (here, gone_long, gone_lately):
+        (config.compile_cache_dir(replica.endpoint.organization_id) / "vllm").mkdir(parents=True)
     eight_days_ago = time.time() - 8 * 86400
-    for name in (stopped.id, ready.id, failed.id, gone, "notes"):
+    for replica in (here, gone_long):
+        folder = config.compile_cache_dir(replica.endpoint.organization_id)
+        os.utime(folder, (eight_days_ago, eight_days_ago))
+
+    assert agent.delete_unused_compile_caches(config, kept={
+        str(here.endpoint.organization_id), str(starting.endpoint.organization_id)}) == 1
+
+    assert sorted(path.name for path in config.compile_cache_root.iterdir()) == sorted(
+        str(replica.endpoint.organization_id) for replica in (here, gone_lately, starting))
+
+
+def test_old_engine_logs_are_deleted_but_those_of_replicas_on_the_node(tmp_path: Path) -> None:
+    config = AgentConfig(engine_log_dir=tmp_path)
+    stopped, ready, gone, recent = (str(uuid.uuid4()) for _ in range(4))
+    eight_days_ago = time.time() - 8 * 86400
+    for name in (stopped, ready, gone, "notes"):
         log = tmp_path / f"{name}.log"
         log.write_text("INFO engine\n")
         os.utime(log, (eight_days_ago, eight_days_ago))
-    (tmp_path / f"{recent.id}.log").write_text("INFO engine\n")
+    (tmp_path / f"{recent}.log").write_text("INFO engine\n")
 
-    assert agent.delete_old_logs() == 2
+    assert agent.delete_old_logs(config, kept={ready}) == 2
 
-    assert sorted(path.stem for path in tmp_path.iterdir()) == sorted(
-        [str(ready.id), str(failed.id), str(recent.id), "notes"])
+    assert sorted(path.stem for path in tmp_path.iterdir()) == sorted([ready, recent, "notes"])
 
 
 def test_cpu_engines_are_bound_to_the_cores_the_fewest_running_engines_use(
-        node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch, settings: object) -> None:
-    settings.KVRUN_NODE_CPU_CORES_PER_ENGINE = 2
+        node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    node_agent.config = replace(node_agent.config, cpu_cores_per_engine=2)
     monkeypatch.setattr(agent.os, "sched_getaffinity", lambda pid: {3, 2, 1, 0})
 
     def started(replica_id: str) -> tuple[int, ...]:
@@ -193,3 +173,26 @@ def test_cpu_engines_are_bound_to_the_cores_the_fewest_running_engines_use(
     del node_agent.engines["a"], node_agent.engines["c"]  # stopped: their cores are free
     assert started("d") == (0, 1)
     assert node_agent.cpu_cores == {"b": (2, 3), "d": (0, 1)}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_same_work_read_again_while_its_start_is_on_starts_nothing_more(
+        cpu_node: Node, node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    replica = demo_replica(cpu_node, State.STARTING)
+    started: list[str] = []
+    on, done = threading.Event(), threading.Event()
+
+    def start_replica(replica_id: str) -> None:
+        started.append(replica_id)
+        on.set()
+        done.wait(10)
+    monkeypatch.setattr(node_agent, "start_replica", start_replica)
+    work = node_work(node=cpu_node)  # as the node channel's long poll gives it
+
+    node_agent.take_work(work)
+    assert on.wait(10)
+    node_agent.take_work(work)  # read again, the start still on
+    done.set()
+
+    assert wait_until(lambda: not node_agent._busy, 10)
+    assert started == [str(replica.id)]

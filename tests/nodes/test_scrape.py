@@ -1,6 +1,7 @@
 """The node agent reading its engines' /metrics, against engines that answer badly: an engine
 runs weights its tenant chose, so what it answers is bounded."""
 
+import asyncio
 import gzip
 import threading
 import time
@@ -13,6 +14,7 @@ from accounts.models import Role
 from endpoints.models import ModelSpec, Node, Replica, State
 from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint
+from engine.metrics import EngineSnapshot
 from nodes import agent
 from telemetry.models import EngineSample
 from tests.factories import organization_with_owner
@@ -91,8 +93,14 @@ def plain(handler: BaseHTTPRequestHandler) -> None:
     handler.wfile.write(METRICS)
 
 
+def read(port: int) -> EngineSnapshot | None:
+    """What the agent reads of the /metrics of an engine of its on `port`."""
+    return asyncio.run(agent._read_all([("an-engine", agent.Engine("127.0.0.1", port, "key"))])
+                       )[0][0]
+
+
 def test_an_engine_s_metrics_are_read(engine: Callable[[Answer], int]) -> None:
-    snapshot = agent._read_metrics("an-engine", "127.0.0.1", engine(plain), "key")
+    snapshot = read(engine(plain))
 
     assert snapshot is not None and snapshot.running == 1
 
@@ -100,20 +108,23 @@ def test_an_engine_s_metrics_are_read(engine: Callable[[Answer], int]) -> None:
 @pytest.mark.parametrize("answer", [endless, dripping, dripping_headers, compressed])
 def test_an_engine_s_endless_slow_or_compressed_metrics_are_dropped(
         engine: Callable[[Answer], int], answer: Answer) -> None:
-    assert agent._read_metrics("a-hostile-engine", "127.0.0.1", engine(answer), "key") is None
+    assert read(engine(answer)) is None
 
 
-def ready_replica(node: Node, port: int) -> Replica:
+def ready_replica(node_agent: agent.NodeAgent, node: Node, port: int) -> Replica:
+    """A ready replica on `node` whose engine, of `node_agent`'s, listens on `port`."""
     endpoint = do_create_endpoint(
         organization=organization_with_owner(f"Tenant {port}"), actor_role=Role.OWNER,
         created_by=None, name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
         policy=EndpointPolicy(context_length=2048, concurrency=4))
-    return Replica.objects.create(endpoint=endpoint, node=node, state=State.READY, port=port)
+    replica = Replica.objects.create(endpoint=endpoint, node=node, state=State.READY, port=port)
+    node_agent.listening[str(replica.id)] = agent.Engine("127.0.0.1", port, "key")
+    return replica
 
 
 @pytest.mark.django_db
 def test_engines_are_read_at_once_so_that_a_slow_one_delays_no_other(
-        cpu_node: Node, engine: Callable[[Answer], int]) -> None:
+        cpu_node: Node, node_agent: agent.NodeAgent, engine: Callable[[Answer], int]) -> None:
     # Each answers only once the other has been asked: read one after the other, the first
     # waits past its timeout for a question that comes only after it is dropped.
     asked = {"first": threading.Event(), "second": threading.Event()}
@@ -125,9 +136,9 @@ def test_engines_are_read_at_once_so_that_a_slow_one_delays_no_other(
             plain(handler)
         return answer
 
-    first = ready_replica(cpu_node, engine(waiting_for("first", "second")))
-    second = ready_replica(cpu_node, engine(waiting_for("second", "first")))
+    first = ready_replica(node_agent, cpu_node, engine(waiting_for("first", "second")))
+    second = ready_replica(node_agent, cpu_node, engine(waiting_for("second", "first")))
 
-    assert agent.scrape(name=cpu_node.name) == 2
+    assert node_agent.scrape() == 2
     assert set(EngineSample.objects.values_list("replica_id", flat=True)) == {
         first.id, second.id}

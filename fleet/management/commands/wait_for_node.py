@@ -1,6 +1,6 @@
 import time
 
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from endpoints.selectors import node_takes_replicas
 
@@ -12,7 +12,7 @@ class Command(BaseCommand):
         "scripts that start a node and then create endpoints for it wait here between the two."
     )
 
-    def add_arguments(self, parser: object) -> None:
+    def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("name", help="The node's name, as its agent was given it.")
         parser.add_argument("--timeout", type=float, default=120.0)
 

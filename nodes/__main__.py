@@ -1,0 +1,5 @@
+import sys
+
+from nodes.main import main
+
+sys.exit(main())
