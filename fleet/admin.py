@@ -15,6 +15,7 @@ from fleet.enrolment import (
     JOIN_TOKEN_LIFETIME,
     JOIN_TOKEN_LONGEST_LIFETIME,
     NODE_NAME,
+    do_ask_rotation,
     do_create_join_token,
     do_revoke_node,
 )
@@ -58,11 +59,23 @@ class JoinTokenAdmin(admin.ModelAdmin):
 
 @admin.register(NodeCredential)
 class NodeCredentialAdmin(ReadOnlyAdmin):
-    list_display = ["node", "created_at", "first_used_at", "last_used_at", "revoked_at"]
+    list_display = ["node", "created_at", "first_used_at", "last_used_at", "rotation_asked_at",
+                    "revoked_at"]
     list_filter = ["revoked_at"]
     search_fields = ["node__name"]
     list_select_related = ["node"]
-    actions = ["revoke_nodes"]
+    actions = ["rotate_credentials", "revoke_nodes"]
+
+    @admin.action(description="Rotate: each node's agent takes a new credential at its next "
+                              "heartbeat", permissions=["change"])
+    def rotate_credentials(self, request: HttpRequest,
+                           queryset: QuerySet[NodeCredential]) -> None:
+        node_ids = set(queryset.values_list("node_id", flat=True))
+        marked = do_ask_rotation(node_ids=node_ids)
+        self.message_user(request, f"Asked {len(node_ids)} node(s) to rotate {marked} live "
+                                   "credential(s): each agent does at its next heartbeat, and "
+                                   "the old credential is refused once the new one is used.",
+                          messages.SUCCESS)
 
     @admin.action(description="Revoke their nodes: refuse the agents, move their replicas",
                   permissions=["change"])

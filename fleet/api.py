@@ -146,8 +146,9 @@ class Build(NodeView):
 
 class Heartbeat(NodeView):
     def post(self, request: Request) -> Response:
-        """The agent is alive and runs these engines. The answer names those it must stop;
-        a 409 asks it to register again (the node has no catalog GPU type yet)."""
+        """The agent is alive and runs these engines. The answer names those it must stop,
+        and whether to rotate its credential; a 409 asks it to register again (the node has
+        no catalog GPU type yet)."""
         data = validated(serializers.HeartbeatInput, request)
         unexpected = do_record_node_heartbeat(name=self.node.name,
                                               engines={str(rid) for rid in data["engines"]})
@@ -156,7 +157,8 @@ class Heartbeat(NodeView):
             raise NodeRevoked("This node was revoked since the call began.")
         if unexpected is None:
             raise RegisterAgain
-        return Response({"stop": sorted(unexpected)})
+        return Response({"stop": sorted(unexpected),
+                         "rotate": selectors.rotation_asked(node=self.node)})
 
 
 class Credential(NodeView):

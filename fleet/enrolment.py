@@ -8,6 +8,7 @@ either are stored.
 
 import re
 import secrets
+from collections.abc import Collection
 from datetime import timedelta
 
 from django.db import transaction
@@ -123,6 +124,14 @@ def do_use_node_credential(*, secret: str) -> Node | None:
     elif credential.last_used_at is None or now - credential.last_used_at > LAST_USED_PRECISION:
         NodeCredential.objects.filter(id=credential.id).update(last_used_at=now)
     return credential.node
+
+
+def do_ask_rotation(*, node_ids: Collection[int]) -> int:
+    """Ask the nodes' agents to rotate their credentials: each does at its next heartbeat
+    (fleet.selectors.rotation_asked), and the credential it held is revoked once the new
+    one is first used. Returns how many live credentials were marked."""
+    return NodeCredential.objects.filter(node_id__in=node_ids, revoked_at=None).update(
+        rotation_asked_at=timezone.now())
 
 
 def do_rotate_node_credential(*, node: Node) -> str:

@@ -38,6 +38,8 @@ class NodeCredential(models.Model):
     first_used_at = models.DateTimeField(null=True, blank=True)
     last_used_at = models.DateTimeField(null=True, blank=True)
     revoked_at = models.DateTimeField(null=True, blank=True)
+    # An operator asked the node to rotate it: its agent does at its next heartbeat.
+    rotation_asked_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at"]

@@ -14,6 +14,7 @@ from endpoints.models import Adapter, AdapterSource, ModelSpec, Node, Replica, S
 from endpoints.selectors import hub_token_of
 from endpoints.states import HOLDING_DEVICES
 from engine.sizing import CPU, GIB
+from fleet.models import NodeCredential
 from kvrun.common.digests import engine_api_key
 
 
@@ -66,6 +67,12 @@ def node_work(*, node: Node) -> dict[str, Any]:
     work = {"replicas": node_replicas(node=node), "pulls": pulls_for(node_id=node.id)}
     return {"version": hashlib.sha256(json.dumps(work, sort_keys=True).encode()).hexdigest(),
             **work}
+
+
+def rotation_asked(*, node: Node) -> bool:
+    """Whether an operator asked the node to rotate its credential, and it has not yet."""
+    return NodeCredential.objects.filter(node=node, revoked_at=None,
+                                         rotation_asked_at__isnull=False).exists()
 
 
 def node_timings() -> dict[str, float]:

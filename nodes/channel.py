@@ -113,15 +113,30 @@ class NodeChannel:
 
     def heartbeat(self, *, engines: Iterable[str]) -> set[str] | None:
         """The engines that run here; returns the replicas whose engines must stop, or None
-        when the node must register again."""
+        when the node must register again. An operator's request to rotate the credential,
+        which the answer carries, is done here."""
         try:  # not retried, nor waited for long: the next heartbeat comes in seconds
             answer = self._call("POST", "heartbeat", json={"engines": sorted(engines)},
-                                patience=0.0, timeout=HEARTBEAT_TIMEOUT_SECONDS)
+                                patience=0.0, timeout=HEARTBEAT_TIMEOUT_SECONDS).json()
         except ChannelRefused as exc:
             if exc.status == 409:
                 return None
             raise
-        return set(answer.json()["stop"])
+        if answer.get("rotate"):
+            self.rotate()
+        return set(answer["stop"])
+
+    def rotate(self) -> None:
+        """Take a new credential and keep it in place of the one in use, which the control
+        plane refuses from the new one's first use. A refusal (too many waiting unused) is
+        logged: the next heartbeat asks again."""
+        try:
+            fresh = self._call("POST", "credential", patience=0.0).json()["credential"]
+        except ChannelRefused as exc:
+            logger.warning("node channel: the credential was not rotated: %s", exc)
+            return
+        self._keep(fresh)
+        logger.info("node channel: credential rotated")
 
     def record_model_cache(self, *, entries: list[dict[str, Any]]) -> None:
         self._call("POST", "model-cache", json={"entries": entries})
@@ -240,10 +255,11 @@ class NodeChannel:
         """The control plane's answer, tried again for `patience` seconds (retry_for unless
         given). Statuses in `refusals` are refused at once even where they are otherwise
         tried again (the hub's refusal, passed on as a 502)."""
-        headers = {"Authorization": f"Bearer {self._credential}"} if authenticated else {}
         deadline = time.monotonic() + (self.retry_for if patience is None else patience)
         pause = 0.2
         while True:
+            used = self._credential
+            headers = {"Authorization": f"Bearer {used}"} if authenticated else {}
             try:
                 response = self._client.request(method, path, json=json, headers=headers,
                                                 timeout=timeout)
@@ -253,6 +269,8 @@ class NodeChannel:
                 if response.status_code < 400:
                     return response
                 if response.status_code == 401 and authenticated:
+                    if used != self._credential:  # rotated meanwhile: the new one, at once
+                        continue
                     raise NodeRevoked(_message(response))
                 if response.status_code not in _RETRIED_STATUSES - refusals:
                     raise ChannelRefused(response.status_code, _message(response))

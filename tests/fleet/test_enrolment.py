@@ -52,7 +52,7 @@ def test_a_join_token_enrols_its_node_once_and_the_credential_opens_the_channel(
     assert not NodeCredential.objects.filter(digest=credential).exists()
     assert token not in JoinToken.objects.values_list("digest", flat=True)
     beat = as_node(credential).post("/node/v1/heartbeat", {"engines": []}, format="json")
-    assert (beat.status_code, beat.json()) == (200, {"stop": []})
+    assert (beat.status_code, beat.json()) == (200, {"stop": [], "rotate": False})
     used = NodeCredential.objects.get()
     assert used.first_used_at is not None and used.last_used_at == used.first_used_at
 
@@ -225,6 +225,11 @@ def test_the_console_makes_a_join_token_shown_once_and_revokes_a_node(client: Cl
 
     assert enrol(secret, name="gpu-9")[0] == 201
     credential = NodeCredential.objects.get()
+    # Rotation, asked here, is carried by the node's next heartbeat.
+    response = client.post("/admin/fleet/nodecredential/", {
+        "action": "rotate_credentials", "_selected_action": [credential.id]}, follow=True)
+    assert response.status_code == 200
+    assert NodeCredential.objects.get().rotation_asked_at is not None
     response = client.post("/admin/fleet/nodecredential/", {
         "action": "revoke_nodes", "_selected_action": [credential.id]}, follow=True)
     assert response.status_code == 200

@@ -23,7 +23,8 @@ def test_a_node_cannot_report_for_another_node_s_replica() -> None:
     beat = as_node(thief).post("/node/v1/heartbeat", {"engines": [str(replica.id)]},
                                format="json")
 
-    assert (beat.status_code, beat.json()) == (200, {"stop": [str(replica.id)]})
+    assert (beat.status_code, beat.json()) == (200, {"stop": [str(replica.id)],
+                                                     "rotate": False})
     replica.refresh_from_db()
     assert (replica.state, replica.node.name) == (State.READY, "gpu-1")
     assert Node.objects.get(name="gpu-1").state == NodeState.ONLINE

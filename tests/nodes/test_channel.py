@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from endpoints.models import Node, State
-from fleet.enrolment import do_create_join_token, do_revoke_node
+from fleet.enrolment import do_ask_rotation, do_create_join_token, do_revoke_node
+from fleet.models import NodeCredential
 from nodes.channel import ChannelRefused, NodeChannel, NodeRevoked
 from tests.nodes.helpers import ControlPlane, channel_of, demo_replica
 
@@ -70,3 +71,19 @@ def test_another_node_s_replica_is_none_of_its_business(
     assert not channel.move(theirs.id, from_states=[State.STARTING], to_state=State.LOADING,
                             message="mine now", port=8000, policy_version=1)
     assert channel.replicas() == []
+
+
+def test_a_rotation_an_operator_asks_for_is_done_at_the_next_heartbeat(
+        cpu_node: Node, channel: NodeChannel, tmp_path: Path) -> None:
+    before = (tmp_path / "cpu-1" / "credential").read_text()
+    do_ask_rotation(node_ids=[cpu_node.id])
+
+    assert channel.heartbeat(engines=[]) == set()  # which carries the request, and rotates
+
+    after = (tmp_path / "cpu-1" / "credential").read_text()
+    assert after != before and after.startswith("kvn_")
+    assert channel.heartbeat(engines=[]) == set()  # the new one's first use
+    assert NodeCredential.objects.get(revoked_at=None).rotation_asked_at is None
+    (tmp_path / "copied").write_text(before)  # the one it held, as a thief copied it
+    with pytest.raises(NodeRevoked):
+        opened(tmp_path / "copied").heartbeat(engines=[])
