@@ -47,7 +47,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from accounts.models import Organization, Role  # noqa: E402
 from bench import seed  # noqa: E402
-from bench.provision import start_processes, start_web  # noqa: E402
+from bench.provision import start_processes  # noqa: E402
 from bench.record import Figure, Goal, print_goals, write  # noqa: E402
 from billing.ingestion import do_ingest_usage  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
@@ -62,22 +62,24 @@ from endpoints.services import (  # noqa: E402
 from engine import demo_model, metrics  # noqa: E402
 from kvrun.celery import app  # noqa: E402
 from kvrun.common.digests import engine_api_key  # noqa: E402
+from nodes.config import AgentConfig  # noqa: E402
 
 SEED = 20261204
 MODEL = "kvrun-bench-prefill"
 CORES_PER_ENGINE = 1
 CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
-TENANTS, QUESTIONS = 32, 8
+TENANTS, QUESTIONS = 16, 4
 ROUNDS = 3  # of each routing, taking turns
-# Each document makes its prompts share four whole 128-token blocks of the CPU engine (512 of
+# Each document makes its prompts share six whole 128-token blocks of the CPU engine (768 of
 # the demo tokenizer's tokens) and a few tokens more, so that a question stays within the next
-# block: a request then caches no block of its own, which would push documents out. The 32
-# documents are twice one replica's 8,192 tokens: under affinity each replica's share about
-# fills its cache, while least-loaded keeps every document on both and so holds half of
-# them. Many small documents rather than a few large ones keep the ring's split of them
-# near even, and eight questions each let a cached document be reused.
-BLOCK_TOKENS, SHARED_BLOCKS = 128, 4
+# block: a request then caches no block of its own, which would push documents out. The 16
+# documents overflow one replica's 8,192 tokens by half, and the ring's split of them fits
+# two. Least-loaded sends a tenant's questions to both replicas, so each document is read
+# cold once on each (and both caches hold every document, so they evict each other's);
+# affinity reads it cold once. A tenant asks four questions a round: as a user's session
+# with a long document does, a handful of questions, not hundreds.
+BLOCK_TOKENS, SHARED_BLOCKS = 128, 6
 # A conversation's shared prefix: with six turns its last prompt stays within the context.
 SYSTEM_WORDS = 160
 PREFILL_TOKENS = 2000  # the prompt whose prefill is timed, as token ids
@@ -232,7 +234,7 @@ def sized_document(tokenizer: Any, tenant: int, rng: random.Random) -> str:
 def tenants_asking(web: str, secrets: list[str], rng: random.Random) -> list[tuple]:
     """Each tenant's questions about its own document, in random order, two clients at once."""
     tokenizer = AutoTokenizer.from_pretrained(
-        demo_model.build(Path(settings.KVRUN_MODEL_DIR) / MODEL, demo_model.BUILT_IN[MODEL]))
+        demo_model.build(AgentConfig.from_environ().model_dir / MODEL, demo_model.BUILT_IN[MODEL]))
     documents = [sized_document(tokenizer, n, rng) for n in range(TENANTS)]
     order = [(tenant, number) for tenant in range(TENANTS) for number in range(QUESTIONS)]
     rng.shuffle(order)
@@ -302,11 +304,11 @@ def main() -> int:
     do_load_catalogs()
     organization = seed.organization("bench kv")
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
-    children = start_processes(logs, KVRUN_NODE_CPU_CORES_PER_ENGINE=str(CORES_PER_ENGINE))
     os.environ["KVRUN_METRICS_TOKEN"] = METRICS_TOKEN  # the web process's /metrics
+    children, base = start_processes(
+        logs, KVRUN_NODE_CPU_CORES_PER_ENGINE=str(CORES_PER_ENGINE))
     rng = random.Random(SEED)
     try:
-        base = start_web(children)
         _, inference = seed.key(organization)
         on = create(organization, "turns-on")
         off = create(organization, "turns-off", prefix_caching=False)
