@@ -1,6 +1,7 @@
-"""A node agent that goes quiet and comes back, or dies while its engine loads or its weights
-download: its replicas move to a node online, no engine of its previous life stays up, no
-replica is placed beside one, and a download cut off goes on from where it was."""
+"""A node agent that goes quiet and comes back, is cut off from the control plane, or dies
+while its engine loads or its weights download: its replicas move to a node online, no
+engine of its previous life stays up, no replica is placed beside one, and a download cut
+off goes on from where it was."""
 
 import os
 import shutil
@@ -16,9 +17,11 @@ from accounts.models import Organization
 from bench.hub_server import Hub
 from endpoints.models import Node, NodeState, Replica, State
 from endpoints.services import do_drain_node, do_load_catalogs, do_undrain_node
+from engine.processes import free_port
 from nodes.config import AgentConfig
 from tests.e2e.test_provisioning import (
     RESTART_WITHIN,
+    complete,
     create,
     delete_and_settle,
     ready_replica,
@@ -33,6 +36,8 @@ from tests.helpers import (
     said,
     sandboxed,
     start_agent,
+    start_web,
+    stop,
     stop_agent,
     story_of,
     wait_until,
@@ -47,6 +52,17 @@ MB = 2**20
 def online(name: str) -> bool:
     return Node.objects.filter(name=name, state=NodeState.ONLINE,
                                gpu_type__isnull=False).exists()
+
+
+def back_on_the_node_then_deleted(api: APIClient, org: Organization, old: Replica) -> None:
+    """The endpoint of `old` ready again on the node that came back, with one engine; then
+    deleted, and its engines gone."""
+    name = old.endpoint.name
+    assert drive(lambda: Replica.objects.filter(
+        endpoint__name=name, state=State.READY, node__name=NODE).exists(),
+        RESTART_WITHIN), story_of(old.endpoint_id)
+    assert len(api_servers(name)) == 1
+    delete_and_settle(api, org, name)
 
 
 def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_first(
@@ -85,14 +101,44 @@ def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_firs
             return not alive
 
         assert drive(old_engine_gone, 60), "the returning node kept its old engine"
-        assert drive(lambda: Replica.objects.filter(
-            endpoint__name="returner", state=State.READY, node__name=NODE).exists(),
-            RESTART_WITHIN), story_of(old.endpoint_id)
-        assert len(api_servers("returner")) == 1
-        delete_and_settle(owner_api, org, "returner")
+        back_on_the_node_then_deleted(owner_api, org, old)
     finally:
         do_undrain_node(node_id=ready_node.id)
         stop_agent(node_agent, NODE)
+
+
+def test_a_node_cut_off_from_the_control_plane_keeps_serving_and_settles_once_back(
+        ready_node: Node, owner_api: APIClient, org: Organization, engine_logs: Path) -> None:
+    # The node reaches the control plane through a web process of its own: killing that cuts
+    # its channel, the agent and its engine running on.
+    port = free_port()
+    channel = start_web(port, KVRUN_NODE_HEARTBEAT_SECONDS="1")
+    node_agent = start_agent(NODE, engine_logs, web=f"http://127.0.0.1:{port}")
+    try:
+        assert wait_until(lambda: online(NODE), 60)
+        do_drain_node(node_id=ready_node.id)  # the replica's one place is the node cut off
+        create(owner_api, org, "islander")
+        assert drive(lambda: state_of("islander") == State.READY, RESTART_WITHIN)
+        old = ready_replica("islander")
+        assert old.node.name == NODE
+
+        channel.kill()
+        channel.wait()
+        assert drive(lambda: Replica.objects.get(id=old.id).state == State.STOPPED, 30,
+                     lose_silent_nodes=True)
+        assert Node.objects.get(name=NODE).state == NodeState.LOST
+        # Cut off, the node keeps its engine serving those who reach it.
+        assert complete(old, "islander").status_code == 200
+
+        channel = start_web(port, KVRUN_NODE_HEARTBEAT_SECONDS="1")  # the channel back
+        # Its agent reports the engine, is told kvrun no longer expects it, stops it, and
+        # only then does the node take the endpoint's replica again.
+        assert drive(lambda: not process_alive(old.pid), 60), "the old engine outlived the cut"
+        back_on_the_node_then_deleted(owner_api, org, old)
+    finally:
+        do_undrain_node(node_id=ready_node.id)
+        stop_agent(node_agent, NODE)
+        stop(channel)
 
 
 def test_a_killed_agent_takes_its_loading_engine_along_and_a_restart_stops_any_left(
