@@ -69,16 +69,17 @@ MODEL = "kvrun-bench-prefill"
 CORES_PER_ENGINE = 1
 CONTEXT, CONCURRENCY = 2048, 4  # a KV budget of 8,192 tokens per replica
 CONVERSATIONS, TURNS = 4, 6
-TENANTS, QUESTIONS = 16, 4
+TENANTS, QUESTIONS = 16, 6
 ROUNDS = 3  # of each routing, taking turns
 # Each document makes its prompts share six whole 128-token blocks of the CPU engine (768 of
 # the demo tokenizer's tokens) and a few tokens more, so that a question stays within the next
 # block: a request then caches no block of its own, which would push documents out. The 16
 # documents overflow one replica's 8,192 tokens by half, and the ring's split of them fits
-# two. Least-loaded sends a tenant's questions to both replicas, so each document is read
-# cold once on each (and both caches hold every document, so they evict each other's);
-# affinity reads it cold once. A tenant asks four questions a round: as a user's session
-# with a long document does, a handful of questions, not hundreds.
+# two. The tenants take turns, each asking once in every pass over all of them (in an order
+# of their own each pass), as many tenants sharing a deployment do: between two questions of
+# one tenant come the fifteen others'. Under affinity a replica sees its own eight documents
+# in that time, which fit; under least-loaded, a question that lands on the other replica
+# than the last finds its document pushed out there by the sixteen others.
 BLOCK_TOKENS, SHARED_BLOCKS = 128, 6
 # A conversation's shared prefix: with six turns its last prompt stays within the context.
 SYSTEM_WORDS = 160
@@ -232,12 +233,13 @@ def sized_document(tokenizer: Any, tenant: int, rng: random.Random) -> str:
 
 
 def tenants_asking(web: str, secrets: list[str], rng: random.Random) -> list[tuple]:
-    """Each tenant's questions about its own document, in random order, two clients at once."""
+    """Each tenant's questions about its own document, one question of each tenant per pass
+    in a random order, two clients at once."""
     tokenizer = AutoTokenizer.from_pretrained(
         demo_model.build(AgentConfig.from_environ().model_dir / MODEL, demo_model.BUILT_IN[MODEL]))
     documents = [sized_document(tokenizer, n, rng) for n in range(TENANTS)]
-    order = [(tenant, number) for tenant in range(TENANTS) for number in range(QUESTIONS)]
-    rng.shuffle(order)
+    order = [(tenant, number) for number in range(QUESTIONS)
+             for tenant in rng.sample(range(TENANTS), TENANTS)]
     measured: list[tuple] = []
     lock = threading.Lock()
 
