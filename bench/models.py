@@ -168,11 +168,11 @@ def measure(served: Hub, scratch: Path) -> int:
         kv_tokens_local = plan(model=local, context_length=CONTEXT_LENGTH,
                                concurrency=CONCURRENCY, kv_cache_dtype="auto"
                                ).summary["kv_cache_tokens"]
-        first, _, logged = kvrun_start(organization, model, "bench-first")
+        first, _, logged, _ = kvrun_start(organization, model, "bench-first")
         cached, own, sent = [], [], 0
         for round_number in range(ROUNDS):
             before = served.bytes_sent
-            elapsed, engine_own, _ = kvrun_start(organization, model, f"bench-{round_number}")
+            elapsed, engine_own, _, _ = kvrun_start(organization, model, f"bench-{round_number}")
             sent += served.bytes_sent - before
             cached.append(elapsed)
             own.append(engine_own)
