@@ -59,8 +59,9 @@ class JoinTokenAdmin(admin.ModelAdmin):
 
 @admin.register(NodeCredential)
 class NodeCredentialAdmin(ReadOnlyAdmin):
-    list_display = ["node", "created_at", "first_used_at", "last_used_at", "rotation_asked_at",
-                    "revoked_at"]
+    # Revoked before rotation asked: the list is cut at the right beside the filters.
+    list_display = ["node", "created_at", "first_used_at", "last_used_at", "revoked_at",
+                    "rotation_asked_at"]
     list_filter = ["revoked_at"]
     search_fields = ["node__name"]
     list_select_related = ["node"]
