@@ -9,6 +9,7 @@ import signal
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
@@ -18,6 +19,7 @@ from bench.hub_server import Hub
 from endpoints.models import Node, NodeState, Replica, State
 from endpoints.services import do_drain_node, do_load_catalogs, do_undrain_node
 from engine.processes import free_port
+from fleet.enrolment import do_revoke_node
 from nodes.config import AgentConfig
 from tests.e2e.test_provisioning import (
     RESTART_WITHIN,
@@ -28,6 +30,7 @@ from tests.e2e.test_provisioning import (
     state_of,
 )
 from tests.helpers import (
+    ANSWER_WITHIN,
     UP_AND_ASLEEP,
     api_servers,
     drive,
@@ -139,6 +142,38 @@ def test_a_node_cut_off_from_the_control_plane_keeps_serving_and_settles_once_ba
         do_undrain_node(node_id=ready_node.id)
         stop_agent(node_agent, NODE)
         stop(channel)
+
+
+def test_a_revoked_node_stops_its_engines_its_replica_moves_and_its_credential_opens_nothing(
+        ready_node: Node, web: str, owner_api: APIClient, org: Organization,
+        engine_logs: Path) -> None:
+    node_agent = start_agent(NODE, engine_logs, web=web)
+    try:
+        assert wait_until(lambda: online(NODE), 60)
+        do_drain_node(node_id=ready_node.id)  # the replica's one place is the node revoked
+        create(owner_api, org, "exile")
+        assert drive(lambda: state_of("exile") == State.READY, RESTART_WITHIN)
+        old = ready_replica("exile")
+        assert old.node.name == NODE
+        do_undrain_node(node_id=ready_node.id)
+        stolen = AgentConfig.from_environ().credential_file(NODE).read_text()
+
+        do_revoke_node(node_id=old.node_id)
+
+        # Refused at its next call, the agent stops its engine, and itself.
+        assert wait_until(lambda: node_agent.poll() is not None, 60), "the agent ran on"
+        assert not process_alive(old.pid), "the revoked node's engine ran on"
+        assert drive(lambda: Replica.objects.filter(
+            endpoint__name="exile", state=State.READY, node=ready_node).exists(),
+            RESTART_WITHIN), story_of(old.endpoint_id)
+        # Its credential, replayed from another host, opens nothing.
+        replayed = httpx.get(f"{web}/node/v1/replicas", timeout=ANSWER_WITHIN,
+                             headers={"Authorization": f"Bearer {stolen}"})
+        assert replayed.status_code == 401
+        delete_and_settle(owner_api, org, "exile")
+    finally:
+        do_undrain_node(node_id=ready_node.id)
+        stop_agent(node_agent, NODE)
 
 
 def test_a_killed_agent_takes_its_loading_engine_along_and_a_restart_stops_any_left(
