@@ -57,6 +57,16 @@ def online(name: str) -> bool:
                                gpu_type__isnull=False).exists()
 
 
+def ready_on_the_node(api: APIClient, org: Organization, name: str) -> Replica:
+    """Once the node is online, an endpoint `name` created and its replica ready there."""
+    assert wait_until(lambda: online(NODE), 60)
+    create(api, org, name)
+    assert drive(lambda: state_of(name) == State.READY, RESTART_WITHIN)
+    replica = ready_replica(name)
+    assert replica.node.name == NODE
+    return replica
+
+
 def back_on_the_node_then_deleted(api: APIClient, org: Organization, old: Replica) -> None:
     """The endpoint of `old` ready again on the node that came back, with one engine; then
     deleted, and its engines gone."""
@@ -73,11 +83,7 @@ def test_a_lost_node_s_replica_moves_and_the_node_back_stops_its_old_engine_firs
         engine_logs: Path) -> None:
     node_agent = start_agent(NODE, engine_logs, web=web)
     try:
-        assert wait_until(lambda: online(NODE), 60)
-        create(owner_api, org, "returner")
-        assert drive(lambda: state_of("returner") == State.READY, RESTART_WITHIN)
-        old = ready_replica("returner")
-        assert old.node.name == NODE
+        old = ready_on_the_node(owner_api, org, "returner")
 
         # The agent goes quiet (as behind a network partition); its engine keeps running.
         os.kill(node_agent.pid, signal.SIGSTOP)
@@ -118,12 +124,8 @@ def test_a_node_cut_off_from_the_control_plane_keeps_serving_and_settles_once_ba
     channel = start_web(port, KVRUN_NODE_HEARTBEAT_SECONDS="1")
     node_agent = start_agent(NODE, engine_logs, web=f"http://127.0.0.1:{port}")
     try:
-        assert wait_until(lambda: online(NODE), 60)
         do_drain_node(node_id=ready_node.id)  # the replica's one place is the node cut off
-        create(owner_api, org, "islander")
-        assert drive(lambda: state_of("islander") == State.READY, RESTART_WITHIN)
-        old = ready_replica("islander")
-        assert old.node.name == NODE
+        old = ready_on_the_node(owner_api, org, "islander")
 
         channel.kill()
         channel.wait()
@@ -149,12 +151,8 @@ def test_a_revoked_node_stops_its_engines_its_replica_moves_and_its_credential_o
         engine_logs: Path) -> None:
     node_agent = start_agent(NODE, engine_logs, web=web)
     try:
-        assert wait_until(lambda: online(NODE), 60)
         do_drain_node(node_id=ready_node.id)  # the replica's one place is the node revoked
-        create(owner_api, org, "exile")
-        assert drive(lambda: state_of("exile") == State.READY, RESTART_WITHIN)
-        old = ready_replica("exile")
-        assert old.node.name == NODE
+        old = ready_on_the_node(owner_api, org, "exile")
         do_undrain_node(node_id=ready_node.id)
         stolen = AgentConfig.from_environ().credential_file(NODE).read_text()
 
