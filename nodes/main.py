@@ -92,8 +92,9 @@ def run(name: str, config: AgentConfig) -> int:
     if failed:
         logger.info("%d replica(s) from this node's previous run marked failed", failed)
     stop = threading.Event()
-    for loop in (_beat, _scrape, _follow_work):
-        threading.Thread(target=loop, args=(agent, report, stop), daemon=True).start()
+    threading.Thread(target=_beat, args=(agent, report, stop), daemon=True).start()
+    for loop in (_scrape, _follow_work):
+        threading.Thread(target=loop, args=(agent, stop), daemon=True).start()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda signum, frame: stop.set())
     try:
@@ -131,7 +132,7 @@ def _beat(agent: NodeAgent, report: dict[str, Any], stop: threading.Event) -> No
             logger.warning("heartbeat failed (%s); retrying at the next interval", exc)
 
 
-def _scrape(agent: NodeAgent, report: dict[str, Any], stop: threading.Event) -> None:
+def _scrape(agent: NodeAgent, stop: threading.Event) -> None:
     # Apart from the heartbeat: a slow engine's /metrics must never delay it.
     while not stop.wait(agent.timings.scrape_seconds):
         try:
@@ -140,7 +141,7 @@ def _scrape(agent: NodeAgent, report: dict[str, Any], stop: threading.Event) -> 
             logger.warning("sending the engines' metrics failed (%s); retrying", exc)
 
 
-def _follow_work(agent: NodeAgent, report: dict[str, Any], stop: threading.Event) -> None:
+def _follow_work(agent: NodeAgent, stop: threading.Event) -> None:
     # The node's long poll: each answer is its whole work, which the agent acts on.
     seen = ""
     while not stop.is_set():
