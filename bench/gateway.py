@@ -41,6 +41,7 @@ from endpoints.services import do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.metrics import engine_token_totals  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
+from engine.tls import EngineAddress  # noqa: E402
 from kvrun.common.digests import engine_api_key  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 from nodes.config import AgentConfig  # noqa: E402
@@ -145,7 +146,9 @@ def main() -> int:
     engine_auth = {"Authorization": f"Bearer {engine_key}"}  # its /metrics wants the key too
     runs: dict[str, dict] = {}
     try:
-        supervisor.wait_ready(port=engine_port, served_model_name="engine", api_key=engine_key,
+        supervisor.wait_ready(address=EngineAddress(host="127.0.0.1", port=engine_port,
+                                                    api_key=engine_key),
+                              served_model_name="engine",
                               alive=lambda: engine.poll() is None, timeout=300)
         for name in ("minimal", "engine"):  # the gateway learns the key and the routes
             runs[f"warm_up_{name}"] = wrk(gateway, body_for(name, stream=False), secret,

@@ -29,6 +29,7 @@ from pathlib import Path
 from engine import demo_model, devices, offload_check, processes, supervisor
 from engine.kv_policy import KVPolicy
 from engine.sizing import GPU, Accelerator, ModelShape, Request, evaluate, kv_cache_tokens
+from engine.tls import EngineAddress
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -84,6 +85,11 @@ def shape_of(name: str) -> ModelShape:
                       max_context=config["max_position_embeddings"])
 
 
+def address_of(spec: supervisor.EngineSpec) -> EngineAddress:
+    """Where a bare engine of this check listens (plain HTTP, on loopback)."""
+    return EngineAddress(host=spec.host, port=spec.port, api_key=spec.api_key)
+
+
 def start(name: str, folder: Path, device: devices.Device, log: Path,
           policy: KVPolicy) -> tuple[object, supervisor.EngineSpec, float]:
     spec = supervisor.EngineSpec(
@@ -94,7 +100,7 @@ def start(name: str, folder: Path, device: devices.Device, log: Path,
     started = time.monotonic()
     process = supervisor.start(spec, log)
     try:
-        supervisor.wait_ready(port=spec.port, served_model_name=name, api_key="gpu-check",
+        supervisor.wait_ready(address=address_of(spec), served_model_name=name,
                               alive=lambda: process.poll() is None, timeout=START_TIMEOUT)
     except supervisor.EngineFailed:
         processes.stop_group(process.pid, grace=10)
@@ -131,8 +137,7 @@ def offload_row(base: Path, device: devices.Device) -> dict:
     process, spec, seconds = start(name, folder, device, base / "offload.log",
                                    KVPolicy(host_tier_gib=16))
     try:
-        verdict = offload_check.run(base_url=f"http://127.0.0.1:{spec.port}",
-                                    api_key="gpu-check", model=name, disk_tier=False,
+        verdict = offload_check.run(address=address_of(spec), model=name, disk_tier=False,
                                     prefix_caching=spec.kv_policy.prefix_caching,
                                     context_length=spec.max_model_len)
     finally:

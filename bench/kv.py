@@ -60,8 +60,8 @@ from endpoints.services import (  # noqa: E402
     do_load_catalogs,
 )
 from engine import demo_model, metrics  # noqa: E402
+from fleet.certificates import engine_address  # noqa: E402
 from kvrun.celery import app  # noqa: E402
-from kvrun.common.digests import engine_api_key  # noqa: E402
 from nodes.config import AgentConfig  # noqa: E402
 
 SEED = 20261204
@@ -275,9 +275,8 @@ class Counters:
             pass
         engine, metered = {}, {}
         for replica in self.replicas:
-            key = engine_api_key(replica_id=replica.id, node_id=replica.node_id)
-            answer = httpx.get(f"http://127.0.0.1:{replica.port}/metrics", timeout=60,
-                               headers={"Authorization": f"Bearer {key}"})
+            with engine_address(replica=replica).client(timeout=60) as client:
+                answer = client.get("/metrics")
             engine[replica.id] = metrics.snapshot(answer.text).prefix_hits
             metered[replica.id] = UsageRecord.objects.filter(replica=replica).aggregate(
                 hits=Sum("cached_tokens"))["hits"] or 0

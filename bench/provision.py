@@ -36,6 +36,7 @@ from endpoints.policies import EndpointPolicy  # noqa: E402
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, sandbox, supervisor  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
+from engine.tls import EngineAddress  # noqa: E402
 from fleet.enrolment import do_create_join_token  # noqa: E402
 from kvrun.celery import app  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
@@ -80,7 +81,9 @@ def bare_start(model_dir: str, log: Path, *, kv_cache_bytes: int) -> float:
     started = time.monotonic()
     process = supervisor.start(spec, log)
     try:
-        supervisor.wait_ready(port=spec.port, served_model_name="bare", api_key="bench",
+        supervisor.wait_ready(address=EngineAddress(host=spec.host, port=spec.port,
+                                                    api_key="bench"),
+                              served_model_name="bare",
                               alive=lambda: process.poll() is None, timeout=300)
         return time.monotonic() - started
     finally:

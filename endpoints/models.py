@@ -345,6 +345,10 @@ class Replica(models.Model):
     download_seconds = models.FloatField(null=True, blank=True)
     failure_reason = models.TextField(blank=True)
     port = models.PositiveIntegerField(null=True, blank=True)
+    tls = models.BooleanField(
+        default=False, help_text="Its engine serves HTTPS with a certificate signed for it on "
+                                 "its node (fleet.certificates): set when signed, cleared when "
+                                 "its engine is started again.")
     pid = models.PositiveIntegerField(null=True, blank=True)
     kv_cache_tokens = models.BigIntegerField(null=True, blank=True)
     adapters = ArrayField(models.CharField(max_length=63), default=list, blank=True,

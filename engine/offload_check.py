@@ -15,9 +15,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from engine.metrics import totals
+from engine.tls import EngineAddress
 
 TIER_PREFIXES = ("vllm:kv_offload_", "vllm:external_prefix_cache_")
 PROMPT_TOKENS = 4096  # long enough to fill many blocks, short enough for any context
@@ -88,25 +87,25 @@ def judge(*, before: dict[str, float], after_first: dict[str, float],
                          f"against {first_seconds:.2f} s{served}.", figures)
 
 
-def run(*, base_url: str, api_key: str, model: str, disk_tier: bool, prefix_caching: bool,
+def run(*, address: EngineAddress, model: str, disk_tier: bool, prefix_caching: bool,
         context_length: int) -> Verdict:
     """Send the prompt twice to a serving engine and judge (token ids: any tokenizer)."""
-    headers = {"Authorization": f"Bearer {api_key}"}
     prompt = [10 + n % 200 for n in range(min(PROMPT_TOKENS, context_length - 8))]
+    with address.client(timeout=TIMEOUT_SECONDS) as client:
+        def counters() -> dict[str, float]:
+            return tier_counters(client.get("/metrics", timeout=10).text)
 
-    def counters() -> dict[str, float]:
-        return tier_counters(httpx.get(f"{base_url}/metrics", headers=headers, timeout=10).text)
+        def timed() -> float:
+            started = time.monotonic()
+            client.post("/v1/completions", json={"model": model, "prompt": prompt,
+                                                 "max_tokens": 1}).raise_for_status()
+            return time.monotonic() - started
 
-    def timed() -> float:
-        started = time.monotonic()
-        httpx.post(f"{base_url}/v1/completions", headers=headers, timeout=TIMEOUT_SECONDS,
-                   json={"model": model, "prompt": prompt, "max_tokens": 1}).raise_for_status()
-        return time.monotonic() - started
-
-    before = counters()
-    first = timed()
-    after_first = counters()
-    second = timed()
-    return judge(before=before, after_first=after_first, after_second=counters(),
+        before = counters()
+        first = timed()
+        after_first = counters()
+        second = timed()
+        after_second = counters()
+    return judge(before=before, after_first=after_first, after_second=after_second,
                  first_seconds=first, second_seconds=second, disk_tier=disk_tier,
                  prefix_caching=prefix_caching)

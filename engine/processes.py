@@ -38,7 +38,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether nothing listens on `port`: a server may take it. Connections of a server
+    gone that linger in TIME_WAIT do not hold it (servers, vLLM's too, bind with
+    SO_REUSEADDR); a TLS server closes first every connection it refuses."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

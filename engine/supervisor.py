@@ -1,8 +1,9 @@
 """Build, start and watch one vLLM engine process. Pure Python, no Django.
 
-An engine runs in a process group of its own (engine.processes, which also stops it), bound
-to its node's private address (127.0.0.1 by default; its /health and /metrics are
-unauthenticated), with a per-replica log file from which kvrun reads the KV capacity and
+An engine runs in a process group of its own (engine.processes, which also stops it), in its
+sandbox (engine.sandbox), bound to its node's address (127.0.0.1 by default), serving HTTPS
+with its replica's certificate (engine.tls) and taking its key on every path but /health,
+with a per-replica log file from which kvrun reads the KV capacity and
 shows the last lines when it fails.
 """
 
@@ -23,6 +24,7 @@ from engine import sandbox
 from engine.kv_policy import EngineKV, KVPolicy, build_for, engine_kv, lmcache_yaml
 from engine.processes import engine_group_dying_with_parent, engine_session_yields
 from engine.sizing import CPU, GIB, GPU
+from engine.tls import EngineAddress
 
 KV_CAPACITY = re.compile(r"KV cache size: ([\d,]+) tokens")
 
@@ -52,6 +54,9 @@ class EngineSpec:
     device_indices: tuple[int, ...] = ()
     cpu_cores: tuple[int, ...] = ()  # a CPU engine's OpenMP threads, bound; (): vLLM's choice
     api_key: str = ""
+    # Its TLS key and certificate (engine.tls), in the replica's own directory; "": plain HTTP.
+    ssl_keyfile: str = ""
+    ssl_certfile: str = ""
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
     replica: str = ""
     trust_remote_code: bool = False  # an operator allowed the model's own code to run
@@ -90,6 +95,8 @@ def build_command(spec: EngineSpec,
         argv += ["--enable-lora", "--max-loras", str(spec.lora_adapters),
                  "--max-lora-rank", str(spec.lora_max_rank),
                  "--max-cpu-loras", str(max(spec.lora_adapters, spec.lora_host_adapters))]
+    if spec.ssl_keyfile:
+        argv += ["--ssl-keyfile", spec.ssl_keyfile, "--ssl-certfile", spec.ssl_certfile]
     if spec.api_key:
         # vLLM checks the key under /v1 only; this checks it on every other path but /health.
         argv += ["--middleware", "engine.key_guard.RequireEngineKey"]
@@ -189,30 +196,28 @@ class EngineFailed(Exception):
     """The engine exited or never became ready; the message carries its last log lines."""
 
 
-def wait_ready(*, host: str = "127.0.0.1", port: int, served_model_name: str, api_key: str,
+def wait_ready(*, address: EngineAddress, served_model_name: str,
                alive: Callable[[], bool], timeout: float,
                on_progress: Callable[[str], None] = lambda stage: None) -> None:
     """Return once /health answers, /v1/models lists the model and a warm-up completion has
     been served; raise EngineFailed if the process dies or the timeout passes first."""
-    base = f"http://{host}:{port}"
     deadline = time.monotonic() + timeout
     healthy = False
-    with httpx.Client(timeout=2.0) as client:
+    with address.client(timeout=2.0) as client:
         while time.monotonic() < deadline:
             if not alive():
                 raise EngineFailed("the engine exited during start-up")
             try:
                 if not healthy:
-                    healthy = client.get(f"{base}/health").status_code == 200
+                    healthy = client.get("/health").status_code == 200
                     if healthy:
                         on_progress("health")
                 if healthy:
-                    models = client.get(f"{base}/v1/models",
-                                        headers={"Authorization": f"Bearer {api_key}"})
+                    models = client.get("/v1/models")
                     if models.status_code == 200 and any(
                         item["id"] == served_model_name for item in models.json()["data"]
                     ):
-                        warm_up(client, base, served_model_name, api_key)
+                        warm_up(client, served_model_name)
                         return
             except httpx.TransportError:
                 pass
@@ -223,12 +228,12 @@ def wait_ready(*, host: str = "127.0.0.1", port: int, served_model_name: str, ap
 WARM_UP_PROMPT = "kvrun checks that the engine answers before it takes traffic."
 
 
-def warm_up(client: httpx.Client, base: str, served_model_name: str, api_key: str) -> None:
-    """One short completion before any user request. On vLLM's CPU build a one-token prompt
-    as an engine's very first request kills its worker (SIGILL); after any longer first
-    request it is served normally. On a GPU it moves first-request compilation off users."""
-    response = client.post(f"{base}/v1/completions", timeout=60.0,
-                           headers={"Authorization": f"Bearer {api_key}"},
+def warm_up(client: httpx.Client, served_model_name: str) -> None:
+    """One short completion before any user request, by `client` (EngineAddress.client). On
+    vLLM's CPU build a one-token prompt as an engine's very first request kills its worker
+    (SIGILL); after any longer first request it is served normally. On a GPU it moves
+    first-request compilation off users."""
+    response = client.post("/v1/completions", timeout=60.0,
                            json={"model": served_model_name, "prompt": WARM_UP_PROMPT,
                                  "max_tokens": 1})
     if response.status_code != 200:
@@ -236,36 +241,33 @@ def warm_up(client: httpx.Client, base: str, served_model_name: str, api_key: st
                            f"{response.text[:300]}")
 
 
-def load_adapter(*, host: str = "127.0.0.1", port: int, api_key: str, name: str,
-                 path: str) -> None:
+def load_adapter(*, address: EngineAddress, name: str, path: str) -> None:
     """Load the LoRA adapter in folder `path` into a running engine under `name`; one it
     already holds by that name is left as it is. Raises EngineFailed with the engine's
     reason when it refuses the adapter."""
-    response = httpx.post(f"http://{host}:{port}/v1/load_lora_adapter", timeout=120.0,
-                          headers={"Authorization": f"Bearer {api_key}"},
-                          json={"lora_name": name, "lora_path": path})
+    with address.client(timeout=120.0) as client:
+        response = client.post("/v1/load_lora_adapter",
+                               json={"lora_name": name, "lora_path": path})
     if response.status_code != 200 and "already been loaded" not in response.text:
         raise EngineFailed(f"the engine refused the adapter {name} "
                            f"({response.status_code}): {response.text[:300]}")
 
 
-def unload_adapter(*, host: str = "127.0.0.1", port: int, api_key: str, name: str) -> None:
+def unload_adapter(*, address: EngineAddress, name: str) -> None:
     """Unload the LoRA adapter `name` from a running engine; one it does not hold is gone
     already."""
-    response = httpx.post(f"http://{host}:{port}/v1/unload_lora_adapter", timeout=30.0,
-                          headers={"Authorization": f"Bearer {api_key}"},
-                          json={"lora_name": name})
+    with address.client(timeout=30.0) as client:
+        response = client.post("/v1/unload_lora_adapter", json={"lora_name": name})
     if response.status_code not in (200, 404):
         raise EngineFailed(f"the engine did not unload the adapter {name} "
                            f"({response.status_code}): {response.text[:300]}")
 
 
-def served_adapters(*, host: str = "127.0.0.1", port: int, api_key: str,
-                    served_model_name: str) -> dict[str, str]:
+def served_adapters(*, address: EngineAddress, served_model_name: str) -> dict[str, str]:
     """The LoRA adapters a running engine serves now: each one's name, and the folder it
     was loaded from."""
-    response = httpx.get(f"http://{host}:{port}/v1/models", timeout=10.0,
-                         headers={"Authorization": f"Bearer {api_key}"})
+    with address.client(timeout=10.0) as client:
+        response = client.get("/v1/models")
     response.raise_for_status()
     return {item["id"]: str(item.get("root") or "") for item in response.json()["data"]
             if item["id"] != served_model_name}

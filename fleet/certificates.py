@@ -21,8 +21,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from django.utils import timezone
 
 from endpoints.models import Replica
+from engine.tls import EngineAddress
 from fleet.models import CertificateAuthority
 from fleet.selectors import STARTING_ENGINE, NotNow
+from kvrun.common.digests import engine_api_key
 from kvrun.common.sealing import seal, unseal
 
 AUTHORITY_LIFETIME = timedelta(days=3650)
@@ -40,6 +42,19 @@ def replica_host_name(*, replica_id: UUID | str, node_id: int) -> str:
     restarts on another node after a failure keeps its id, and the node it left must hold
     no certificate for its new place."""
     return f"{replica_id}.node-{node_id}.{REPLICA_DOMAIN}"
+
+
+def engine_address(*, replica: Replica, authority_pem: str | None = None) -> EngineAddress:
+    """How the control plane reaches the replica's engine (its node loaded with it): over
+    TLS by the replica's name where it was signed a certificate, which every engine started
+    by an agent is; `authority_pem`, where the caller read it already."""
+    assert replica.node is not None and replica.port is not None  # its engine listens
+    checked = {"host_name": replica_host_name(replica_id=replica.id, node_id=replica.node.id),
+               "authority_pem": authority_pem or authority_certificate_pem()
+               } if replica.tls else {}
+    return EngineAddress(host=replica.node.address, port=replica.port,
+                         api_key=engine_api_key(replica_id=replica.id, node_id=replica.node.id),
+                         **checked)
 
 
 def _get_or_create_authority() -> CertificateAuthority:
@@ -104,6 +119,9 @@ def do_sign_engine_certificate(*, replica: Replica, request_pem: str) -> str:
         raise SigningRefused(
             "The key must be EC on P-256, P-384 or P-521, or RSA of 2048 bits or more.")
     assert replica.node_id is not None  # being started: placed on a node
+    if not Replica.objects.filter(id=replica.id, node_id=replica.node_id,
+                                  state__in=STARTING_ENGINE).update(tls=True):
+        raise NotNow("The replica's engine is not being started.")
     authority = _get_or_create_authority()
     issuer = x509.load_pem_x509_certificate(authority.certificate_pem.encode())
     now = timezone.now()

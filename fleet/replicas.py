@@ -43,7 +43,7 @@ AGENT_MOVES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 AGENT_AT_WORK = frozenset({State.DOWNLOADING, State.LOADING, State.READY})
 # What a move sets besides what the agent reports.
 _SET_BY_MOVE: dict[str, Any] = {
-    State.LOADING: lambda: {"download_done_at": None, "adapters": []},
+    State.LOADING: lambda: {"download_done_at": None, "adapters": [], "tls": False},
     State.READY: lambda: {"ready_at": timezone.now(), "restarts": 0},
     State.STOPPED: lambda: {"stopped_at": timezone.now(), "pid": None},
 }
@@ -82,6 +82,12 @@ def do_report_replica_move(*, node: Node, replica_id: UUID, from_states: Iterabl
     if fields.keys() - allowed_fields:
         raise MoveRefused(f"an agent does not set {sorted(fields.keys() - allowed_fields)} "
                           f"moving a replica to {to_state}")
+    # Gateways reach engines over TLS only; its certificate is signed while it loads, and
+    # only a new start (the move to loading) clears it.
+    if to_state == State.READY and Replica.objects.filter(id=replica_id, node=node,
+                                                          tls=False).exists():
+        raise MoveRefused("an engine serves only over TLS: ask for its certificate before "
+                          "it is ready")
     setting = _SET_BY_MOVE.get(to_state)
     measured = _downloaded_for(replica_id) if to_state == State.LOADING else {}
     return do_transition_replica(replica_id=replica_id, from_states=asked_from,

@@ -9,8 +9,8 @@ reached, what was known is served on (a restart of PostgreSQL does not stop infe
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -31,9 +31,11 @@ from endpoints.selectors import (
     start_counted_from,
 )
 from endpoints.states import COMING_UP
+from engine.tls import EngineAddress
+from fleet.certificates import authority_certificate_pem, engine_address
 from gateway.affinity import Ring
 from gateway.errors import GatewayError
-from kvrun.common.digests import engine_api_key, secret_digest
+from kvrun.common.digests import secret_digest
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +55,22 @@ class Upstream:
     """One ready engine replica, with the gateway's own count of requests in flight to it."""
 
     replica_id: str
-    base_url: str
-    authorization: str
+    address: EngineAddress
     in_flight: int = 0
     served: int = 0
     down_until: float = 0.0
+    # What every request to it carries, made once: where, its key, and how its certificate
+    # is checked (aiohttp's `ssl` and `server_hostname`).
+    base_url: str = field(init=False)
+    authorization: str = field(init=False)
+    ssl: ssl.SSLContext | bool = field(init=False)
+    server_hostname: str | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.base_url = self.address.base_url
+        self.authorization = self.address.authorization
+        self.ssl = self.address.ssl_context() or True
+        self.server_hostname = self.address.host_name or None
 
 
 @dataclass(frozen=True)
@@ -93,20 +106,15 @@ class Route:
 @dataclass(frozen=True)
 class _ReplicaRow:
     replica_id: str
-    base_url: str
-    authorization: str
+    address: EngineAddress
     adapters: tuple[str, ...] = ()
-
-
-def _base_url(address: str, port: int) -> str:
-    host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
-    return f"http://{host}:{port}"
 
 
 def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRow, ...]]]:
     """Each endpoint as a route still without upstreams, and its ready replicas."""
     close_old_connections()  # this thread serves no Django request that would do it
     rows = []
+    authority = None  # read once, where a replica serves TLS
     for endpoint in endpoints_for_gateway(organization_id=organization_id):
         scales_to_zero = (endpoint.min_replicas == 0 and endpoint.state != State.FAILED
                           and endpoint.desired_state == DesiredState.RUNNING)
@@ -128,10 +136,11 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
                       starting_since=min(starting, default=None))
         # Prefetched by endpoints_for_gateway, to an attribute the model does not declare.
         ready = endpoint.ready_replicas  # type: ignore[attr-defined]
+        if authority is None and any(replica.tls for replica in ready):
+            authority = authority_certificate_pem()
         replicas = tuple(_ReplicaRow(
-            replica_id=str(replica.id), base_url=_base_url(replica.node.address, replica.port),
-            authorization="Bearer " + engine_api_key(replica_id=replica.id,
-                                                     node_id=replica.node_id),
+            replica_id=str(replica.id),
+            address=engine_address(replica=replica, authority_pem=authority),
             adapters=tuple(replica.adapters)) for replica in ready)
         rows.append((route, replicas))
         for adapter in endpoint.adapters.all():
@@ -218,12 +227,10 @@ class Directory:
         upstreams = []
         for replica in replicas:
             upstream = self._upstreams.get(replica.replica_id)
-            if upstream is None or (upstream.base_url, upstream.authorization) != (
-                    replica.base_url, replica.authorization):
+            if upstream is None or upstream.address != replica.address:
                 if len(self._upstreams) >= MAX_REMEMBERED_UPSTREAMS:
                     self._upstreams.clear()
-                upstream = Upstream(replica_id=replica.replica_id, base_url=replica.base_url,
-                                    authorization=replica.authorization)
+                upstream = Upstream(replica_id=replica.replica_id, address=replica.address)
                 self._upstreams[replica.replica_id] = upstream
             upstreams.append(upstream)
         return replace(route, upstreams=tuple(upstreams), ring=Ring.of(upstreams))

@@ -145,11 +145,15 @@ class Proxy:
             waited = time.perf_counter()
             try:
                 exchange.response = await self.session.post(
-                    upstream.base_url + path, data=body,
+                    upstream.base_url + path, data=body, ssl=upstream.ssl,
+                    server_hostname=upstream.server_hostname,
                     headers={"Authorization": upstream.authorization,
                              "Content-Type": "application/json",
                              "X-Request-Id": exchange.request_id})
-            except aiohttp.ClientConnectorError:
+            except aiohttp.ClientConnectorError as error:
+                if isinstance(error, aiohttp.ClientSSLError):  # not the engine it should be
+                    logger.warning("%s: %s refused: %r", exchange.request_id,
+                                   upstream.base_url, error)
                 upstream.in_flight -= 1
                 exchange.upstream = None
                 mark_down(upstream)
@@ -185,6 +189,7 @@ class Proxy:
         try:
             async with self.session.post(
                     exchange.upstream.base_url + "/tokenize", json=asked,
+                    ssl=exchange.upstream.ssl, server_hostname=exchange.upstream.server_hostname,
                     headers={"Authorization": exchange.upstream.authorization}) as response:
                 counted = await response.json()
                 return exchange.counted(counted.get("count") if isinstance(counted, dict)

@@ -26,7 +26,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from subprocess import Popen
@@ -35,9 +35,19 @@ from uuid import UUID
 
 import httpx
 
-from engine import kv_policy, metrics, model_cache, offload_check, processes, sandbox, supervisor
+from engine import (
+    kv_policy,
+    metrics,
+    model_cache,
+    offload_check,
+    processes,
+    sandbox,
+    supervisor,
+    tls,
+)
 from engine.kv_policy import KVPolicy
 from engine.sizing import CPU, GPU
+from engine.tls import EngineAddress
 from nodes import weights
 from nodes.channel import AT_WORK, ChannelDown, NodeChannel, NodeRevoked, State
 from nodes.config import AgentConfig, Timings
@@ -61,15 +71,6 @@ LOG_SWEEP_SECONDS = 3600.0
 COMPILE_CACHE_KEPT_DAYS = 7.0
 
 
-@dataclass(frozen=True)
-class Engine:
-    """Where one of this agent's engines listens, and the key it takes."""
-
-    host: str
-    port: int
-    api_key: str
-
-
 class NodeAgent:
     """The node agent of node `name`, configured by `config`, with the control plane's
     `timings`: the engines it
@@ -84,7 +85,7 @@ class NodeAgent:
         self.channel = channel
         self.timings = timings
         self.engines: dict[str, Popen] = {}  # by replica id
-        self.listening: dict[str, Engine] = {}  # by replica id, once its engine is spawned
+        self.listening: dict[str, EngineAddress] = {}  # by replica id, once its engine is spawned
         self.cpu_cores: dict[str, tuple[int, ...]] = {}  # a CPU engine's bound cores, by replica
         # Held while an engine is spawned, and while a heartbeat finds the engines and reports
         # them, so that no engine appears between the two.
@@ -193,6 +194,10 @@ class NodeAgent:
                                          stage="preparing the model", percent=45):
                 return  # stopped meanwhile
             engine = self.engine_spec(spec, port)
+            certified = self._certify(replica_id, engine)
+            if certified is None:
+                return  # stopped meanwhile
+            engine, address = certified
             with self._lock:
                 # A stop (or the agent's shutdown) that came while the model was prepared
                 # found no engine to stop: none may start after it.
@@ -202,13 +207,12 @@ class NodeAgent:
                     engine = replace(engine, cpu_cores=self._cores_for(replica_id))
                 process = self._spawner.submit(supervisor.start, engine, log).result()
                 self.engines[replica_id] = process
-                self.listening[replica_id] = Engine(engine.host, port, engine.api_key)
+                self.listening[replica_id] = address
             self.channel.record_pid(replica_id, pid=process.pid)
             self.channel.progress(replica_id, state=State.LOADING, percent=50,
                                   stage="loading weights and allocating the KV cache")
             supervisor.wait_ready(
-                host=engine.host, port=port, served_model_name=engine.served_model_name,
-                api_key=engine.api_key,
+                address=address, served_model_name=engine.served_model_name,
                 alive=lambda: process.poll() is None,
                 timeout=self.timings.start_timeout_seconds,
                 on_progress=lambda stage: self.channel.progress(
@@ -235,7 +239,22 @@ class NodeAgent:
         if ready:
             self._serve_adapters(replica_id, spec["endpoint"])
         if ready and (engine.kv_policy.host_tier_gib or engine.kv_policy.disk_tier_gib):
-            _in_background(self._test_offload, replica_id, engine)
+            _in_background(self._test_offload, replica_id, engine, address)
+
+    def _certify(self, replica_id: str, engine: supervisor.EngineSpec
+                 ) -> tuple[supervisor.EngineSpec, EngineAddress] | None:
+        """A key for the replica's engine, made here, and its certificate, signed by the
+        control plane: the engine to start, serving HTTPS with them, and how it is reached.
+        None when the replica is no longer being started."""
+        key_pem, request_pem = tls.new_key_and_request()
+        signed = self.channel.certificate(replica_id, signing_request=request_pem)
+        if signed is None:
+            return None
+        key, certificate = tls.write_key_and_certificate(
+            Path(engine.cache_dir), key_pem=key_pem, certificate_pem=signed["certificate"])
+        return (replace(engine, ssl_keyfile=str(key), ssl_certfile=str(certificate)),
+                EngineAddress(host=engine.host, port=engine.port, api_key=engine.api_key,
+                              host_name=signed["host_name"], authority_pem=signed["authority"]))
 
     def sync_adapters(self, replica_id: str) -> None:
         """Make a ready replica's engine serve exactly its endpoint's adapters now: load those
@@ -256,7 +275,7 @@ class NodeAgent:
         engine = self.listening.get(replica_id)
         if not endpoint["lora_adapters"] or engine is None:
             return
-        where = {"host": engine.host, "port": engine.port, "api_key": engine.api_key}
+        where = {"address": engine}
         with self._lock:
             lock = self._adapter_locks.setdefault(replica_id, threading.Lock())
         with lock:  # one change of this engine's adapters at a time; other replicas go on
@@ -542,13 +561,14 @@ class NodeAgent:
                 return
             time.sleep(0.5)
 
-    def _test_offload(self, replica_id: str, spec: supervisor.EngineSpec) -> None:
+    def _test_offload(self, replica_id: str, spec: supervisor.EngineSpec,
+                      address: EngineAddress) -> None:
         """The offload self-test on a replica just ready with a KV tier; its verdict becomes
         the replica's event."""
         try:
             verdict = offload_check.run(
-                base_url=f"http://{spec.host}:{spec.port}", api_key=spec.api_key,
-                model=spec.served_model_name, disk_tier=bool(spec.kv_policy.disk_tier_gib),
+                address=address, model=spec.served_model_name,
+                disk_tier=bool(spec.kv_policy.disk_tier_gib),
                 prefix_caching=spec.kv_policy.prefix_caching,
                 context_length=spec.max_model_len)
             message = verdict.message
@@ -612,25 +632,26 @@ def delete_old_logs(config: AgentConfig, *, kept: Collection[str]) -> int:
     return len(old)
 
 
-async def _read_all(engines: list[tuple[str, Engine]]
+async def _read_all(engines: list[tuple[str, EngineAddress]]
                     ) -> list[tuple[metrics.EngineSnapshot | None, datetime]]:
     """Each engine's /metrics (None where _read_one gives none) and when it was read, at
     most SCRAPE_MOST_ENGINES_AT_ONCE at a time."""
     at_once = asyncio.Semaphore(SCRAPE_MOST_ENGINES_AT_ONCE)
-    async with httpx.AsyncClient(timeout=SCRAPE_TIMEOUT_SECONDS) as client:
-        async def read(replica_id: str, engine: Engine
-                       ) -> tuple[metrics.EngineSnapshot | None, datetime]:
-            async with at_once:
-                try:
-                    snapshot = await _read_one(client, replica_id, engine)
-                except Exception:  # one engine's answer never costs the others their samples
-                    logger.exception("the /metrics of replica %s could not be read", replica_id)
-                    snapshot = None
-            return snapshot, datetime.now(UTC)
-        return await asyncio.gather(*(read(*engine) for engine in engines))
+
+    async def read(replica_id: str, engine: EngineAddress
+                   ) -> tuple[metrics.EngineSnapshot | None, datetime]:
+        async with at_once:
+            try:
+                async with engine.async_client(timeout=SCRAPE_TIMEOUT_SECONDS) as client:
+                    snapshot = await _read_one(client, replica_id)
+            except Exception:  # one engine's answer never costs the others their samples
+                logger.exception("the /metrics of replica %s could not be read", replica_id)
+                snapshot = None
+        return snapshot, datetime.now(UTC)
+    return await asyncio.gather(*(read(*engine) for engine in engines))
 
 
-async def _read_one(client: httpx.AsyncClient, replica_id: str, engine: Engine
+async def _read_one(client: httpx.AsyncClient, replica_id: str
                     ) -> metrics.EngineSnapshot | None:
     """The engine's /metrics now. None when it does not answer, or not as Prometheus text,
     or when its whole answer, headers included, takes more than SCRAPE_TIMEOUT_SECONDS, is
@@ -639,9 +660,7 @@ async def _read_one(client: httpx.AsyncClient, replica_id: str, engine: Engine
     body = bytearray()
     try:
         async with asyncio.timeout(SCRAPE_TIMEOUT_SECONDS), client.stream(
-                "GET", f"http://{engine.host}:{engine.port}/metrics",
-                headers={"Authorization": f"Bearer {engine.api_key}",
-                         "Accept-Encoding": "identity"}) as response:
+                "GET", "/metrics", headers={"Accept-Encoding": "identity"}) as response:
             response.raise_for_status()
             if response.headers.get("content-encoding", "identity") != "identity":
                 return _dropped(replica_id, "compressed")

@@ -184,6 +184,19 @@ class NodeChannel:
             "download_done_at": download_done_at})
         return bool(answer and answer["current"])
 
+    def certificate(self, replica_id: UUID | str, *, signing_request: str
+                    ) -> dict[str, str] | None:
+        """The certificate for the replica's engine (fleet.certificates), for the key of
+        `signing_request`: the certificate, the authority's and the name it carries. None
+        when the replica is no longer being started here (a 404, or a 403: stopped)."""
+        try:
+            return self._replica_call("POST", replica_id, "/certificate", default=None,
+                                      json={"signing_request": signing_request})
+        except ChannelRefused as exc:
+            if exc.status == 403:
+                return None
+            raise
+
     def record_pid(self, replica_id: UUID | str, *, pid: int) -> None:
         self._replica_call("POST", replica_id, "/pid", default=None, json={"pid": pid})
 

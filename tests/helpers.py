@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import httpx
 from django.conf import settings
 from django.db import connection
 
@@ -121,6 +122,18 @@ def engine_headers(replica: Any) -> dict[str, str]:
 
     return {"Authorization": "Bearer " + engine_api_key(replica_id=replica.id,
                                                         node_id=replica.node_id)}
+
+
+def engine_client(replica: Any, *, keyed: bool = True) -> httpx.Client:
+    """A client of a replica's engine as a gateway reaches it: over TLS, its certificate
+    checked through the control plane's authority and by the replica's name; with its key
+    unless `keyed` is False."""
+    from fleet.certificates import engine_address
+
+    client = engine_address(replica=replica).client(timeout=ANSWER_WITHIN)
+    if not keyed:
+        del client.headers["Authorization"]
+    return client
 
 
 def wait_until(predicate: Callable[[], object], timeout: float, interval: float = 0.2) -> bool:

@@ -21,7 +21,7 @@ from tests.factories import inference_key
 from tests.helpers import (
     ENGINE_READY_WITHIN,
     drive,
-    engine_headers,
+    engine_client,
     records_for,
     story_of,
     wait_until,
@@ -117,8 +117,8 @@ def test_adapters_answer_apart_arrive_without_a_restart_on_every_replica_metered
     assert owner_api.delete(f"/api/v1/organizations/{org.slug}/endpoints/tuned/adapters/a/"
                             ).status_code == 204
     assert wait_until(lambda: serves(replica, ["b"]), 30)
-    listed = httpx.get(f"http://127.0.0.1:{replica.port}/v1/models",
-                       headers=engine_headers(replica))
+    with engine_client(replica) as engine:
+        listed = engine.get("/v1/models")
     assert [model["id"] for model in listed.json()["data"]] == ["tuned", "tuned:b"]
     assert wait_until(lambda: answer(web, secret, "tuned:a").status_code == 404, 30)
     assert not Adapter.objects.filter(name="a").exists()

@@ -40,7 +40,7 @@ from tests.helpers import (
     SuiteAgent,
     api_servers,
     drive,
-    engine_headers,
+    engine_client,
     records_for,
     start_web,
     stop,
@@ -54,7 +54,6 @@ pytestmark = [pytest.mark.e2e]
 class Served:
     web: str
     endpoint: Endpoint
-    engine: str  # the engine's own address, for its /metrics
     first: Organization
     second: Organization
 
@@ -66,7 +65,8 @@ class Served:
 
     def engine_metrics(self) -> str:
         replica = Replica.objects.get(endpoint=self.endpoint, state=State.READY)
-        return httpx.get(f"{self.engine}/metrics", headers=engine_headers(replica)).text
+        with engine_client(replica) as engine:
+            return engine.get("/metrics").text
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +84,7 @@ def served(django_db_blocker: object, agent: SuiteAgent, web: str) -> Iterator[S
             gpu_type=GPUType.objects.get(slug="cpu"),  # sized for the CPU node, late or not
             policy=EndpointPolicy(context_length=2048, concurrency=8))
         assert drive(lambda: Endpoint.objects.get(id=endpoint.id).state == State.READY, 180)
-        replica = Replica.objects.get(endpoint=endpoint, state=State.READY)
-        yield Served(web=web, endpoint=endpoint, engine=f"http://127.0.0.1:{replica.port}",
-                     first=first, second=second)
+        yield Served(web=web, endpoint=endpoint, first=first, second=second)
         do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
         assert drive(lambda: not api_servers("chat") and not Replica.objects.filter(
             endpoint=endpoint).exclude(state=State.STOPPED).exists(), 60)

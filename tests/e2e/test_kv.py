@@ -29,6 +29,7 @@ from endpoints.services import (
     do_load_catalogs,
 )
 from engine.metrics import totals
+from fleet.certificates import engine_address
 from gateway.affinity import Ring, prefix_key
 from gateway.directory import Upstream
 from kvrun.common.digests import cache_salt
@@ -41,7 +42,7 @@ from tests.helpers import (
     SuiteAgent,
     api_servers,
     drive,
-    engine_headers,
+    engine_client,
     records_for,
     story_of,
     wait_until,
@@ -72,9 +73,8 @@ class Pair:
         """Each ready replica's prefix-cache hits so far, from its engine's /metrics."""
         found = {}
         for replica in Replica.objects.filter(endpoint=self.endpoint, state=State.READY):
-            text = httpx.get(
-                f"http://127.0.0.1:{replica.port}/metrics", timeout=ANSWER_WITHIN,
-                headers=engine_headers(replica)).text
+            with engine_client(replica) as engine:
+                text = engine.get("/metrics").text
             found[replica.id] = totals(text)["vllm:prefix_cache_hits_total"]
         return found
 
@@ -170,7 +170,7 @@ def test_a_saturated_replica_spills_to_the_other(pair: Pair) -> None:
     shared = document()
     prompt = f"{shared} Tell me more."
     replicas = list(Replica.objects.filter(endpoint=pair.endpoint, state=State.READY))
-    ring = Ring.of([Upstream(replica_id=str(replica.id), base_url="", authorization="")
+    ring = Ring.of([Upstream(replica_id=str(replica.id), address=engine_address(replica=replica))
                     for replica in replicas])
     owner = ring.owner(prefix_key({"prompt": prompt}, salt=cache_salt(pair.organization.id)))
     [held] = [replica for replica in replicas if str(replica.id) == owner.replica_id]

@@ -3,6 +3,8 @@
 import itertools
 import os
 import signal
+import uuid
+from dataclasses import replace
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -19,8 +21,9 @@ from endpoints.models import Endpoint, ModelSpec, Node, Replica, State
 from endpoints.planning import shape_of
 from engine.processes import port_is_free
 from engine.sizing import kv_cache_tokens
+from fleet.certificates import engine_address
 from nodes.config import AgentConfig
-from tests.helpers import api_servers, drive, engine_headers, process_alive
+from tests.helpers import api_servers, drive, engine_client, process_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -55,9 +58,9 @@ def delete_and_settle(api: APIClient, org: Organization, name: str) -> None:
 
 
 def complete(replica: Replica, name: str) -> httpx.Response:
-    return httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions", timeout=30,
-                      headers=engine_headers(replica),
-                      json={"model": name, "prompt": "Hello, world!", "max_tokens": 5})
+    with engine_client(replica) as engine:
+        return engine.post("/v1/completions",
+                           json={"model": name, "prompt": "Hello, world!", "max_tokens": 5})
 
 
 def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
@@ -74,20 +77,31 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     answer = complete(replica, "chat")
     assert answer.status_code == 200, answer.text
     assert answer.json()["usage"]["completion_tokens"] == 5
-    assert httpx.post(f"http://127.0.0.1:{replica.port}/v1/completions",
-                      json={"model": "chat", "prompt": "x"}).status_code == 401
+    # It serves TLS only, with a certificate for this replica that the control plane's
+    # authority signed: plain HTTP, a client trusting only the system's authorities, and one
+    # asking for another replica's name are each refused.
+    assert replica.tls
+    with pytest.raises(httpx.TransportError):  # no answer: a TLS server, spoken to in clear
+        httpx.get(f"http://127.0.0.1:{replica.port}/health")
+    with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+        httpx.get(f"https://127.0.0.1:{replica.port}/health")
+    address = engine_address(replica=replica)
+    elsewhere = replace(address, host_name=address.host_name.replace(str(replica.id),
+                                                                     str(uuid.uuid4())))
+    with pytest.raises(httpx.ConnectError, match="Hostname mismatch"), elsewhere.client(
+            timeout=30) as impostor:
+        impostor.get("/health")
     # Every path but /health demands the engine's key, not only /v1 (vLLM's own check).
-    engine = f"http://127.0.0.1:{replica.port}"
-    assert httpx.get(f"{engine}/health").status_code == 200
-    for method, path in [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"),
-                         ("GET", "/metrics"), ("GET", "/ping"), ("GET", "/version"),
-                         ("GET", "/v1/models")]:
-        refused = httpx.request(method, f"{engine}{path}", json={"model": "chat", "prompt": "x"})
-        assert refused.status_code == 401, (path, refused.status_code)
-    key = engine_headers(replica)
-    assert httpx.get(f"{engine}/metrics", headers=key).status_code == 200
-    assert httpx.post(f"{engine}/tokenize", headers=key,
-                      json={"model": "chat", "prompt": "x"}).status_code == 200
+    with engine_client(replica, keyed=False) as engine:
+        assert engine.get("/health").status_code == 200
+        for method, path in [("POST", "/v1/completions"), ("POST", "/invocations"),
+                             ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+                             ("GET", "/ping"), ("GET", "/version"), ("GET", "/v1/models")]:
+            refused = engine.request(method, path, json={"model": "chat", "prompt": "x"})
+            assert refused.status_code == 401, (path, refused.status_code)
+    with engine_client(replica) as engine:
+        assert engine.get("/metrics").status_code == 200
+        assert engine.post("/tokenize", json={"model": "chat", "prompt": "x"}).status_code == 200
     # The engine holds none of the control plane's secrets.
     environ = Path(f"/proc/{replica.pid}/environ").read_bytes().split(b"\0")
     names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}

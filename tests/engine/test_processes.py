@@ -43,6 +43,20 @@ def test_port_is_free() -> None:
         assert not port_is_free(sock.getsockname()[1])
 
 
+def test_a_port_whose_server_closed_its_connections_is_free() -> None:
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as an engine binds
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server closes first: its side lingers in TIME_WAIT
+        client.recv(1)
+        client.close()
+    assert port_is_free(port)
+
+
 def test_engines_are_found_by_their_sandbox_s_marks_never_by_what_an_engine_writes(
         tmp_path: Path) -> None:
     mine = owner_of("node-1", "/srv/kvrun")

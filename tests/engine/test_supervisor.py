@@ -14,6 +14,7 @@ from engine.supervisor import (
     tail,
     wait_ready,
 )
+from engine.tls import EngineAddress
 from gateway.proxy import POOLED_IDLE_SECONDS
 
 
@@ -115,12 +116,21 @@ def test_an_engine_with_a_key_demands_it_on_every_path() -> None:
     assert argv[argv.index("--middleware") + 1] == "engine.key_guard.RequireEngineKey"
 
 
+def test_an_engine_serves_tls_with_its_replica_s_key_and_certificate() -> None:
+    argv, _ = build_command(spec(ssl_keyfile="/r/engine-tls.key",
+                                 ssl_certfile="/r/engine-tls.crt"))
+
+    assert argv[argv.index("--ssl-keyfile") + 1] == "/r/engine-tls.key"
+    assert argv[argv.index("--ssl-certfile") + 1] == "/r/engine-tls.crt"
+    assert "--ssl-keyfile" not in build_command(spec())[0]
+
+
 def test_an_engine_not_ready_within_the_start_timeout_has_failed() -> None:
     started = time.monotonic()
 
     with pytest.raises(EngineFailed, match="not ready within 1 s"):
-        wait_ready(port=free_port(), served_model_name="chat", api_key="k", alive=lambda: True,
-                   timeout=1.0)
+        wait_ready(address=EngineAddress(host="127.0.0.1", port=free_port(), api_key="k"),
+                   served_model_name="chat", alive=lambda: True, timeout=1.0)
 
     assert 1.0 <= time.monotonic() - started < 5
 
@@ -129,8 +139,8 @@ def test_an_engine_that_exits_while_starting_has_failed_at_once() -> None:
     started = time.monotonic()
 
     with pytest.raises(EngineFailed, match="exited during start-up"):
-        wait_ready(port=free_port(), served_model_name="chat", api_key="k",
-                   alive=lambda: False, timeout=60)
+        wait_ready(address=EngineAddress(host="127.0.0.1", port=free_port(), api_key="k"),
+                   served_model_name="chat", alive=lambda: False, timeout=60)
 
     assert time.monotonic() - started < 1
 

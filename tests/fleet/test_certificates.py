@@ -13,7 +13,10 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import NameOID
 
 from endpoints.models import Node, Replica, State
+from engine import tls
+from fleet.certificates import engine_address
 from fleet.models import CertificateAuthority
+from kvrun.common.digests import engine_api_key
 from tests.fleet.helpers import as_node, enrolled, placed_replica
 
 pytestmark = pytest.mark.django_db
@@ -86,6 +89,37 @@ def test_an_engine_certificate_names_its_replica_and_verifies_through_the_author
 
     port = served_once(tmp_path, key, body["certificate"])
     assert handshake(port, body["authority"], body["host_name"]) == b"hello"
+    # Gateways reach it by that name now; its next start needs a certificate again.
+    replica.refresh_from_db()
+    assert replica.tls
+    Replica.objects.filter(id=replica.id).update(state=State.STARTING)
+    moved = as_node(credential).post(f"/node/v1/replicas/{replica.id}/move", {
+        "from_states": ["starting"], "to_state": "loading", "message": "", "port": 8123,
+        "policy_version": 1}, format="json")
+    assert moved.json() == {"moved": True}
+    replica.refresh_from_db()
+    assert not replica.tls
+
+
+def test_the_address_gateways_use_checks_the_replica_s_name(credential: str,
+                                                            replica: Replica) -> None:
+    Replica.objects.filter(id=replica.id).update(port=8123)
+    replica.refresh_from_db()
+    plain = engine_address(replica=replica)
+    assert (plain.base_url, plain.host_name, plain.ssl_context()) == (
+        "http://10.0.0.7:8123", "", None)
+
+    key_pem, request_pem = tls.new_key_and_request()  # as the agent makes them
+    body = as_node(credential).post(f"/node/v1/replicas/{replica.id}/certificate", {
+        "signing_request": request_pem}, format="json").json()
+    replica.refresh_from_db()
+
+    address = engine_address(replica=replica)
+    assert address.base_url == "https://10.0.0.7:8123"
+    assert address.host_name == body["host_name"]
+    assert address.authority_pem == body["authority"]
+    assert address.api_key == engine_api_key(replica_id=replica.id, node_id=replica.node_id)
+    assert address.ssl_context().verify_mode == ssl.CERT_REQUIRED
 
 
 def test_a_certificate_for_one_replica_does_not_pass_for_another(

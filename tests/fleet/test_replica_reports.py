@@ -9,6 +9,7 @@ from django.utils import timezone
 
 from bench.hub_server import Hub
 from endpoints.models import Adapter, AdapterFile, AdapterSource, ModelSpec, Node, Replica, State
+from engine import tls
 from kvrun.common.digests import engine_api_key
 from kvrun.common.sealing import seal
 from telemetry.models import EngineSample
@@ -66,11 +67,20 @@ def test_an_agent_walks_its_replica_through_start_and_stop(credential: str,
     progress = agent.post(url(replica, "progress"), {
         "state": "loading", "stage": "loading weights", "percent": 50}, format="json")
     assert progress.json() == {"current": True}
+    # Gateways reach engines over TLS only: an engine without its certificate is not ready.
+    untrusted = agent.post(url(replica, "move"), {"from_states": ["loading"],
+                                                  "to_state": "ready", "message": ""},
+                           format="json")
+    assert untrusted.status_code == 403
+    assert "serves only over TLS" in untrusted.json()["error"]["message"]
+    signed = agent.post(url(replica, "certificate"),
+                        {"signing_request": tls.new_key_and_request()[1]}, format="json")
+    assert signed.status_code == 201
     assert move(["loading"], "ready", kv_cache_tokens=9000, log_tail="ready\n")
     assert not move(["loading"], "ready")  # said twice: moves nothing
     replica.refresh_from_db()
-    assert (replica.state, replica.port, replica.pid, replica.kv_cache_tokens) == (
-        State.READY, 8123, 4321, 9000)
+    assert (replica.state, replica.port, replica.pid, replica.kv_cache_tokens, replica.tls) == (
+        State.READY, 8123, 4321, 9000, True)
     assert replica.ready_at is not None and replica.restarts == 0
 
     Replica.objects.filter(id=replica.id).update(state=State.STOPPING)

@@ -1,12 +1,14 @@
 from collections import Counter
 
+from engine.tls import EngineAddress
 from gateway.affinity import PREFIX_CHARACTERS, Ring, leading_prompt, prefix_key
 from gateway.directory import Upstream
 
 
 def upstreams(count: int) -> list[Upstream]:
-    return [Upstream(replica_id=f"replica-{n}", base_url=f"http://10.0.0.{n}:8000",
-                     authorization="") for n in range(count)]
+    return [Upstream(replica_id=f"replica-{n}",
+                     address=EngineAddress(host=f"10.0.0.{n}", port=8000, api_key=""))
+            for n in range(count)]
 
 
 def keys(count: int) -> list[int]:

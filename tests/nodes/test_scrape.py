@@ -15,6 +15,7 @@ from endpoints.models import ModelSpec, Node, Replica, State
 from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint
 from engine.metrics import EngineSnapshot
+from engine.tls import EngineAddress
 from nodes import agent
 from telemetry.models import EngineSample
 from tests.factories import organization_with_owner
@@ -95,8 +96,8 @@ def plain(handler: BaseHTTPRequestHandler) -> None:
 
 def read(port: int) -> EngineSnapshot | None:
     """What the agent reads of the /metrics of an engine of its on `port`."""
-    return asyncio.run(agent._read_all([("an-engine", agent.Engine("127.0.0.1", port, "key"))])
-                       )[0][0]
+    engine = EngineAddress(host="127.0.0.1", port=port, api_key="key")
+    return asyncio.run(agent._read_all([("an-engine", engine)]))[0][0]
 
 
 def test_an_engine_s_metrics_are_read(engine: Callable[[Answer], int]) -> None:
@@ -118,7 +119,8 @@ def ready_replica(node_agent: agent.NodeAgent, node: Node, port: int) -> Replica
         created_by=None, name="chat", model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
         policy=EndpointPolicy(context_length=2048, concurrency=4))
     replica = Replica.objects.create(endpoint=endpoint, node=node, state=State.READY, port=port)
-    node_agent.listening[str(replica.id)] = agent.Engine("127.0.0.1", port, "key")
+    node_agent.listening[str(replica.id)] = EngineAddress(host="127.0.0.1", port=port,
+                                                          api_key="key")
     return replica
 
 
