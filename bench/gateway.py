@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import django
-import httpx
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
 django.setup()
@@ -37,12 +36,12 @@ from bench import seed  # noqa: E402
 from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from billing.ingestion import do_ingest_usage  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
+from endpoints.models import Replica  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.metrics import engine_token_totals  # noqa: E402
 from engine.sizing import CPU  # noqa: E402
-from engine.tls import EngineAddress  # noqa: E402
-from kvrun.common.digests import engine_api_key  # noqa: E402
+from fleet.certificates import engine_address  # noqa: E402
 from kvrun.launcher import uvicorn_args, wait_until_listening  # noqa: E402
 from nodes.config import AgentConfig  # noqa: E402
 
@@ -74,8 +73,9 @@ SHOWN = [
 COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "ignore_eos": True}
 
 
-def serve(app: str, port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, *uvicorn_args(app, port=port)], cwd=ROOT,
+def serve(app: str, port: int, log: Path, env: dict[str, str] | None = None,
+          args: tuple[str, ...] = ()) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, *uvicorn_args(app, port=port), *args], cwd=ROOT,
                                env={**os.environ, **(env or {})}, stdout=log.open("w"),
                                stderr=subprocess.STDOUT, preexec_fn=processes.dying_with_parent)
     wait_until_listening(process, port)
@@ -127,28 +127,34 @@ def main() -> int:
     _, secret = seed.key(organization, requests_per_minute=10**9, tokens_per_minute=10**9)
 
     upstream_port, engine_port, web_port = (processes.free_port() for _ in range(3))
-    seed.ready_endpoint(organization, "minimal", [upstream_port])
+    # Both upstreams serve TLS, as every engine an agent starts does: the gateway's cost of
+    # reaching them is part of what is measured, and so are their own on the direct runs.
+    minimal_replica = seed.ready_endpoint(organization, "minimal", [upstream_port]
+                                          ).replicas.get()
+    minimal_key, minimal_certificate = seed.certify(minimal_replica, logs / "minimal-tls")
     engine_endpoint = seed.ready_endpoint(organization, "engine", [engine_port])
     model_dir = str(demo_model.build(AgentConfig.from_environ().model_dir / "kvrun-demo-tiny"))
     engine_replica = engine_endpoint.replicas.get()
-    engine_key = engine_api_key(replica_id=engine_replica.id, node_id=engine_replica.node_id)
+    engine_tls_dir = logs / "engine-tls"
+    key_file, certificate_file = seed.certify(engine_replica, engine_tls_dir)
+    address = engine_address(replica=Replica.objects.get(id=engine_replica.id))
     spec = supervisor.EngineSpec(model_dir=model_dir, served_model_name="engine",
                                  port=engine_port, max_model_len=2048, max_num_seqs=8,
-                                 device=CPU, api_key=engine_key)
+                                 device=CPU, api_key=address.api_key,
+                                 cache_dir=str(engine_tls_dir), ssl_keyfile=str(key_file),
+                                 ssl_certfile=str(certificate_file))
     engine = supervisor.start(spec, logs / "gateway-engine.log")
-    upstream = serve("bench.minimal_upstream:app", upstream_port, logs / "minimal-upstream.log")
+    upstream = serve("bench.minimal_upstream:app", upstream_port, logs / "minimal-upstream.log",
+                     args=("--ssl-keyfile", str(minimal_key),
+                           "--ssl-certfile", str(minimal_certificate)))
     web_log = logs / "gateway-web.log"
     web = serve("kvrun.asgi:application", web_port, web_log,
                 {"DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "INFO"})
     gateway = f"http://127.0.0.1:{web_port}/v1/completions"
-    direct_minimal = f"http://127.0.0.1:{upstream_port}/v1/completions"
-    direct_engine = f"http://127.0.0.1:{engine_port}"
-    engine_auth = {"Authorization": f"Bearer {engine_key}"}  # its /metrics wants the key too
+    direct_minimal = f"https://127.0.0.1:{upstream_port}/v1/completions"
     runs: dict[str, dict] = {}
     try:
-        supervisor.wait_ready(address=EngineAddress(host="127.0.0.1", port=engine_port,
-                                                    api_key=engine_key),
-                              served_model_name="engine",
+        supervisor.wait_ready(address=address, served_model_name="engine",
                               alive=lambda: engine.poll() is None, timeout=300)
         for name in ("minimal", "engine"):  # the gateway learns the key and the routes
             runs[f"warm_up_{name}"] = wrk(gateway, body_for(name, stream=False), secret,
@@ -163,8 +169,8 @@ def main() -> int:
         runs["minimal_gateway_plain_c32"] = wrk(gateway, body, secret, connections=32,
                                                 watch=web.pid)
         def engine_totals() -> dict[str, float]:
-            return engine_token_totals(
-                httpx.get(f"{direct_engine}/metrics", headers=engine_auth).text)
+            with address.client(timeout=30) as client:
+                return engine_token_totals(client.get("/metrics").text)
 
         # Metered tokens against the engine's own counters, over the gateway's runs alone.
         counted_from = timezone.now()
@@ -176,8 +182,8 @@ def main() -> int:
         grew = {name: value - before[name] for name, value in engine_totals().items()}
         for label, stream in (("plain", False), ("stream", True)):
             runs[f"engine_direct_{label}_c1"] = wrk(
-                f"{direct_engine}/v1/completions", body_for("engine", stream=stream),
-                engine_key, connections=1)
+                f"{address.base_url}/v1/completions", body_for("engine", stream=stream),
+                address.api_key, connections=1)
         peak_rss_mb = peak_rss(web.pid) / 1024
     finally:
         web.send_signal(signal.SIGTERM)

@@ -4,6 +4,7 @@ target seeds from here (and the tests' factories build ready endpoints with it),
 benchmark imports nothing from tests/. Import it once Django is set up."""
 
 import time
+from pathlib import Path
 
 from django.utils import timezone
 
@@ -11,6 +12,8 @@ from accounts.models import APIKey, Organization, Role, Scope, User
 from accounts.services import do_create_api_key, do_create_organization
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from endpoints.services import do_load_catalogs
+from engine import tls
+from fleet.certificates import do_sign_engine_certificate
 
 
 def owner() -> User:
@@ -47,3 +50,17 @@ def ready_endpoint(organization: Organization, name: str, ports: list[int],
         Replica.objects.create(endpoint=endpoint, node=node, state=state, port=port,
                                ready_at=timezone.now())
     return endpoint
+
+
+def certify(replica: Replica, folder: Path) -> tuple[Path, Path]:
+    """A key for the replica's engine and its certificate, signed as its agent has one
+    signed (the replica is at its loading step for that moment), written into `folder`:
+    gateways then reach it over TLS, as they reach every engine an agent starts. Returns
+    the key's and the certificate's paths."""
+    was = replica.state
+    Replica.objects.filter(id=replica.id).update(state=State.LOADING)
+    key_pem, request_pem = tls.new_key_and_request()
+    certificate = do_sign_engine_certificate(replica=Replica.objects.get(id=replica.id),
+                                             request_pem=request_pem)
+    Replica.objects.filter(id=replica.id).update(state=was)
+    return tls.write_key_and_certificate(folder, key_pem=key_pem, certificate_pem=certificate)

@@ -23,7 +23,16 @@ from engine.processes import port_is_free
 from engine.sizing import kv_cache_tokens
 from fleet.certificates import engine_address
 from nodes.config import AgentConfig
-from tests.helpers import api_servers, drive, engine_client, process_alive
+from telemetry.models import EngineSample
+from tests.factories import inference_key
+from tests.helpers import (
+    ANSWER_WITHIN,
+    api_servers,
+    drive,
+    engine_client,
+    process_alive,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -63,7 +72,7 @@ def complete(replica: Replica, name: str) -> httpx.Response:
                            json={"model": name, "prompt": "Hello, world!", "max_tokens": 5})
 
 
-def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
+def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient, web: str,
                                     org: Organization, engine_logs: Path) -> None:
     create(owner_api, org, "chat")
 
@@ -102,6 +111,15 @@ def test_create_ready_complete_stop(ready_node: Node, owner_api: APIClient,
     with engine_client(replica) as engine:
         assert engine.get("/metrics").status_code == 200
         assert engine.post("/tokenize", json={"model": "chat", "prompt": "x"}).status_code == 200
+    # The gateway reaches it that way: over TLS, by the replica's name.
+    through = httpx.post(f"{web}/v1/completions", timeout=ANSWER_WITHIN,
+                         headers={"Authorization": f"Bearer {inference_key(org)[1]}"},
+                         json={"model": "chat", "prompt": "Hello", "max_tokens": 3})
+    assert through.status_code == 200, through.text
+    assert through.json()["usage"]["completion_tokens"] == 3
+    # Its agent scrapes its /metrics the same way, into samples.
+    assert wait_until(lambda: EngineSample.objects.filter(replica=replica).exists(),
+                      ANSWER_WITHIN)
     # The engine holds none of the control plane's secrets.
     environ = Path(f"/proc/{replica.pid}/environ").read_bytes().split(b"\0")
     names = {entry.split(b"=", 1)[0].decode() for entry in environ if entry}
