@@ -49,7 +49,7 @@ from engine.kv_policy import KVPolicy
 from engine.sizing import CPU, GPU
 from engine.tls import EngineAddress
 from nodes import weights
-from nodes.channel import AT_WORK, ChannelDown, NodeChannel, NodeRevoked, State
+from nodes.channel import AT_WORK, ChannelDown, ChannelRefused, NodeChannel, NodeRevoked, State
 from nodes.config import AgentConfig, Timings
 
 logger = logging.getLogger(__name__)
@@ -247,7 +247,11 @@ class NodeAgent:
         control plane: the engine to start, serving HTTPS with them, and how it is reached.
         None when the replica is no longer being started."""
         key_pem, request_pem = tls.new_key_and_request()
-        signed = self.channel.certificate(replica_id, signing_request=request_pem)
+        try:
+            signed = self.channel.certificate(replica_id, signing_request=request_pem)
+        except ChannelRefused as exc:
+            raise supervisor.EngineFailed(f"the control plane signed no certificate for the "
+                                          f"engine: {exc}") from exc
         if signed is None:
             return None
         key, certificate = tls.write_key_and_certificate(

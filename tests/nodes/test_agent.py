@@ -11,9 +11,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from django.db import connection
 
 from endpoints.models import Node, Replica, State
+from fleet.certificates import replica_host_name
 from fleet.selectors import node_work
 from nodes import agent
 from nodes.config import AgentConfig, Timings
@@ -196,3 +199,45 @@ def test_the_same_work_read_again_while_its_start_is_on_starts_nothing_more(
 
     assert wait_until(lambda: not node_agent._busy, 10)
     assert started == [str(replica.id)]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_engine_starts_with_a_key_made_here_and_its_replica_s_certificate(
+        cpu_node: Node, node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    replica = demo_replica(cpu_node, State.STARTING)
+    seen: dict[str, object] = {}
+
+    def spawn(spec: agent.supervisor.EngineSpec, log: Path) -> subprocess.Popen:
+        key, certificate = Path(spec.ssl_keyfile), Path(spec.ssl_certfile)
+        seen.update(folder=key.parent, key_mode=key.stat().st_mode & 0o777,
+                    key=serialization.load_pem_private_key(key.read_bytes(), password=None),
+                    certificate=x509.load_pem_x509_certificate(certificate.read_bytes()))
+        raise OSError("no engine in this test")
+    monkeypatch.setattr(agent.supervisor, "start", spawn)
+
+    node_agent.start_replica(str(replica.id))
+
+    # In the replica's own directory (its engine's sandbox sees it; deleted when it stops).
+    assert seen["folder"] == node_agent.config.kv_dir(str(replica.id))
+    assert seen["key_mode"] == 0o600
+    names = seen["certificate"].extensions.get_extension_for_class(x509.SubjectAlternativeName)
+    assert names.value.get_values_for_type(x509.DNSName) == [
+        replica_host_name(replica_id=replica.id, node_id=cpu_node.id)]
+    assert seen["certificate"].public_key() == seen["key"].public_key()
+    assert Replica.objects.get(id=replica.id).tls
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_engine_the_control_plane_signs_no_certificate_for_is_not_started(
+        cpu_node: Node, node_agent: agent.NodeAgent, monkeypatch: pytest.MonkeyPatch) -> None:
+    replica = demo_replica(cpu_node, State.STARTING)
+    spawned: list[object] = []
+    monkeypatch.setattr(agent.supervisor, "start", lambda spec, log: spawned.append(spec))
+    monkeypatch.setattr(agent.tls, "new_key_and_request", lambda: (b"", "not a request"))
+
+    node_agent.start_replica(str(replica.id))
+
+    assert not spawned
+    replica.refresh_from_db()
+    assert (replica.state, replica.tls) == (State.FAILED, False)
+    assert "the control plane signed no certificate for the engine" in replica.failure_reason
