@@ -2,7 +2,7 @@
 only when the row is still in the state the caller saw, and leaves an event the user sees and,
 in the same transaction, the GPU-time ledger's intervals (ReplicaInterval)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 from uuid import UUID
@@ -19,9 +19,11 @@ from endpoints.states import ON_NODE, PHASE_OF_STATE, PROGRESS, UNSETTLED, State
 
 def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_state: str,
                           message: str = "", held_until: datetime | None = None,
-                          node_id: int | None = None, **fields: Any) -> bool:
+                          node_id: int | None = None, where: Mapping[str, Any] | None = None,
+                          **fields: Any) -> bool:
     """Move a replica from one of `from_states` to `to_state`; False (and no change) if it
-    is no longer in one of them, or, given `node_id`, no longer on that node. Records an
+    is no longer in one of them, or, given `node_id`, no longer on that node, or its row
+    does not match `where` (field lookups, held in the same update). Records an
     event, refreshes the endpoint's state, and closes and opens the replica's GPU-time
     intervals as its phase changes. A move that the lifecycle (endpoints.states) does not
     allow raises TransitionNotAllowed.
@@ -46,7 +48,7 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
         moving = Replica.objects.filter(id=replica_id, state__in=list(from_states))
         if node_id is not None:
             moving = moving.filter(node_id=node_id)
-        moved = moving.update(state=to_state, **fields)
+        moved = moving.filter(**(where or {})).update(state=to_state, **fields)
         if moved != 1:
             return False
         now = timezone.now()

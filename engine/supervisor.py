@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import subprocess
 import sys
 import time
@@ -219,10 +220,24 @@ def wait_ready(*, address: EngineAddress, served_model_name: str,
                     ):
                         warm_up(client, served_model_name)
                         return
+            except httpx.ConnectError as exc:
+                # Not yet listening, or listening with a certificate it may not serve with
+                # (then waiting longer changes nothing).
+                refused = _certificate_refused(exc)
+                if refused is not None:
+                    raise EngineFailed(f"the engine's certificate was refused: "
+                                       f"{refused.verify_message}") from exc
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
     raise EngineFailed(f"the engine was not ready within {timeout:.0f} s")
+
+
+def _certificate_refused(error: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate check that failed under `error`, if one did (httpx wraps it twice)."""
+    while error is not None and not isinstance(error, ssl.SSLCertVerificationError):
+        error = error.__context__  # type: ignore[assignment]
+    return error
 
 
 WARM_UP_PROMPT = "kvrun checks that the engine answers before it takes traffic."

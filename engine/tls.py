@@ -13,8 +13,9 @@ from __future__ import annotations
 import functools
 import os
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from cryptography import x509
@@ -34,9 +35,9 @@ class EngineAddress:
 
     host: str
     port: int
-    api_key: str
+    api_key: str = field(repr=False)
     host_name: str = ""
-    authority_pem: str = ""
+    authority_pem: str = field(default="", repr=False)
 
     @property
     def base_url(self) -> str:
@@ -57,9 +58,7 @@ class EngineAddress:
         def name_it(request: httpx.Request) -> None:
             request.extensions["sni_hostname"] = self.host_name
 
-        return httpx.Client(base_url=self.base_url, timeout=timeout,
-                            headers={"Authorization": self.authorization},
-                            verify=self.ssl_context() or True,
+        return httpx.Client(**self._options(timeout),
                             event_hooks={"request": [name_it] if self.host_name else []})
 
     def async_client(self, *, timeout: float) -> httpx.AsyncClient:
@@ -67,10 +66,15 @@ class EngineAddress:
         async def name_it(request: httpx.Request) -> None:
             request.extensions["sni_hostname"] = self.host_name
 
-        return httpx.AsyncClient(base_url=self.base_url, timeout=timeout,
-                                 headers={"Authorization": self.authorization},
-                                 verify=self.ssl_context() or True,
+        return httpx.AsyncClient(**self._options(timeout),
                                  event_hooks={"request": [name_it] if self.host_name else []})
+
+    def _options(self, timeout: float) -> dict[str, Any]:
+        # Straight to the engine: a proxy a node sets for its downloads would check the
+        # certificate against the address, not the replica's name.
+        return {"base_url": self.base_url, "timeout": timeout, "trust_env": False,
+                "headers": {"Authorization": self.authorization},
+                "verify": self.ssl_context() or True}
 
 
 @functools.lru_cache(maxsize=8)
@@ -95,11 +99,18 @@ def new_key_and_request() -> tuple[bytes, str]:
 def write_key_and_certificate(folder: Path, *, key_pem: bytes, certificate_pem: str
                               ) -> tuple[Path, Path]:
     """Write the engine's key (readable by its owner alone) and certificate into `folder`
-    (the replica's own directory); returns their paths."""
+    (the replica's own directory); returns their paths. Files of an earlier start are
+    replaced, never written through: the folder is the engine's to write, and a link it
+    left there must not send the agent's writes elsewhere."""
     key, certificate = folder / KEY_FILE, folder / CERTIFICATE_FILE
     folder.mkdir(parents=True, exist_ok=True)
-    key.unlink(missing_ok=True)  # one of an earlier start of the replica
-    with os.fdopen(os.open(key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as file:
-        file.write(key_pem)
-    certificate.write_text(certificate_pem)
+    _write_new(key, key_pem)
+    _write_new(certificate, certificate_pem.encode())
     return key, certificate
+
+
+def _write_new(path: Path, data: bytes) -> None:
+    path.unlink(missing_ok=True)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+    with os.fdopen(os.open(path, flags, 0o600), "wb") as file:
+        file.write(data)

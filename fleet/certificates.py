@@ -2,11 +2,11 @@
 the certificate it signs for each replica's engine.
 
 A replica's certificate names the replica on its node, not the host (replica_host_name): a
-client that asks for that name when it connects (as the gateway is to) reaches that
-replica's engine only, and no other engine on the node, whatever port it takes, can stand
-in for it. The engine's key is made on its node and never leaves it: the node sends a
-signing request, and only the name and usages the control plane sets go into the
-certificate.
+client that asks for that name when it connects (as gateways and agents do, engine.tls)
+reaches that replica's engine only, and no other engine on the node, whatever port it
+takes, can stand in for it. The engine's key is made on its node and never leaves it: the
+node sends a signing request, and only the name and usages the control plane sets go into
+the certificate.
 """
 
 import functools

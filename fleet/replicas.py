@@ -82,17 +82,20 @@ def do_report_replica_move(*, node: Node, replica_id: UUID, from_states: Iterabl
     if fields.keys() - allowed_fields:
         raise MoveRefused(f"an agent does not set {sorted(fields.keys() - allowed_fields)} "
                           f"moving a replica to {to_state}")
-    # Gateways reach engines over TLS only; its certificate is signed while it loads, and
-    # only a new start (the move to loading) clears it.
-    if to_state == State.READY and Replica.objects.filter(id=replica_id, node=node,
-                                                          tls=False).exists():
-        raise MoveRefused("an engine serves only over TLS: ask for its certificate before "
-                          "it is ready")
     setting = _SET_BY_MOVE.get(to_state)
     measured = _downloaded_for(replica_id) if to_state == State.LOADING else {}
-    return do_transition_replica(replica_id=replica_id, from_states=asked_from,
-                                 to_state=to_state, message=message, node_id=node.id,
-                                 **fields, **measured, **(setting() if setting else {}))
+    # Gateways reach engines over TLS: an engine is ready only once a certificate was signed
+    # for its start (the move to loading clears it), checked in the move's own update.
+    where = {"tls": True} if to_state == State.READY else {}
+    moved = do_transition_replica(replica_id=replica_id, from_states=asked_from,
+                                  to_state=to_state, message=message, node_id=node.id,
+                                  where=where, **fields, **measured,
+                                  **(setting() if setting else {}))
+    if not moved and where and Replica.objects.filter(
+            id=replica_id, node=node, state__in=asked_from, tls=False).exists():
+        raise MoveRefused("an engine serves only over TLS: ask for its certificate before "
+                          "it is ready")
+    return moved
 
 
 def do_report_replica_failure(*, node: Node, replica_id: UUID, from_states: Iterable[str],

@@ -9,6 +9,7 @@ reached, what was known is served on (a restart of PostgreSQL does not stop infe
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import ssl
 import time
@@ -63,13 +64,13 @@ class Upstream:
     # is checked (aiohttp's `ssl` and `server_hostname`).
     base_url: str = field(init=False)
     authorization: str = field(init=False)
-    ssl: ssl.SSLContext | bool = field(init=False)
+    ssl_context: ssl.SSLContext | bool = field(init=False)
     server_hostname: str | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.base_url = self.address.base_url
         self.authorization = self.address.authorization
-        self.ssl = self.address.ssl_context() or True
+        self.ssl_context = self.address.ssl_context() or True
         self.server_hostname = self.address.host_name or None
 
 
@@ -135,7 +136,10 @@ def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRo
                       if scales_to_zero else None,
                       starting_since=min(starting, default=None))
         # Prefetched by endpoints_for_gateway, to an attribute the model does not declare.
-        ready = endpoint.ready_replicas  # type: ignore[attr-defined]
+        # Prompts and engine keys cross a network over TLS only: a replica whose engine
+        # serves without a certificate (started before engines had one) only on loopback.
+        ready = [replica for replica in endpoint.ready_replicas  # type: ignore[attr-defined]
+                 if replica.tls or ipaddress.ip_address(replica.node.address).is_loopback]
         if authority is None and any(replica.tls for replica in ready):
             authority = authority_certificate_pem()
         replicas = tuple(_ReplicaRow(

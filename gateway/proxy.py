@@ -145,7 +145,7 @@ class Proxy:
             waited = time.perf_counter()
             try:
                 exchange.response = await self.session.post(
-                    upstream.base_url + path, data=body, ssl=upstream.ssl,
+                    upstream.base_url + path, data=body, ssl=upstream.ssl_context,
                     server_hostname=upstream.server_hostname,
                     headers={"Authorization": upstream.authorization,
                              "Content-Type": "application/json",
@@ -187,10 +187,11 @@ class Proxy:
                 asked[field] = payload[field]
         waited = time.perf_counter()
         try:
+            upstream = exchange.upstream
             async with self.session.post(
-                    exchange.upstream.base_url + "/tokenize", json=asked,
-                    ssl=exchange.upstream.ssl, server_hostname=exchange.upstream.server_hostname,
-                    headers={"Authorization": exchange.upstream.authorization}) as response:
+                    upstream.base_url + "/tokenize", json=asked, ssl=upstream.ssl_context,
+                    server_hostname=upstream.server_hostname,
+                    headers={"Authorization": upstream.authorization}) as response:
                 counted = await response.json()
                 return exchange.counted(counted.get("count") if isinstance(counted, dict)
                                         else None)

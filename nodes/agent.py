@@ -202,6 +202,9 @@ class NodeAgent:
                 # A stop (or the agent's shutdown) that came while the model was prepared
                 # found no engine to stop: none may start after it.
                 if self._shutting_down.is_set() or replica_id in self._stops_asked:
+                    # Its stop may have cleared the replica's directory before the key
+                    # was written there.
+                    shutil.rmtree(self.config.kv_dir(replica_id), ignore_errors=True)
                     return
                 if engine.device == CPU and self.config.cpu_cores_per_engine:
                     engine = replace(engine, cpu_cores=self._cores_for(replica_id))

@@ -91,3 +91,21 @@ def test_a_start_that_will_download_is_expected_after_that_download_before_it_be
         model_cache=[{"repo_id": model.hf_repo, "commit": "c" * 40}])
     [(route, _)] = directory._read_endpoints(org.id)
     assert eta_seconds(route, now=now.timestamp()) == pytest.approx(30, abs=1)
+
+
+def test_an_engine_off_loopback_is_reached_over_tls_or_not_at_all(org: Organization) -> None:
+    endpoint = ready_endpoint(org, "chat", [8001, 8002, 8003])
+    remote = Node.objects.create(name="gpu-far", gpu_type=endpoint.gpu_type, address="10.0.0.9",
+                                 cpu_count=8, memory_bytes=2**34)
+    on_loopback, in_clear, certified = endpoint.replicas.order_by("port")
+    Replica.objects.filter(id__in=[in_clear.id, certified.id]).update(node=remote)
+    Replica.objects.filter(id=certified.id).update(tls=True)
+
+    [(route, replicas)] = directory._read_endpoints(org.id)
+
+    reached = {replica.replica_id: replica.address.base_url for replica in replicas}
+    assert reached == {str(on_loopback.id): "http://127.0.0.1:8001",
+                       str(certified.id): "https://10.0.0.9:8003"}
+    [address] = [replica.address for replica in replicas
+                 if replica.replica_id == str(certified.id)]
+    assert address.host_name == f"{certified.id}.node-{remote.id}.replicas.kvrun.internal"

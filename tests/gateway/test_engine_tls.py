@@ -39,10 +39,10 @@ def serving_tls(port: int, key: Path, certificate: Path) -> subprocess.Popen:
 @pytest.fixture
 def honest_and_impostor(org: Organization, tmp_path: Path
                         ) -> Iterator[tuple[Replica, Replica]]:
-    """Two ready replicas of "chat", each signed a certificate: the first's engine presents
-    its own, the second's engine presents the first's."""
-    endpoint = ready_endpoint(org, "chat", [free_port(), free_port()])
-    honest, impostor = endpoint.replicas.order_by("port")
+    """A ready replica of "chat" and one of "other", each signed a certificate: the first's
+    engine presents its own, the second's engine presents the first's."""
+    honest = ready_endpoint(org, "chat", [free_port()]).replicas.get()
+    impostor = ready_endpoint(org, "other", [free_port()]).replicas.get()
     honest_files = certify(honest, tmp_path / "honest")
     certify(impostor, tmp_path / "impostor")
     engines = [serving_tls(honest.port, *honest_files),
@@ -54,16 +54,19 @@ def honest_and_impostor(org: Organization, tmp_path: Path
 
 def test_an_engine_is_reached_by_its_replica_s_name_and_an_impostor_is_sent_nothing(
         gateway: InProcessGateway, secret: str,
-        honest_and_impostor: tuple[Replica, Replica]) -> None:
+        honest_and_impostor: tuple[Replica, Replica], caplog: pytest.LogCaptureFixture) -> None:
     honest, impostor = honest_and_impostor
 
-    answers = [gateway.post(secret, {"model": "chat", "prompt": "hello", "max_tokens": 4})
-               for _ in range(4)]
+    answered = gateway.post(secret, {"model": "chat", "prompt": "hello", "max_tokens": 4})
+    refused = gateway.post(secret, {"model": "other", "prompt": "hello", "max_tokens": 4})
 
-    assert [answer.status_code for answer in answers] == [200] * 4
+    assert answered.status_code == 200, answered.text
     with engine_address(replica=honest).client(timeout=30) as engine:
-        assert len(engine.get("/_requests").json()) == 4
-    # The impostor's port answers TLS with the honest replica's certificate, which is not a
-    # certificate for the impostor's name: the gateway sent it nothing.
+        assert len(engine.get("/_requests").json()) == 1
+    # The impostor's port answers TLS with the other replica's certificate, which does not
+    # name its own replica: the gateway sends it nothing, as to an engine that is down.
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "engine_unavailable"
+    assert f"https://127.0.0.1:{impostor.port} refused" in caplog.text
     with httpx.Client(base_url=f"https://127.0.0.1:{impostor.port}", verify=False) as raw:
         assert raw.get("/_requests").json() == []
