@@ -22,6 +22,7 @@ from endpoints.models import (
     ModelSpec,
     Node,
     NodeState,
+    Region,
     Replica,
     ReplicaInterval,
     State,
@@ -122,6 +123,20 @@ class ModelSpecAdmin(admin.ModelAdmin):
                           messages.SUCCESS)
 
 
+@admin.register(Region)
+class RegionAdmin(admin.ModelAdmin):
+    list_display = ["slug", "name", "online_nodes"]
+    search_fields = ["slug", "name"]
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[Region]:
+        return super().get_queryset(request).annotate(online=Count(
+            "nodes", filter=Q(nodes__state=NodeState.ONLINE)))
+
+    @admin.display(description="nodes online", ordering="online")
+    def online_nodes(self, region: Region) -> int:
+        return region.online  # type: ignore[attr-defined]  # annotated above
+
+
 @admin.register(GPUType)
 class GPUTypeAdmin(admin.ModelAdmin):
     list_display = ["name", "vendor", "memory_bytes", "bandwidth_gb_s", "hourly_price_usd"]
@@ -157,12 +172,13 @@ class EngineInline(ReplicaInline):
 
 @admin.register(Node)
 class NodeAdmin(ReadOnlyAdmin):
-    list_display = ["name", "state", "draining", "gpu_type", "device_count", "engines",
-                    "heartbeat", "address"]
-    list_filter = ["state", "draining", "gpu_type"]
+    list_display = ["name", "state", "draining", "region", "zone", "gpu_type", "device_count",
+                    "engines", "heartbeat", "address"]
+    list_filter = ["state", "draining", "region", "gpu_type"]
     search_fields = ["name", "address"]
-    list_select_related = ["gpu_type"]
-    fields = ["name", "address", "state", "draining", "gpu_type", "device_list", "cpu_count",
+    list_select_related = ["gpu_type", "region"]
+    fields = ["name", "address", "state", "draining", "region", "zone", "gpu_type",
+              "device_list", "cpu_count",
               "memory", "registered_at", "heartbeat", "vllm_version", "cached_models"]
     readonly_fields = fields
     inlines = [EngineInline]

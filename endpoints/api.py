@@ -17,7 +17,7 @@ from rest_framework.views import APIView
 from accounts.models import User
 from accounts.scoping import OrganizationScoped
 from endpoints import selectors, services
-from endpoints.models import Adapter, Endpoint, GPUType, ModelSpec
+from endpoints.models import Adapter, Endpoint, GPUType, ModelSpec, Region
 from endpoints.planning import plan, sizing_preview
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.serializers import (
@@ -32,6 +32,7 @@ from endpoints.serializers import (
     ModelSpecSerializer,
     OwnModelSerializer,
     PolicyInput,
+    RegionSerializer,
     ScaleInput,
     ScalingInput,
     SizingInput,
@@ -67,6 +68,16 @@ class GPUCatalogViewSet(viewsets.ReadOnlyModelViewSet):
         return selectors.gpu_catalog()
 
 
+class RegionViewSet(viewsets.ReadOnlyModelViewSet):
+    """Where kvrun has nodes: an endpoint may require a region, and then runs there alone."""
+
+    serializer_class = RegionSerializer
+    lookup_field = "slug"
+
+    def get_queryset(self) -> QuerySet[Region]:
+        return selectors.regions()
+
+
 @extend_schema(request=SizingInput, responses={200: OpenApiTypes.OBJECT})
 @api_view(["POST"])
 def size(request: Request) -> Response:
@@ -91,7 +102,7 @@ def _sized(data: dict[str, Any]) -> dict[str, Any]:
                 gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
                 host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
                 lora_adapters=data["lora_adapters"],
-                lora_max_rank=data["lora_max_rank"]).summary
+                lora_max_rank=data["lora_max_rank"], region=data.get("region")).summary
 
 
 class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin,
@@ -114,7 +125,8 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
             organization=self.organization, actor_role=self.actor_role,
             created_by=request.user if isinstance(request.user, User) else None,
             name=data["name"], model=data["model"], gpu_type=data.get("gpu_type"),
-            gpu_count=data.get("gpu_count"), policy=EndpointPolicy.from_values(data),
+            gpu_count=data.get("gpu_count"), region=data.get("region"),
+            policy=EndpointPolicy.from_values(data),
             scaling=EndpointScaling.from_values(data))
         return Response(self.get_serializer(self._fresh(endpoint)).data,
                         status=status.HTTP_201_CREATED)

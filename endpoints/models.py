@@ -131,6 +131,20 @@ class ModelSpec(models.Model):
         return self.name
 
 
+class Region(models.Model):
+    """Where nodes are, as an operator names it (a site, or a cloud's region): an endpoint
+    that requires one has its replicas there and nowhere else."""
+
+    slug = models.SlugField(max_length=40, unique=True)
+    name = models.CharField(max_length=80)
+
+    class Meta:
+        ordering = ["slug"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
 class GPUType(models.Model):
     """A kind of accelerator kvrun can place engines on, with its list price."""
 
@@ -171,6 +185,10 @@ class Node(models.Model):
     address = models.GenericIPAddressField(
         default="127.0.0.1", help_text="Where its engines listen; reachable from web processes.")
     state = models.CharField(max_length=10, choices=NodeState.choices, default=NodeState.ONLINE)
+    # Set by the operator who made its join token (fleet.enrolment), never by the node.
+    region = models.ForeignKey(Region, null=True, blank=True, on_delete=models.PROTECT,
+                               related_name="nodes")
+    zone = models.CharField(max_length=40, blank=True)
     gpu_type = models.ForeignKey(GPUType, null=True, blank=True, on_delete=models.PROTECT)
     devices = models.JSONField(default=list, help_text="[{index, name, memory_bytes}] per GPU")
     cpu_count = models.PositiveIntegerField()
@@ -245,6 +263,9 @@ class Endpoint(models.Model):
     concurrency = models.PositiveIntegerField()
     gpu_type = models.ForeignKey(GPUType, on_delete=models.PROTECT, related_name="endpoints")
     gpu_count = models.PositiveSmallIntegerField()
+    region = models.ForeignKey(
+        Region, null=True, blank=True, on_delete=models.PROTECT, related_name="endpoints",
+        help_text="Its replicas run in this region only; none: in any.")
     kv_cache_dtype = models.CharField(max_length=8, choices=KVCacheDtype.choices,
                                       default=KVCacheDtype.AUTO)
     prefix_caching = models.BooleanField(default=True)

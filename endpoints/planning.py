@@ -14,9 +14,16 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
-from endpoints.models import DEFAULT_CONTEXT_LENGTH, AttentionKind, GPUType, ModelSpec, NodeState
+from endpoints.models import (
+    DEFAULT_CONTEXT_LENGTH,
+    AttentionKind,
+    GPUType,
+    ModelSpec,
+    NodeState,
+    Region,
+)
 from endpoints.selectors import model_catalog
 from engine import sizing
 from engine.kv_policy import LMCACHE_LORA_REFUSAL, KVPolicy, refusals
@@ -139,24 +146,46 @@ class Unfit(ValidationError):
         self.advice = advice
 
 
-def online_gpu_types() -> QuerySet[GPUType]:
-    """Types of the nodes that take new replicas: online and not draining."""
-    return GPUType.objects.filter(node__state=NodeState.ONLINE, node__draining=False).distinct()
+def online_gpu_types(region: Region | None = None) -> QuerySet[GPUType]:
+    """Types of the nodes that take new replicas: online and not draining (in `region`,
+    where given)."""
+    nodes = Q(node__state=NodeState.ONLINE, node__draining=False)
+    if region is not None:
+        nodes &= Q(node__region=region)
+    return GPUType.objects.filter(nodes).distinct()
 
 
-def online_gpu_type_ids() -> set[int]:
-    return set(online_gpu_types().values_list("id", flat=True))
+def online_gpu_type_ids(region: Region | None = None) -> set[int]:
+    return set(online_gpu_types(region).values_list("id", flat=True))
+
+
+def region_refusals(*, region: Region | None, gpu_type: GPUType | None) -> dict[str, list[str]]:
+    """Why an endpoint cannot require `region` (on `gpu_type`, where chosen): nothing is
+    online there, or not that type. Empty where it can (or requires none)."""
+    if region is None:
+        return {}
+    here = list(online_gpu_types(region))
+    if not here:
+        return {"region": [f"No node is online in {region.name} now; choose another region, "
+                           "or none to run in any."]}
+    if gpu_type is not None and gpu_type not in here:
+        return {"gpu_type": [f"No {gpu_type.name} node is online in {region.name}; there: "
+                             + ", ".join(gpu.name for gpu in here) + "."]}
+    return {}
 
 
 def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dtype: str,
          gpu_type: GPUType | None = None, gpu_count: int | None = None,
          host_tier_gib: int = 0, disk_tier_gib: int = 0, lora_adapters: int = 0,
-         lora_max_rank: int = 0) -> Plan:
-    """The hardware for an endpoint, chosen or checked, with its KV policy admitted. Raises
-    ValidationError naming the field to change: a GPU count vLLM cannot split the model
-    over, a KV tier the chosen hardware's vLLM build cannot use (saying why), or `Unfit`
-    saying what would fit when the request fits nothing offered."""
-    candidates = _candidate_types(gpu_type)
+         lora_max_rank: int = 0, region: Region | None = None) -> Plan:
+    """The hardware for an endpoint, chosen or checked, with its KV policy admitted; in
+    `region`, only what is online there. Raises ValidationError naming the field to change:
+    a region with nothing (or not the chosen type) online, a GPU count vLLM cannot split
+    the model over, a KV tier the chosen hardware's vLLM build cannot use (saying why), or
+    `Unfit` saying what would fit when the request fits nothing offered."""
+    if refused_region := region_refusals(region=region, gpu_type=gpu_type):
+        raise ValidationError(refused_region)
+    candidates = _candidate_types(gpu_type, region)
     if not candidates:
         raise ValidationError({"gpu_type": ["The GPU catalog is empty; an operator loads it "
                                             "with `python manage.py load_catalogs`."]})
@@ -177,7 +206,8 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     decision = sizing.choose(shape_of(model), request,
                              [accelerator_of(gpu) for gpu in candidates], counts)
     if decision.choice is None:
-        raise Unfit(_advice(model, request, candidates, gpu_type=gpu_type, gpu_count=gpu_count))
+        raise Unfit(_advice(model, request, candidates, gpu_type=gpu_type, gpu_count=gpu_count,
+                            region=region))
     choice = decision.choice
     chosen = by_slug[choice.accelerator.slug]
     policy = KVPolicy(kv_cache_dtype=kv_cache_dtype, host_tier_gib=host_tier_gib,
@@ -187,13 +217,15 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
         raise ValidationError({field: [f"{reason} (the plan: {choice.count} × {chosen.name})"]
                                for field, reason in refused.items()})
     return Plan(gpu_type=chosen, gpu_count=choice.count,
-                summary=_summary(model, request, decision, is_cpu, policy))
+                summary=_summary(model, request, decision, is_cpu, policy, region))
 
 
-def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str) -> list[Option]:
+def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str,
+            region: Region | None = None) -> list[Option]:
     """Every catalog GPU type (the CPU only where a CPU node is online) at the fewest GPUs
-    that hold one request of `context_length`, cheapest first."""
-    online = online_gpu_type_ids()
+    that hold one request of `context_length`, cheapest first; online: in `region`, where
+    given."""
+    online = online_gpu_type_ids(region)
     shape = shape_of(model)
     found = []
     for gpu in GPUType.objects.all():
@@ -213,11 +245,12 @@ def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str) -> li
     return sorted(found, key=lambda option: (option.hourly_price, -option.max_concurrency))
 
 
-def _candidate_types(gpu_type: GPUType | None) -> list[GPUType]:
-    """The asked type; else the types on online nodes; else every GPU type in the catalog."""
+def _candidate_types(gpu_type: GPUType | None, region: Region | None) -> list[GPUType]:
+    """The asked type; else the types on online nodes (in `region`, where given); else every
+    GPU type in the catalog."""
     if gpu_type is not None:
         return [gpu_type]
-    present = list(online_gpu_types())
+    present = list(online_gpu_types(region))
     gpus = [gpu for gpu in present if gpu.slug != CPU]
     if gpus:
         return gpus
@@ -227,10 +260,10 @@ def _candidate_types(gpu_type: GPUType | None) -> list[GPUType]:
 
 
 def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType], *,
-            gpu_type: GPUType | None, gpu_count: int | None) -> Advice:
+            gpu_type: GPUType | None, gpu_count: int | None, region: Region | None) -> Advice:
     shape = shape_of(model)
     weights = sizing.weight_bytes(shape, request.weight_dtype)
-    holder = _cheapest_holder(model, request)
+    holder = _cheapest_holder(model, request, region)
     holder_text = _holder_text(holder, request)
     # What the asked hardware holds: at the asked count where there is one.
     fits = [sizing.evaluate(shape, request, accelerator_of(gpu), count)
@@ -239,7 +272,7 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
     best = max(fits, key=lambda fit: sizing.largest_concurrency(shape, request, fit)
                if fit.kv_available_per_gpu > 0 else -1, default=None)
     where = (gpu_type.name if gpu_type else "any GPU in the catalog"
-             if not online_gpu_type_ids() else "the hardware online (" + ", ".join(
+             if not online_gpu_type_ids(region) else "the hardware online (" + ", ".join(
                  f"{gpu.name}: {sizing.gib_text(accelerator_of(gpu).memory_bytes)} per "
                  f"{'engine' if gpu.slug == CPU else 'GPU'}" for gpu in candidates) + ")")
     if best is None or sizing.largest_context(shape, request, best,
@@ -248,7 +281,7 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
         fitting = models_that_fit_online(models=model_catalog(),
                                          context_length=request.context_length,
                                          concurrency=request.concurrency,
-                                         kv_cache_dtype=request.kv_dtype)
+                                         kv_cache_dtype=request.kv_dtype, region=region)
         message = (f"{model.name}'s weights need {sizing.gb_text(weights)} "
                    f"({request.weight_dtype}), more than {where} can hold. {holder_text}")
         if fitting:
@@ -300,8 +333,10 @@ def largest_concurrency_on(*, model: ModelSpec, context_length: int, kv_cache_dt
         shape, request, sizing.evaluate(shape, request, accelerator_of(gpu_type), gpu_count))
 
 
-def _cheapest_holder(model: ModelSpec, request: sizing.Request) -> Option | None:
-    """The cheapest GPUs in the whole catalog that hold the request, online or not."""
+def _cheapest_holder(model: ModelSpec, request: sizing.Request,
+                     region: Region | None) -> Option | None:
+    """The cheapest GPUs in the whole catalog that hold the request, online (in `region`,
+    where given) or not."""
     gpus = {gpu.slug: gpu for gpu in GPUType.objects.exclude(slug=CPU)}
     if not gpus:
         return None
@@ -313,7 +348,8 @@ def _cheapest_holder(model: ModelSpec, request: sizing.Request) -> Option | None
     if choice is None:
         return None
     gpu = gpus[choice.accelerator.slug]
-    return Option(gpu_type=gpu, gpu_count=choice.count, online=gpu.id in online_gpu_type_ids(),
+    return Option(gpu_type=gpu, gpu_count=choice.count,
+                  online=gpu.id in online_gpu_type_ids(region),
                   max_concurrency=sizing.largest_concurrency(shape, on_gpu, choice))
 
 
@@ -329,10 +365,11 @@ def _holder_text(holder: Option | None, request: sizing.Request) -> str:
 
 
 def models_that_fit_online(*, models: Iterable[ModelSpec], context_length: int,
-                           concurrency: int, kv_cache_dtype: str) -> list[ModelSpec]:
-    """Those of `models` that online hardware holds at this concurrency (at their own maximum
-    context where the asked one is longer)."""
-    online = list(online_gpu_types())
+                           concurrency: int, kv_cache_dtype: str,
+                           region: Region | None = None) -> list[ModelSpec]:
+    """Those of `models` that online hardware (in `region`, where given) holds at this
+    concurrency (at their own maximum context where the asked one is longer)."""
+    online = list(online_gpu_types(region))
     fitting = []
     for model in models:
         shape = shape_of(model)
@@ -347,7 +384,7 @@ def models_that_fit_online(*, models: Iterable[ModelSpec], context_length: int,
 
 
 def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decision,
-             is_cpu: bool, policy: KVPolicy) -> dict[str, Any]:
+             is_cpu: bool, policy: KVPolicy, region: Region | None) -> dict[str, Any]:
     choice = decision.choice
     shape = shape_of(model)
     per_token = sizing.kv_bytes_per_token(shape, kv_dtype=request.kv_dtype, tp=choice.count)
@@ -379,18 +416,18 @@ def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decisio
         "max_context_at_concurrency": sizing.largest_context(
             shape, request, choice, concurrency=request.concurrency),
         "cpu_kv_cache_bytes": kv_pool_bytes if is_cpu else None,
-        "alternatives": _alternatives(model, request, choice),
+        "alternatives": _alternatives(model, request, choice, region),
     }
 
 
-def _alternatives(model: ModelSpec, request: sizing.Request,
-                  choice: sizing.Fit) -> list[dict[str, Any]]:
+def _alternatives(model: ModelSpec, request: sizing.Request, choice: sizing.Fit,
+                  region: Region | None) -> list[dict[str, Any]]:
     """Other GPU types worth a look: the nearest cheaper ones (at a lower concurrency) and
     the nearest pricier ones that hold more; never the chosen type at a higher count."""
     shape = shape_of(model)
     chosen = sizing.largest_concurrency(shape, request, choice)
     others = [option for option in options(model=model, context_length=request.context_length,
-                                           kv_cache_dtype=request.kv_dtype)
+                                           kv_cache_dtype=request.kv_dtype, region=region)
               if option.gpu_type.slug != choice.accelerator.slug]
     cheaper = [option for option in others if option.hourly_price < choice.hourly_price][-2:]
     larger = [option for option in others if option.hourly_price > choice.hourly_price

@@ -16,6 +16,7 @@ from endpoints.models import (
     ModelSpec,
     Node,
     NodeState,
+    Region,
     Replica,
     ReplicaInterval,
     State,
@@ -79,6 +80,20 @@ def gpu_catalog() -> QuerySet[GPUType]:
     return GPUType.objects.all()
 
 
+def regions_online() -> QuerySet[Region]:
+    """The regions with a node that takes new replicas now: those an endpoint may require."""
+    return Region.objects.filter(nodes__state=NodeState.ONLINE,
+                                 nodes__draining=False).distinct()
+
+
+def regions() -> QuerySet[Region]:
+    """The regions, each with its nodes that take new replicas now (online, not draining)
+    and their GPU types."""
+    return Region.objects.prefetch_related(Prefetch(
+        "nodes", queryset=Node.objects.filter(state=NodeState.ONLINE, draining=False,
+                                              gpu_type__isnull=False).select_related("gpu_type")))
+
+
 def gpu_type_for_device(*, device_name: str, memory_bytes: int) -> GPUType | None:
     """The catalog type whose match string is in the driver's name, closest in memory."""
     candidates = [
@@ -96,7 +111,7 @@ def endpoints_of(*, organization: Organization) -> QuerySet[Endpoint]:
     live = (Replica.objects.exclude(state=State.STOPPED).select_related("node")
             .order_by("-created_at"))
     return (Endpoint.objects.filter(organization=organization, deleted_at=None)
-            .select_related("model", "gpu_type")
+            .select_related("model", "gpu_type", "region")
             .prefetch_related(Prefetch("replicas", queryset=live)))
 
 

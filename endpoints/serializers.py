@@ -21,6 +21,7 @@ from endpoints.models import (
     GPUType,
     KVCacheDtype,
     ModelSpec,
+    Region,
     Replica,
     ScalingMetric,
     State,
@@ -116,6 +117,18 @@ class GPUTypeSerializer(serializers.ModelSerializer):
         return round(gpu.memory_bytes / 2**30, 1)
 
 
+class RegionSerializer(serializers.ModelSerializer):
+    online_gpu_types = serializers.SerializerMethodField(
+        help_text="The GPU types of its nodes that take new replicas now.")
+
+    class Meta:
+        model = Region
+        fields = ["slug", "name", "online_gpu_types"]
+
+    def get_online_gpu_types(self, region: Region) -> list[str]:
+        return sorted({node.gpu_type.slug for node in region.nodes.all()})
+
+
 class ReplicaSerializer(serializers.ModelSerializer):
     node = serializers.CharField(source="node.name", default=None, read_only=True)
 
@@ -129,13 +142,14 @@ class ReplicaSerializer(serializers.ModelSerializer):
 class EndpointSerializer(serializers.ModelSerializer):
     model = serializers.CharField(source="model.slug", read_only=True)
     gpu_type = serializers.CharField(source="gpu_type.slug", read_only=True)
+    region = serializers.CharField(source="region.slug", default=None, read_only=True)
     progress = serializers.SerializerMethodField()
     replicas = serializers.SerializerMethodField()
 
     class Meta:
         model = Endpoint
         fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
-                  "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
+                  "region", "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
                   "lora_adapters", "lora_max_rank", "lora_host_adapters", "cache_isolation",
                   "prefix_affinity", "policy_version", "min_replicas",
                   "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
@@ -190,6 +204,11 @@ class SizingInput(StrictSerializer):
         error_messages={"does_not_exist": "Unknown GPU type {value!r}; GET /api/v1/gpu-types/ "
                                           "lists them."})
     gpu_count = serializers.ChoiceField(choices=[1, 2, 4, 8], required=False, allow_null=True)
+    region = serializers.SlugRelatedField(
+        slug_field="slug", queryset=Region.objects.all(), required=False, allow_null=True,
+        help_text="Run only in this region, sized for what is online there; null: any.",
+        error_messages={"does_not_exist": "Unknown region {value!r}; GET /api/v1/regions/ "
+                                          "lists them."})
     kv_cache_dtype = serializers.ChoiceField(choices=KVCacheDtype.choices, default="auto")
     host_tier_gib = serializers.IntegerField(
         default=0, min_value=0, max_value=MAX_HOST_TIER_GIB,

@@ -7,6 +7,7 @@ from endpoints import api
 router = SimpleRouter()
 router.register("models", api.ModelCatalogViewSet, basename="model")
 router.register("gpu-types", api.GPUCatalogViewSet, basename="gpu-type")
+router.register("regions", api.RegionViewSet, basename="region")
 
 ENDPOINT = "organizations/<slug:org_slug>/endpoints/<slug:name>"
 endpoint = api.EndpointViewSet

@@ -15,6 +15,7 @@ from fleet.enrolment import (
     JOIN_TOKEN_LIFETIME,
     JOIN_TOKEN_LONGEST_LIFETIME,
     NODE_NAME,
+    ZONE_NAME,
     do_ask_rotation,
     do_create_join_token,
     do_revoke_node,
@@ -30,17 +31,29 @@ class JoinTokenForm(forms.ModelForm):
         min_value=1, max_value=int(JOIN_TOKEN_LONGEST_LIFETIME.total_seconds() // 60),
         initial=int(JOIN_TOKEN_LIFETIME.total_seconds() // 60),
         help_text="How long the token may be used; once used, it is spent.")
+    zone = forms.RegexField(regex=rf"\A{ZONE_NAME.pattern}\Z", max_length=40, required=False,
+                            help_text="Its zone within the region, if any.")
 
     class Meta:
         model = JoinToken
-        fields = ["node_name"]
+        fields = ["node_name", "region"]
+        help_texts = {"region": "Where the node is: endpoints that require a region run on "
+                                "its nodes alone. The node cannot change it."}
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if cleaned.get("zone") and not cleaned.get("region"):
+            self.add_error("zone", "A zone is within a region: choose the region too.")
+        return cleaned
 
 
 @admin.register(JoinToken)
 class JoinTokenAdmin(admin.ModelAdmin):
-    list_display = ["node_name", "created_at", "expires_at", "used_at", "created_by"]
+    list_display = ["node_name", "region", "zone", "created_at", "expires_at", "used_at",
+                    "created_by"]
     search_fields = ["node_name"]
     form = JoinTokenForm
+    fields = ["node_name", "region", "zone", "minutes"]
 
     def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
         return False
@@ -49,6 +62,7 @@ class JoinTokenAdmin(admin.ModelAdmin):
         token, secret = do_create_join_token(
             node_name=form.cleaned_data["node_name"],
             valid_for=timedelta(minutes=form.cleaned_data["minutes"]),
+            region=form.cleaned_data["region"], zone=form.cleaned_data["zone"] or "",
             created_by=request.user if isinstance(request.user, User) else None)
         obj.pk = token.pk
         self.message_user(request, (

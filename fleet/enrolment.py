@@ -17,7 +17,7 @@ from django.utils import timezone
 from accounts.models import User
 from endpoints.dispatch import reconcile_after_commit
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Endpoint, Node, NodeState, Replica
+from endpoints.models import Endpoint, Node, NodeState, Region, Replica
 from endpoints.states import HOLDING_DEVICES, State
 from engine.devices import HostResources
 from fleet.models import JoinToken, NodeCredential
@@ -32,6 +32,7 @@ JOIN_TOKEN_LONGEST_LIFETIME = timedelta(days=1)
 LAST_USED_PRECISION = timedelta(minutes=1)
 # A host name: a node's name is also a folder's part on its host.
 NODE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+ZONE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,39}")
 
 
 # New credentials a node may hold unused at once (a rotation whose answer was lost, retried).
@@ -51,20 +52,25 @@ def _new_secret(prefix: str) -> str:
 
 
 def do_create_join_token(*, node_name: str, valid_for: timedelta = JOIN_TOKEN_LIFETIME,
+                         region: Region | None = None, zone: str = "",
                          created_by: User | None = None) -> tuple[JoinToken, str]:
     """A join token for the node `node_name` (a host name: letters, digits, `.`, `_`, `-`),
-    valid for `valid_for` (at most a day). Returns the row and the secret, which is shown
-    once and stored nowhere. Raises ValueError for a bad name or lifetime."""
+    valid for `valid_for` (at most a day), in `region` and `zone` (the node takes them when
+    it enrols; None and "": none). Returns the row and the secret, which is shown once and
+    stored nowhere. Raises ValueError for a bad name, zone or lifetime."""
     if not NODE_NAME.fullmatch(node_name):
         raise ValueError(f"{node_name!r} is not a node name: use up to 100 letters, digits, "
                          "'.', '_' or '-', starting with a letter or digit")
     if not timedelta(0) < valid_for <= JOIN_TOKEN_LONGEST_LIFETIME:
         raise ValueError("a join token is valid for more than 0 seconds and at most a day")
+    if zone and (region is None or not ZONE_NAME.fullmatch(zone)):
+        raise ValueError(f"{zone!r} is not a zone: a zone is within a region, named by up to "
+                         "40 letters, digits or '-'")
     secret = _new_secret(JOIN_TOKEN_PREFIX)
     now = timezone.now()
     token = JoinToken.objects.create(node_name=node_name, digest=secret_digest(secret),
                                      created_at=now, expires_at=now + valid_for,
-                                     created_by=created_by)
+                                     region=region, zone=zone, created_by=created_by)
     return token, secret
 
 
@@ -96,6 +102,8 @@ def do_enrol_node(*, join_token: str, name: str, resources: HostResources, addre
         revoked.update(state=NodeState.LOST)  # let back by this token; registered below
         node = do_register_node(name=token.node_name, resources=resources, address=address,
                                 model_cache_bytes=model_cache_bytes)
+        Node.objects.filter(id=node.id).update(region=token.region, zone=token.zone)
+        node.region, node.zone = token.region, token.zone
         # The node's row is held from here (registering locked it): two enrolments of one
         # name at once leave one live credential, the last.
         NodeCredential.objects.filter(node=node, revoked_at=None).update(revoked_at=now)

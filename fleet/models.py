@@ -6,13 +6,17 @@ from django.conf import settings
 from django.db import models
 from django.utils import timezone
 
-from endpoints.models import Node
+from endpoints.models import Node, Region
 
 
 class JoinToken(models.Model):
     """A one-time, short-lived secret with which a node's agent enrols as `node_name`."""
 
     node_name = models.CharField(max_length=100)
+    # Where the node is, in the operator's word: the node takes it at enrolment.
+    region = models.ForeignKey(Region, null=True, blank=True, on_delete=models.PROTECT,
+                               related_name="+")
+    zone = models.CharField(max_length=40, blank=True)
     digest = models.CharField(max_length=64, unique=True, editable=False)
     created_at = models.DateTimeField(default=timezone.now)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,

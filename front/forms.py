@@ -33,9 +33,10 @@ from endpoints.models import (
     GPUType,
     KVCacheDtype,
     ModelSpec,
+    Region,
     ScalingMetric,
 )
-from endpoints.selectors import models_visible_to
+from endpoints.selectors import models_visible_to, regions_online
 from endpoints.services import idle_time_refusal
 
 
@@ -164,6 +165,12 @@ class SizingForm(forms.Form):
     gpu_type = forms.ModelChoiceField(
         queryset=GPUType.objects.all(), to_field_name="slug", required=False,
         empty_label="Cheapest that fits", label="Hardware")
+    region = forms.ModelChoiceField(
+        queryset=Region.objects.none(), to_field_name="slug", required=False,
+        empty_label="Any region", label="Region",
+        help_text="Its replicas run there alone, on the hardware online there.",
+        error_messages={"invalid_choice": "No node is online in that region now; choose "
+                                          "another, or any."})
     host_tier_gib = forms.IntegerField(
         min_value=0, max_value=MAX_HOST_TIER_GIB, initial=0, required=False,
         label="Host-memory KV tier (GiB per replica)",
@@ -188,6 +195,7 @@ class SizingForm(forms.Form):
         super().__init__(*args, **kwargs)
         # The public catalog and the organisation's own models; nobody else's.
         self.fields["model"].queryset = models_visible_to(organization=organization)
+        self.fields["region"].queryset = regions_online()
 
     def clean_host_tier_gib(self) -> int:
         return self.cleaned_data["host_tier_gib"] or 0

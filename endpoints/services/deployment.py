@@ -20,6 +20,7 @@ from endpoints.models import (
     EndpointEvent,
     GPUType,
     ModelSpec,
+    Region,
     Replica,
     State,
     validate_endpoint_name,
@@ -67,11 +68,11 @@ def lora_refusals(*, model: ModelSpec, policy: EndpointPolicy) -> dict[str, list
 def do_create_endpoint(
     *, organization: Organization, actor_role: str | None, created_by: User | None, name: str,
     model: ModelSpec, policy: EndpointPolicy, scaling: EndpointScaling | None = None,
-    gpu_type: GPUType | None = None, gpu_count: int | None = None,
+    gpu_type: GPUType | None = None, gpu_count: int | None = None, region: Region | None = None,
 ) -> Endpoint:
     """Size and create an endpoint that should run; the reconciler starts its replicas, one
     at least (a fewest of 0 lets it scale to zero once idle). Without `scaling`, one replica
-    always.
+    always. With `region`, its replicas run there alone, sized for what is online there.
 
     Raises ValidationError naming the field to change: a name that does not start with a
     letter, a context above the model's maximum, scaling settings out of range (as
@@ -100,7 +101,7 @@ def do_create_endpoint(
                    concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
                    gpu_type=gpu_type, gpu_count=gpu_count, host_tier_gib=policy.host_tier_gib,
                    disk_tier_gib=policy.disk_tier_gib, lora_adapters=policy.lora_adapters,
-                   lora_max_rank=policy.lora_max_rank)
+                   lora_max_rank=policy.lora_max_rank, region=region)
     try:
         with transaction.atomic():
             hold_quota(organization_id=organization.id, new_endpoint=True,
@@ -108,7 +109,7 @@ def do_create_endpoint(
                         replicas=scaling.max_replicas)
             endpoint = Endpoint.objects.create(
                 organization=organization, name=name, model=model,
-                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
+                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, region=region,
                 **policy.as_fields(), **scaling.as_fields(),
                 # One replica to begin with, even where the endpoint may scale to zero: it
                 # was created to be used.

@@ -8,7 +8,7 @@ from playwright.sync_api import Page, expect
 from rest_framework.test import APIClient
 
 from accounts.models import User
-from endpoints.models import Node, NodeState
+from endpoints.models import Node, NodeState, Region
 from endpoints.services import do_load_catalogs
 from fleet.models import NodeCredential
 from tests.fleet.helpers import host
@@ -25,7 +25,11 @@ def test_an_operator_enrols_a_node_with_a_join_token_and_revokes_it(
     page.get_by_label("Password").fill("console 2026 pass")
     page.get_by_role("button", name="Log in").click()
 
+    eu = Region.objects.create(slug="eu-west", name="EU West")
+    page.reload()
     page.get_by_label("Node name").fill("gpu-node-7")
+    page.get_by_label("Region").select_option(label="EU West")
+    page.get_by_label("Zone").fill("eu-west-1a")
     page.get_by_label("Minutes").fill("30")
     shot("console-join-token-add")
     page.get_by_role("button", name="Save", exact=True).click()
@@ -38,9 +42,15 @@ def test_an_operator_enrols_a_node_with_a_join_token_and_revokes_it(
     enrolled = APIClient().post("/node/v1/enrol", {"join_token": token, "name": "gpu-node-7",
                                                    **host()}, format="json")
     assert enrolled.status_code == 201
+    node = Node.objects.get(name="gpu-node-7")
+    assert (node.region, node.zone) == (eu, "eu-west-1a")
     page.reload()  # shown once: gone on the next page
     expect(page.locator(".messagelist")).to_have_count(0)
     expect(page.locator("#result_list tbody tr td.field-used_at")).not_to_have_text("-")
+
+    page.goto(f"{live_server.url}/admin/endpoints/node/")
+    expect(page.locator("#result_list tbody tr td.field-region")).to_have_text("EU West")
+    shot("console-nodes-region")
 
     page.goto(f"{live_server.url}/admin/fleet/nodecredential/")
     page.locator("#result_list tbody input[type=checkbox]").first.check()

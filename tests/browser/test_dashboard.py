@@ -8,8 +8,8 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey, Organization
-from endpoints.models import Endpoint, Node
-from tests.browser.conftest import sign_up, wizard_ready
+from endpoints.models import Endpoint, Node, Region
+from tests.browser.conftest import choose_the_demo_model, sign_up, wizard_ready
 from tests.factories import organization_with_owner, ready_endpoint
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -57,6 +57,25 @@ def test_the_wizard_explains_an_impossible_sizing_and_what_would_fit(
     expect(page.get_by_test_id("sizing")).to_contain_text("1 × CPU only")
     expect(page.locator('input[value="kvrun-demo-tiny"]')).to_be_checked()
     shot("wizard-sizing")
+
+
+def test_the_wizard_offers_the_regions_online_and_launches_in_one(
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
+    eu = Region.objects.create(slug="eu-west", name="EU West")
+    Region.objects.create(slug="ap-south", name="AP South")  # nothing online there
+    Node.objects.filter(id=laptop.id).update(region=eu)
+    choose_the_demo_model(page)
+
+    region = page.get_by_label("Region")
+    expect(region.locator("option")).to_have_text(["Any region", "EU West"])
+    region.select_option("eu-west")
+    expect(page.get_by_test_id("sizing")).to_contain_text("1 × CPU only")
+    shot("wizard-region")
+    page.get_by_role("button", name="Launch endpoint").click()
+
+    expect(page.locator("main")).to_contain_text("CPU only in EU West")
+    assert Endpoint.objects.get().region == eu
+    shot("endpoint-region")
 
 
 def test_a_key_is_shown_once_copied_and_revoked(live_server: object, page: Page,

@@ -1,6 +1,7 @@
 """Enrolment: an operator's join token, exchanged once for a node's own credential; rotating
 and revoking that credential."""
 
+import re
 from datetime import timedelta
 from io import StringIO
 
@@ -11,7 +12,7 @@ from django.utils import timezone
 from pytest_django import DjangoCaptureOnCommitCallbacks
 from rest_framework.test import APIClient
 
-from endpoints.models import Node, NodeState, State
+from endpoints.models import Node, NodeState, Region, State
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.selectors import endpoints_for_gateway
 from engine.devices import Device, HostResources
@@ -83,6 +84,39 @@ def test_a_join_token_needs_a_host_name_and_a_lifetime_of_at_most_a_day(
         name: str, minutes: int, says: str) -> None:
     with pytest.raises(CommandError, match=says):
         call_command("node_join_token", name, "--minutes", str(minutes), stdout=StringIO())
+    assert not JoinToken.objects.exists()
+
+
+def test_a_node_is_in_the_region_and_zone_its_join_token_names_and_cannot_move() -> None:
+    eu = Region.objects.create(slug="eu-west", name="EU West")
+    out = StringIO()
+    call_command("node_join_token", "gpu-1", "--region", "eu-west", "--zone", "eu-west-1a",
+                 stdout=out, stderr=StringIO())
+
+    status, body = enrol(out.getvalue().strip())
+
+    assert status == 201
+    node = Node.objects.get(name="gpu-1")
+    assert (node.region, node.zone) == (eu, "eu-west-1a")
+    # Registering again keeps it; a node that names a region of its own is refused.
+    credential = body["credential"]
+    again = as_node(credential).post("/node/v1/register", host(), format="json")
+    assert again.status_code == 200
+    assert Node.objects.get(name="gpu-1").region == eu
+    claimed = as_node(credential).post("/node/v1/register", {**host(), "region": "us-east"},
+                                       format="json")
+    assert claimed.status_code == 400
+    assert Node.objects.get(name="gpu-1").region == eu
+
+
+@pytest.mark.parametrize("arguments, says", [
+    (["--region", "mars-1"], "No region 'mars-1' (regions: none yet)"),
+    (["--zone", "a"], "'a' is not a zone: a zone is within a region"),
+])
+def test_a_join_token_names_a_known_region_and_a_zone_only_within_one(
+        arguments: list[str], says: str) -> None:
+    with pytest.raises(CommandError, match=re.escape(says)):
+        call_command("node_join_token", "gpu-1", *arguments, stdout=StringIO())
     assert not JoinToken.objects.exists()
 
 

@@ -2,6 +2,7 @@ from datetime import timedelta
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from endpoints.models import Region
 from fleet.enrolment import JOIN_TOKEN_LIFETIME, do_create_join_token
 
 
@@ -14,10 +15,20 @@ class Command(BaseCommand):
         parser.add_argument("--minutes", type=float,
                             default=JOIN_TOKEN_LIFETIME.total_seconds() / 60,
                             help="How long it may be used (at most a day).")
+        parser.add_argument("--region", default="",
+                            help="The slug of the region the node is in (the console's "
+                                 "regions); none by default.")
+        parser.add_argument("--zone", default="", help="Its zone within the region.")
 
-    def handle(self, *args: object, name: str, minutes: float, **options: object) -> None:
+    def handle(self, *args: object, name: str, minutes: float, region: str, zone: str,
+               **options: object) -> None:
+        found = Region.objects.filter(slug=region).first() if region else None
+        if region and found is None:
+            known = ", ".join(Region.objects.values_list("slug", flat=True)) or "none yet"
+            raise CommandError(f"No region {region!r} (regions: {known}); an operator adds "
+                               "regions in the console.")
         try:
-            token, secret = do_create_join_token(node_name=name,
+            token, secret = do_create_join_token(node_name=name, region=found, zone=zone,
                                                  valid_for=timedelta(minutes=minutes))
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
