@@ -149,7 +149,7 @@ def offload_row(base: Path, device: devices.Device) -> dict:
 
 
 def main() -> int:
-    found = devices.detect()
+    found = devices.detect(Path(tempfile.gettempdir()))
     if not found.devices:
         print("gpu-check: no NVIDIA GPU here (nvidia-smi finds none); run it on a GPU host. "
               "Nothing was measured.")

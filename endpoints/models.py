@@ -193,6 +193,8 @@ class Node(models.Model):
     devices = models.JSONField(default=list, help_text="[{index, name, memory_bytes}] per GPU")
     cpu_count = models.PositiveIntegerField()
     memory_bytes = models.BigIntegerField()
+    disk_bytes = models.BigIntegerField(
+        default=0, help_text="The file system its KV tiers on disk and its model cache are on.")
     registered_at = models.DateTimeField(default=timezone.now)
     last_heartbeat_at = models.DateTimeField(default=timezone.now)
     draining = models.BooleanField(

@@ -24,6 +24,7 @@ from endpoints.models import (
     NodeState,
     Region,
 )
+from endpoints.scheduling import largest_share
 from endpoints.selectors import model_catalog
 from engine import sizing
 from engine.kv_policy import LMCACHE_LORA_REFUSAL, KVPolicy, refusals
@@ -212,12 +213,35 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     chosen = by_slug[choice.accelerator.slug]
     policy = KVPolicy(kv_cache_dtype=kv_cache_dtype, host_tier_gib=host_tier_gib,
                       disk_tier_gib=disk_tier_gib)
-    refused = refusals(policy, device=CPU if chosen.slug == CPU else GPU)
+    refused = refusals(policy, device=CPU if chosen.slug == CPU else GPU) or tier_refusals(
+        policy, gpu_type=chosen, gpu_count=choice.count, region=region)
     if refused:
         raise ValidationError({field: [f"{reason} (the plan: {choice.count} × {chosen.name})"]
                                for field, reason in refused.items()})
     return Plan(gpu_type=chosen, gpu_count=choice.count,
                 summary=_summary(model, request, decision, is_cpu, policy, region))
+
+
+def tier_refusals(policy: KVPolicy, *, gpu_type: GPUType, gpu_count: int,
+                  region: Region | None) -> dict[str, str]:
+    """Why the policy's KV tiers are more than any node online gives a replica on
+    `gpu_count` of `gpu_type` (its GPUs' share of a node's host memory and disk), saying the
+    most there is; empty where they fit, or where no such node is online to judge by."""
+    largest = largest_share(gpu_type=gpu_type, gpu_count=gpu_count, region=region)
+    if largest is None:
+        return {}
+    found = {}
+    if policy.host_tier_gib * sizing.GIB > largest.host_bytes:
+        found["host_tier_gib"] = (
+            f"A host tier of {policy.host_tier_gib} GiB is more than any node gives a replica "
+            f"on {gpu_count} of its GPUs: at most {largest.host_bytes // sizing.GIB} GiB, "
+            "their share of a node's host memory")
+    if policy.disk_tier_gib * sizing.GIB > largest.disk_bytes:
+        found["disk_tier_gib"] = (
+            f"A disk tier of {policy.disk_tier_gib} GiB is more than any node gives a replica "
+            f"on {gpu_count} of its GPUs: at most {largest.disk_bytes // sizing.GIB} GiB, "
+            "their share of a node's disk beside its model cache")
+    return found
 
 
 def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str,

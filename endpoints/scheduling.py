@@ -1,13 +1,82 @@
-"""Placing replicas on nodes: the right GPU type, enough free devices, tightest fit first."""
+"""Placing replicas on nodes: the right GPU type (and region), enough free devices and room
+for their KV tiers, tightest fit first."""
 
+from dataclasses import dataclass
 from uuid import UUID
 
 from django.db import transaction
 
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Node, NodeState, Replica
+from endpoints.models import Endpoint, GPUType, Node, NodeState, Region, Replica
 from endpoints.states import HOLDING_DEVICES, ON_NODE, State
-from engine.sizing import CPU
+from engine.sizing import CPU, GIB
+
+# What KV tiers may take of a node's host memory in all: the rest is its system's, its
+# agent's and its engines' own processes'. Of its disk, the model cache's budget is set
+# apart first.
+TIER_SHARE_OF_HOST_MEMORY = 0.75
+
+
+@dataclass(frozen=True)
+class Room:
+    """Host memory and disk, in bytes: what a replica's KV tiers need, or what a node has
+    for them."""
+
+    host_bytes: int
+    disk_bytes: int
+
+    def holds(self, other: "Room") -> bool:
+        return other.host_bytes <= self.host_bytes and other.disk_bytes <= self.disk_bytes
+
+
+def needs_of(endpoint: Endpoint) -> Room:
+    """What one replica of `endpoint` takes of its node beside devices: its host-memory tier
+    (and, on a CPU node, its KV pool, which is host memory too) and its disk tier."""
+    host = endpoint.host_tier_gib * GIB
+    if endpoint.gpu_type.slug == CPU:
+        host += int(endpoint.sizing.get("cpu_kv_cache_bytes") or 0)
+    return Room(host_bytes=host, disk_bytes=endpoint.disk_tier_gib * GIB)
+
+
+def tier_room(node: Node) -> Room:
+    """What `node` has for its replicas' KV tiers in all."""
+    return Room(host_bytes=int(node.memory_bytes * TIER_SHARE_OF_HOST_MEMORY),
+                disk_bytes=max(0, node.disk_bytes - node.model_cache_bytes))
+
+
+def share_of(node: Node, *, gpu_count: int) -> Room:
+    """What a replica holding `gpu_count` of `node`'s GPUs may take of its tier room: the
+    GPUs' share (the whole of a CPU node's), so that one tenant's tiers cannot take what
+    the node's other GPUs' replicas need."""
+    room = tier_room(node)
+    if not node.devices:
+        return room
+    part = min(1.0, gpu_count / len(node.devices))
+    return Room(host_bytes=int(room.host_bytes * part), disk_bytes=int(room.disk_bytes * part))
+
+
+def tier_room_left(node: Node) -> Room:
+    """What `node`'s tier room is left once its replicas holding devices there have theirs."""
+    room = tier_room(node)
+    for replica in Replica.objects.filter(node=node, state__in=HOLDING_DEVICES).select_related(
+            "endpoint__gpu_type"):
+        taken = needs_of(replica.endpoint)
+        room = Room(host_bytes=room.host_bytes - taken.host_bytes,
+                    disk_bytes=room.disk_bytes - taken.disk_bytes)
+    return room
+
+
+def largest_share(*, gpu_type: GPUType, gpu_count: int, region: Region | None) -> Room | None:
+    """The most any online node of `gpu_type` (in `region`, where given) gives a replica on
+    `gpu_count` of its GPUs for its tiers; None when none is online."""
+    nodes = Node.objects.filter(state=NodeState.ONLINE, draining=False, gpu_type=gpu_type)
+    if region is not None:
+        nodes = nodes.filter(region=region)
+    shares = [share_of(node, gpu_count=gpu_count) for node in nodes]
+    if not shares:
+        return None
+    return Room(host_bytes=max(share.host_bytes for share in shares),
+                disk_bytes=max(share.disk_bytes for share in shares))
 
 
 def free_devices(node: Node) -> list[int]:
@@ -37,13 +106,16 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
         if replica.state != State.PENDING:
             return None
         endpoint = replica.endpoint
+        needs = needs_of(endpoint)
         # A draining node is re-read once its lock is free, so a drain that marked it while
         # this waited keeps the replica off it.
         candidates = Node.objects.filter(state=NodeState.ONLINE, draining=False,
                                          gpu_type=endpoint.gpu_type)
         if endpoint.region_id is not None:
             candidates = candidates.filter(region_id=endpoint.region_id)
-        nodes = list(candidates.select_for_update().order_by("name"))
+        nodes = [node for node in candidates.select_for_update().order_by("name")
+                 if share_of(node, gpu_count=endpoint.gpu_count).holds(needs)
+                 and tier_room_left(node).holds(needs)]
         if endpoint.gpu_type.slug == CPU:
             ranked = sorted(nodes, key=lambda node: (
                 not node.holds_weights(endpoint.model),
@@ -56,9 +128,10 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
             choice, devices = (fits[0][0], fits[0][1][: endpoint.gpu_count]) if fits else (None, [])
         if choice is None:
             where = f" in {endpoint.region.slug}" if endpoint.region_id is not None else ""
+            tiers = " and KV room" if needs.host_bytes or needs.disk_bytes else ""
             Replica.objects.filter(id=replica_id, state=State.PENDING).update(
                 stage=f"waiting for a node{where} with {endpoint.gpu_count} free "
-                      f"{endpoint.gpu_type.name}"[:80])
+                      f"{endpoint.gpu_type.name}{tiers}"[:80])
             return None
         placed = do_transition_replica(
             replica_id=replica_id, from_states=[State.PENDING], to_state=State.SCHEDULING,

@@ -1,4 +1,5 @@
-"""What a host has to offer an engine: its GPUs (from the NVIDIA driver), CPUs and memory.
+"""What a host has to offer an engine: its GPUs (from the NVIDIA driver), CPUs, memory and
+disk.
 
 Pure Python, no Django: the node agent calls it and sends the result to the control plane.
 """
@@ -7,6 +8,7 @@ import os
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 MIB = 1024 * 1024
 
@@ -23,14 +25,17 @@ class HostResources:
     devices: list[Device]
     cpu_count: int
     memory_bytes: int
+    disk_bytes: int = 0  # of the file system its engines' KV tiers and the model cache are on
 
     def devices_as_dicts(self) -> list[dict[str, object]]:
         return [asdict(device) for device in self.devices]
 
 
-def detect() -> HostResources:
+def detect(disk: Path) -> HostResources:
+    """The host's resources, its disk being the file system that holds `disk`."""
     return HostResources(devices=detect_gpus(), cpu_count=os.cpu_count() or 1,
-                         memory_bytes=host_memory_bytes())
+                         memory_bytes=host_memory_bytes(),
+                         disk_bytes=shutil.disk_usage(disk).total)
 
 
 def detect_gpus() -> list[Device]:

@@ -45,7 +45,8 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
                 Node(
                     name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
                     devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
-                    memory_bytes=resources.memory_bytes, registered_at=now, last_heartbeat_at=now,
+                    memory_bytes=resources.memory_bytes, disk_bytes=resources.disk_bytes,
+                    registered_at=now, last_heartbeat_at=now,
                     vllm_version=reported.version, architectures=list(reported.architectures),
                     model_cache_bytes=model_cache_bytes,
                 )
@@ -53,7 +54,7 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
             update_conflicts=True,
             unique_fields=["name"],
             update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
-                           "last_heartbeat_at", "model_cache_bytes",
+                           "disk_bytes", "last_heartbeat_at", "model_cache_bytes",
                            *(["vllm_version", "architectures"] if build else [])],
         )
     return Node.objects.get(name=name)

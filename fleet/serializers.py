@@ -32,6 +32,9 @@ class ResourcesInput(StrictSerializer):
     devices = serializers.ListField(child=DeviceInput(), max_length=64)
     cpu_count = serializers.IntegerField(min_value=1, max_value=65_536)
     memory_bytes = serializers.IntegerField(min_value=0, max_value=BYTES_MOST)
+    disk_bytes = serializers.IntegerField(
+        min_value=0, max_value=BYTES_MOST,
+        help_text="The file system its KV tiers on disk and its model cache are on.")
 
     def to_internal_value(self, data: object) -> HostResources:
         checked = super().to_internal_value(data)
@@ -40,7 +43,8 @@ class ResourcesInput(StrictSerializer):
             raise serializers.ValidationError({"devices": ["Each device's index is its own."]})
         return HostResources(devices=[Device(**device) for device in checked["devices"]],
                              cpu_count=checked["cpu_count"],
-                             memory_bytes=checked["memory_bytes"])
+                             memory_bytes=checked["memory_bytes"],
+                             disk_bytes=checked["disk_bytes"])
 
 
 class NodeReport(StrictSerializer):

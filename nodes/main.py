@@ -63,7 +63,8 @@ def run(name: str, config: AgentConfig) -> int:
     left = stop_engines_left_behind(config, name=name, grace=Timings.stop_grace_seconds)
     if left:
         logger.info("stopped %d engine(s) left by this node's previous run", left)
-    resources = devices.detect()
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    resources = devices.detect(config.state_dir)
     report: dict[str, Any] = {
         "resources": asdict(resources), "address": config.address,
         "model_cache_bytes": config.model_cache_gib * GIB}

@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 from engine.devices import Device, detect, host_memory_bytes, parse_nvidia_smi
@@ -19,10 +20,11 @@ def test_it_reads_host_memory(tmp_path: Path) -> None:
     assert host_memory_bytes(str(meminfo)) == 24576000 * 1024
 
 
-def test_a_host_without_a_driver_has_no_gpus(monkeypatch: object) -> None:
+def test_a_host_without_a_driver_has_no_gpus(monkeypatch: object, tmp_path: Path) -> None:
     monkeypatch.setenv("KVRUN_NODE_GPUS", "none")
 
-    resources = detect()
+    resources = detect(tmp_path)
 
     assert resources.devices == []
     assert resources.cpu_count >= 1 and resources.memory_bytes > 2**30
+    assert resources.disk_bytes == shutil.disk_usage(tmp_path).total

@@ -18,7 +18,7 @@ def host(gpus: int = 8) -> dict[str, object]:
     """What an agent on an 8-GPU H100 host says of it when it enrols or registers."""
     return {"resources": {"devices": [{"index": i, "name": H100, "memory_bytes": 81559 * 2**20}
                                       for i in range(gpus)],
-                          "cpu_count": 64, "memory_bytes": 2**40},
+                          "cpu_count": 64, "memory_bytes": 2**40, "disk_bytes": 2**42},
             "address": "10.0.0.7", "model_cache_bytes": 500 * 2**30}
 
 

@@ -45,7 +45,7 @@ def channel_of(node: Node, folder: Path) -> NodeChannel:
                           transport=httpx.WSGITransport(app=ControlPlane()), retry_for=0)
     channel.join(name=node.name, join_token=token, report={
         "resources": {"devices": [], "cpu_count": node.cpu_count,
-                      "memory_bytes": node.memory_bytes},
+                      "memory_bytes": node.memory_bytes, "disk_bytes": node.disk_bytes},
         "address": node.address or "127.0.0.1", "model_cache_bytes": node.model_cache_bytes})
     return channel
 

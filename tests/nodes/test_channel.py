@@ -15,7 +15,8 @@ from tests.nodes.helpers import ControlPlane, channel_of, demo_replica
 
 pytestmark = pytest.mark.django_db
 
-REPORT = {"resources": {"devices": [], "cpu_count": 2, "memory_bytes": 2**34},
+REPORT = {"resources": {"devices": [], "cpu_count": 2, "memory_bytes": 2**34,
+                        "disk_bytes": 2**40},
           "address": "127.0.0.1", "model_cache_bytes": 2**30}
 
 

@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def test_a_node_agent_given_two_values_enrols_heartbeats_and_is_lost_when_killed
             node_work_channel(node.id))[0][1] == 1, timeout=30), "the agent follows no work"
         assert (node.state, node.gpu_type.slug, node.devices) == (NodeState.ONLINE, "cpu", [])
         assert node.cpu_count >= 1 and node.memory_bytes > 2**30
+        assert node.disk_bytes == shutil.disk_usage(AgentConfig.from_environ().state_dir).total
         # Its vLLM build, read from vLLM's own registry once it is up: what models it runs.
         assert wait_until(lambda: Node.objects.get(name="test-node-a").architectures, 120)
         node = Node.objects.get(name="test-node-a")

@@ -1,6 +1,8 @@
-"""Regions: an endpoint that requires one is sized for what is online there and has its
-replicas there alone, through creation, scaling up, the loss of a node and a wake from
-zero; the API lists regions and says which hardware each has online."""
+"""Where replicas go. Regions: an endpoint that requires one is sized for what is online
+there and has its replicas there alone, through creation, scaling up, the loss of a node and
+a wake from zero; the API lists regions and the hardware each has online. Host resources:
+KV tiers and CPU engines' KV pools are counted against a node's memory and disk (beside its
+model cache), and a tier beyond a replica's share of any node is refused saying the most."""
 
 import pytest
 from django.core.exceptions import ValidationError
@@ -174,3 +176,47 @@ def test_the_api_lists_regions_and_creates_an_endpoint_in_one(
                                                 "context_length": 8192, "concurrency": 8,
                                                 "region": "us-east"}, format="json")
     assert sized.json()["gpu_type"] == "h100-80gb"
+
+
+def test_two_replicas_whose_kv_together_passes_a_node_s_memory_never_share_it(
+        org: Organization) -> None:
+    # A CPU node of 1 GiB: 768 MiB for its engines' KV; the demo model at 2k × 300 needs
+    # 300 MiB of KV pool a replica (512 bytes a token).
+    small = node_in(None, "cpu-small", count=0)
+    Node.objects.filter(id=small.id).update(memory_bytes=2**30)
+
+    def demo(name: str) -> Endpoint:
+        return do_create_endpoint(
+            organization=org, actor_role=Role.OWNER, created_by=None, name=name,
+            model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+            policy=EndpointPolicy(context_length=2048, concurrency=300))
+
+    first, second, third = demo("first"), demo("second"), demo("third")
+    assert first.sizing["cpu_kv_cache_bytes"] == 300 * 2**20
+
+    assert placed(first) == ["cpu-small"]
+    assert placed(second) == ["cpu-small"]
+    assert placed(third) == []
+    assert third.replicas.get().stage == "waiting for a node with 1 free CPU only and KV room"
+    assert Replica.objects.filter(node=small).count() == 2
+
+
+def test_a_tier_beyond_what_any_node_gives_is_refused_with_the_largest_that_fits(
+        org: Organization) -> None:
+    node = node_in(None, "gpu-1")
+    Node.objects.filter(id=node.id).update(disk_bytes=1100 * 2**30, model_cache_bytes=300 * 2**30)
+    asked = {"model": ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), "context_length": 8192,
+             "concurrency": 8, "kv_cache_dtype": "auto", "gpu_count": 2}
+
+    with pytest.raises(ValidationError) as refused:
+        plan(**asked, host_tier_gib=4096, disk_tier_gib=100)
+    # 2 of 8 GPUs: a quarter of 768 GiB of host memory and of 800 GiB of disk.
+    assert refused.value.message_dict == {
+        "host_tier_gib": ["A host tier of 4096 GiB is more than any node gives a replica on 2 "
+                          "of its GPUs: at most 192 GiB, their share of a node's host memory "
+                          "(the plan: 2 × NVIDIA H100 80 GB)"]}
+    with pytest.raises(ValidationError) as disk:
+        plan(**asked, host_tier_gib=16, disk_tier_gib=201)
+    assert "at most 200 GiB, their share of a node's disk beside its model cache" in (
+        disk.value.message_dict["disk_tier_gib"][0])
+    assert plan(**asked, host_tier_gib=192, disk_tier_gib=200).gpu_count == 2
