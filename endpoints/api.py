@@ -18,7 +18,7 @@ from accounts.models import User
 from accounts.scoping import OrganizationScoped
 from endpoints import selectors, services
 from endpoints.models import Adapter, Endpoint, GPUType, ModelSpec, Region
-from endpoints.planning import plan, sizing_preview
+from endpoints.planning import check_tiers, plan, sizing_preview
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.serializers import (
     AdapterInput,
@@ -97,12 +97,16 @@ class OrganizationSizing(OrganizationScoped, APIView):
 
 
 def _sized(data: dict[str, Any]) -> dict[str, Any]:
-    return plan(model=data["model"], context_length=data["context_length"],
-                concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
-                gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
-                host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
-                lora_adapters=data["lora_adapters"],
-                lora_max_rank=data["lora_max_rank"], region=data.get("region")).summary
+    decided = plan(model=data["model"], context_length=data["context_length"],
+                   concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
+                   gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
+                   host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
+                   lora_adapters=data["lora_adapters"],
+                   lora_max_rank=data["lora_max_rank"], region=data.get("region"))
+    check_tiers(host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
+                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
+                region=data.get("region"))
+    return decided.summary
 
 
 class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin,

@@ -213,8 +213,7 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     chosen = by_slug[choice.accelerator.slug]
     policy = KVPolicy(kv_cache_dtype=kv_cache_dtype, host_tier_gib=host_tier_gib,
                       disk_tier_gib=disk_tier_gib)
-    refused = refusals(policy, device=CPU if chosen.slug == CPU else GPU) or tier_refusals(
-        policy, gpu_type=chosen, gpu_count=choice.count, region=region)
+    refused = refusals(policy, device=CPU if chosen.slug == CPU else GPU)
     if refused:
         raise ValidationError({field: [f"{reason} (the plan: {choice.count} × {chosen.name})"]
                                for field, reason in refused.items()})
@@ -222,26 +221,28 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
                 summary=_summary(model, request, decision, is_cpu, policy, region))
 
 
-def tier_refusals(policy: KVPolicy, *, gpu_type: GPUType, gpu_count: int,
-                  region: Region | None) -> dict[str, str]:
-    """Why the policy's KV tiers are more than any node online gives a replica on
-    `gpu_count` of `gpu_type` (its GPUs' share of a node's host memory and disk), saying the
-    most there is; empty where they fit, or where no such node is online to judge by."""
+def check_tiers(*, host_tier_gib: int, disk_tier_gib: int, gpu_type: GPUType, gpu_count: int,
+                region: Region | None) -> None:
+    """Raise ValidationError, saying the most there is, where KV tiers are more than any
+    node online gives a replica on `gpu_count` of `gpu_type` (in `region`, where given): its
+    GPUs' share of a node's host memory and disk. Nothing is judged where no such node is
+    online."""
     largest = largest_share(gpu_type=gpu_type, gpu_count=gpu_count, region=region)
     if largest is None:
-        return {}
+        return
     found = {}
-    if policy.host_tier_gib * sizing.GIB > largest.host_bytes:
-        found["host_tier_gib"] = (
-            f"A host tier of {policy.host_tier_gib} GiB is more than any node gives a replica "
-            f"on {gpu_count} of its GPUs: at most {largest.host_bytes // sizing.GIB} GiB, "
-            "their share of a node's host memory")
-    if policy.disk_tier_gib * sizing.GIB > largest.disk_bytes:
-        found["disk_tier_gib"] = (
-            f"A disk tier of {policy.disk_tier_gib} GiB is more than any node gives a replica "
-            f"on {gpu_count} of its GPUs: at most {largest.disk_bytes // sizing.GIB} GiB, "
-            "their share of a node's disk beside its model cache")
-    return found
+    if host_tier_gib * sizing.GIB > largest.host_bytes:
+        found["host_tier_gib"] = [
+            f"A host tier of {host_tier_gib} GiB is more than any node gives a replica on "
+            f"{gpu_count} × {gpu_type.name}: at most {largest.host_bytes // sizing.GIB} GiB, "
+            "their share of a node's host memory."]
+    if disk_tier_gib * sizing.GIB > largest.disk_bytes:
+        found["disk_tier_gib"] = [
+            f"A disk tier of {disk_tier_gib} GiB is more than any node gives a replica on "
+            f"{gpu_count} × {gpu_type.name}: at most {largest.disk_bytes // sizing.GIB} GiB, "
+            "their share of a node's disk beside its model cache."]
+    if found:
+        raise ValidationError(found)
 
 
 def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str,

@@ -34,7 +34,9 @@ def needs_of(endpoint: Endpoint) -> Room:
     (and, on a CPU node, its KV pool, which is host memory too) and its disk tier."""
     host = endpoint.host_tier_gib * GIB
     if endpoint.gpu_type.slug == CPU:
-        host += int(endpoint.sizing.get("cpu_kv_cache_bytes") or 0)
+        # Endpoints sized before their KV pool was exact were given a whole GiB
+        # (fleet.selectors.replica_spec).
+        host += int(endpoint.sizing.get("cpu_kv_cache_bytes") or GIB)
     return Room(host_bytes=host, disk_bytes=endpoint.disk_tier_gib * GIB)
 
 
@@ -67,12 +69,14 @@ def tier_room_left(node: Node) -> Room:
 
 
 def largest_share(*, gpu_type: GPUType, gpu_count: int, region: Region | None) -> Room | None:
-    """The most any online node of `gpu_type` (in `region`, where given) gives a replica on
-    `gpu_count` of its GPUs for its tiers; None when none is online."""
+    """The most any online node of `gpu_type` with `gpu_count` GPUs or more (in `region`,
+    where given) gives a replica on that many of them for its tiers; None when there is
+    none."""
     nodes = Node.objects.filter(state=NodeState.ONLINE, draining=False, gpu_type=gpu_type)
     if region is not None:
         nodes = nodes.filter(region=region)
-    shares = [share_of(node, gpu_count=gpu_count) for node in nodes]
+    shares = [share_of(node, gpu_count=gpu_count) for node in nodes
+              if not node.devices or len(node.devices) >= gpu_count]
     if not shares:
         return None
     return Room(host_bytes=max(share.host_bytes for share in shares),

@@ -96,7 +96,7 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
                     f"once per replica, ${larger.hourly_price:.2f}/h (a new endpoint)")
     hit_rate = window["prefix_hit_rate"]
     if (not on_cpu and not endpoint.host_tier_gib and hit_rate is not None
-            and hit_rate < LOW_HIT_RATE):
+            and hit_rate < LOW_HIT_RATE and _tier_fits(endpoint)):
         tokens = planning.plan(
             model=endpoint.model, context_length=context, concurrency=endpoint.concurrency,
             kv_cache_dtype=endpoint.kv_cache_dtype, gpu_type=endpoint.gpu_type,
@@ -175,3 +175,14 @@ def do_advise_endpoint(*, endpoint: Endpoint, now: datetime) -> list[Advice]:
             Advice.objects.filter(endpoint=endpoint, kind=finding.kind,
                                   resolved_at=None).update(**fields)
     return list(Advice.objects.filter(endpoint=endpoint, resolved_at=None))
+
+
+def _tier_fits(endpoint: Endpoint) -> bool:
+    """Whether a node online could give the endpoint's replicas the host tier advised."""
+    try:
+        planning.check_tiers(host_tier_gib=HOST_TIER_GIB, disk_tier_gib=endpoint.disk_tier_gib,
+                             gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count,
+                             region=endpoint.region)
+    except ValidationError:
+        return False
+    return True

@@ -25,7 +25,7 @@ from endpoints.models import (
     State,
     validate_endpoint_name,
 )
-from endpoints.planning import lora_refusal, plan
+from endpoints.planning import check_tiers, lora_refusal, plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services.quota import hold_quota
 from endpoints.services.scaling import scaling_errors
@@ -102,6 +102,8 @@ def do_create_endpoint(
                    gpu_type=gpu_type, gpu_count=gpu_count, host_tier_gib=policy.host_tier_gib,
                    disk_tier_gib=policy.disk_tier_gib, lora_adapters=policy.lora_adapters,
                    lora_max_rank=policy.lora_max_rank, region=region)
+    check_tiers(host_tier_gib=policy.host_tier_gib, disk_tier_gib=policy.disk_tier_gib,
+                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, region=region)
     try:
         with transaction.atomic():
             hold_quota(organization_id=organization.id, new_endpoint=True,

@@ -178,6 +178,9 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
                                 disk_tier_gib=data["disk_tier_gib"],
                                 lora_adapters=data["lora_adapters"],
                                 lora_max_rank=data["lora_max_rank"])
+        planning.check_tiers(host_tier_gib=data["host_tier_gib"],
+                             disk_tier_gib=data["disk_tier_gib"], gpu_type=decided.gpu_type,
+                             gpu_count=decided.gpu_count, region=data["region"])
     except planning.Unfit as exc:
         return {"sizing_form": form, "advice": exc.advice}
     except ValidationError as exc:  # a KV tier the hardware's engine cannot use, a region

@@ -13,6 +13,7 @@ from endpoints.models import Endpoint, GPUType, ModelSpec, Node, NodeState, Regi
 from endpoints.planning import plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.reconciler import reconcile_endpoint
+from endpoints.scheduling import Room, needs_of
 from endpoints.services import (
     do_create_endpoint,
     do_load_catalogs,
@@ -202,21 +203,47 @@ def test_two_replicas_whose_kv_together_passes_a_node_s_memory_never_share_it(
 
 
 def test_a_tier_beyond_what_any_node_gives_is_refused_with_the_largest_that_fits(
-        org: Organization) -> None:
+        owner_api: APIClient, org: Organization) -> None:
     node = node_in(None, "gpu-1")
     Node.objects.filter(id=node.id).update(disk_bytes=1100 * 2**30, model_cache_bytes=300 * 2**30)
-    asked = {"model": ModelSpec.objects.get(slug="llama-3.1-8b-instruct"), "context_length": 8192,
-             "concurrency": 8, "kv_cache_dtype": "auto", "gpu_count": 2}
+    node_in(None, "gpu-small", count=1)  # one GPU: it cannot hold a replica on two
+    body = {"name": "chat", "model": "llama-3.1-8b-instruct", "context_length": 8192,
+            "concurrency": 8, "gpu_type": "h100-80gb", "gpu_count": 2}
 
-    with pytest.raises(ValidationError) as refused:
-        plan(**asked, host_tier_gib=4096, disk_tier_gib=100)
+    refused = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/",
+                             {**body, "host_tier_gib": 4096, "disk_tier_gib": 100}, format="json")
+
     # 2 of 8 GPUs: a quarter of 768 GiB of host memory and of 800 GiB of disk.
-    assert refused.value.message_dict == {
-        "host_tier_gib": ["A host tier of 4096 GiB is more than any node gives a replica on 2 "
-                          "of its GPUs: at most 192 GiB, their share of a node's host memory "
-                          "(the plan: 2 × NVIDIA H100 80 GB)"]}
-    with pytest.raises(ValidationError) as disk:
-        plan(**asked, host_tier_gib=16, disk_tier_gib=201)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["fields"] == {"host_tier_gib": [
+        "A host tier of 4096 GiB is more than any node gives a replica on 2 × NVIDIA H100 80 GB: "
+        "at most 192 GiB, their share of a node's host memory."]}
+    sized = owner_api.post("/api/v1/sizing/", {
+        key: value for key, value in body.items() if key != "name"} | {
+        "host_tier_gib": 16, "disk_tier_gib": 201}, format="json")
+    assert sized.status_code == 400
     assert "at most 200 GiB, their share of a node's disk beside its model cache" in (
-        disk.value.message_dict["disk_tier_gib"][0])
-    assert plan(**asked, host_tier_gib=192, disk_tier_gib=200).gpu_count == 2
+        sized.json()["error"]["fields"]["disk_tier_gib"][0])
+    assert not Endpoint.objects.exists()
+    created = owner_api.post(f"/api/v1/organizations/{org.slug}/endpoints/",
+                             {**body, "host_tier_gib": 192, "disk_tier_gib": 200}, format="json")
+    assert created.status_code == 201, created.json()
+
+    # A change that grows a tier is judged the same way; one that leaves them is not.
+    grown = owner_api.patch(f"/api/v1/organizations/{org.slug}/endpoints/chat/policy/",
+                            {"host_tier_gib": 256}, format="json")
+    assert grown.status_code == 400
+    assert "at most 192 GiB" in grown.json()["error"]["fields"]["host_tier_gib"][0]
+    Node.objects.filter(id=node.id).update(disk_bytes=0)  # an agent not yet reporting it
+    routing = owner_api.patch(f"/api/v1/organizations/{org.slug}/endpoints/chat/policy/",
+                              {"prefix_affinity": False}, format="json")
+    assert routing.status_code == 200, routing.json()
+
+
+def test_an_endpoint_sized_before_its_kv_pool_was_exact_counts_a_whole_gib(
+        org: Organization) -> None:
+    endpoint = ready_endpoint(org, "old", [])
+    Endpoint.objects.filter(id=endpoint.id).update(sizing={})
+
+    assert needs_of(Endpoint.objects.get(id=endpoint.id)) == Room(host_bytes=2**30,
+                                                                  disk_bytes=0)
