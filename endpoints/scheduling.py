@@ -1,10 +1,12 @@
 """Placing replicas on nodes: the right GPU type (and region), enough free devices and room
 for their KV tiers, tightest fit first."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from uuid import UUID
 
 from django.db import transaction
+from django.db.models import QuerySet
 
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, GPUType, Node, NodeState, Region, Replica
@@ -57,25 +59,28 @@ def share_of(node: Node, *, gpu_count: int) -> Room:
     return Room(host_bytes=int(room.host_bytes * part), disk_bytes=int(room.disk_bytes * part))
 
 
-def tier_room_left(node: Node) -> Room:
-    """What `node`'s tier room is left once its replicas holding devices there have theirs."""
+def tier_room_left(node: Node, held: Iterable[Replica]) -> Room:
+    """What `node`'s tier room is left once its replicas holding devices there (`held`)
+    have theirs."""
+    taken = [needs_of(replica.endpoint) for replica in held]
     room = tier_room(node)
-    for replica in Replica.objects.filter(node=node, state__in=HOLDING_DEVICES).select_related(
-            "endpoint__gpu_type"):
-        taken = needs_of(replica.endpoint)
-        room = Room(host_bytes=room.host_bytes - taken.host_bytes,
-                    disk_bytes=room.disk_bytes - taken.disk_bytes)
-    return room
+    return Room(host_bytes=room.host_bytes - sum(need.host_bytes for need in taken),
+                disk_bytes=room.disk_bytes - sum(need.disk_bytes for need in taken))
+
+
+def nodes_taking_replicas(*, gpu_type: GPUType, region: Region | None) -> QuerySet[Node]:
+    """The nodes a new replica on `gpu_type` (in `region`, where given) may go to: online
+    and not draining."""
+    nodes = Node.objects.filter(state=NodeState.ONLINE, draining=False, gpu_type=gpu_type)
+    return nodes if region is None else nodes.filter(region=region)
 
 
 def largest_share(*, gpu_type: GPUType, gpu_count: int, region: Region | None) -> Room | None:
     """The most any online node of `gpu_type` with `gpu_count` GPUs or more (in `region`,
     where given) gives a replica on that many of them for its tiers; None when there is
     none."""
-    nodes = Node.objects.filter(state=NodeState.ONLINE, draining=False, gpu_type=gpu_type)
-    if region is not None:
-        nodes = nodes.filter(region=region)
-    shares = [share_of(node, gpu_count=gpu_count) for node in nodes
+    shares = [share_of(node, gpu_count=gpu_count)
+              for node in nodes_taking_replicas(gpu_type=gpu_type, region=region)
               if not node.devices or len(node.devices) >= gpu_count]
     if not shares:
         return None
@@ -83,13 +88,21 @@ def largest_share(*, gpu_type: GPUType, gpu_count: int, region: Region | None) -
                 disk_bytes=max(share.disk_bytes for share in shares))
 
 
-def free_devices(node: Node) -> list[int]:
-    used = {
-        index
-        for indices in Replica.objects.filter(node=node, state__in=HOLDING_DEVICES)
-        .values_list("device_indices", flat=True)
-        for index in indices
-    }
+def held_on(nodes: Iterable[Node]) -> dict[int, list[Replica]]:
+    """Each node's replicas holding its devices (with their endpoints), by node id: one
+    read for all of them."""
+    held: dict[int, list[Replica]] = {node.id: [] for node in nodes}
+    for replica in Replica.objects.filter(node_id__in=held, state__in=HOLDING_DEVICES
+                                          ).select_related("endpoint__gpu_type"):
+        held[replica.node_id].append(replica)
+    return held
+
+
+def free_devices(node: Node, held: Iterable[Replica] | None = None) -> list[int]:
+    """`node`'s devices that no replica holds (`held`: its replicas holding devices, where
+    the caller read them already)."""
+    replicas = held_on([node])[node.id] if held is None else held
+    used = {index for replica in replicas for index in replica.device_indices}
     return [device["index"] for device in node.devices if device["index"] not in used]
 
 
@@ -113,21 +126,21 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
         needs = needs_of(endpoint)
         # A draining node is re-read once its lock is free, so a drain that marked it while
         # this waited keeps the replica off it.
-        candidates = Node.objects.filter(state=NodeState.ONLINE, draining=False,
-                                         gpu_type=endpoint.gpu_type)
-        if endpoint.region_id is not None:
-            candidates = candidates.filter(region_id=endpoint.region_id)
-        nodes = [node for node in candidates.select_for_update().order_by("name")
+        candidates = list(nodes_taking_replicas(gpu_type=endpoint.gpu_type,
+                                                region=endpoint.region)
+                          .select_for_update().order_by("name"))
+        held = held_on(candidates)
+        nodes = [node for node in candidates
                  if share_of(node, gpu_count=endpoint.gpu_count).holds(needs)
-                 and tier_room_left(node).holds(needs)]
+                 and tier_room_left(node, held[node.id]).holds(needs)]
         if endpoint.gpu_type.slug == CPU:
             ranked = sorted(nodes, key=lambda node: (
                 not node.holds_weights(endpoint.model),
-                Replica.objects.filter(node=node, state__in=ON_NODE).count()))
+                sum(replica.state in ON_NODE for replica in held[node.id])))
             choice, devices = (ranked[0], []) if ranked else (None, [])
         else:
             fits = [(node, free) for node in nodes
-                    if len(free := free_devices(node)) >= endpoint.gpu_count]
+                    if len(free := free_devices(node, held[node.id])) >= endpoint.gpu_count]
             fits.sort(key=lambda pair: (not pair[0].holds_weights(endpoint.model), len(pair[1])))
             choice, devices = (fits[0][0], fits[0][1][: endpoint.gpu_count]) if fits else (None, [])
         if choice is None:
