@@ -203,9 +203,17 @@ class PriceAdmin(admin.ModelAdmin):
 
 @admin.register(GPUPrice)
 class GPUPriceAdmin(PriceAdmin):
-    list_display = ["gpu_type", "hourly_price_usd", "effective_from", "created_at"]
-    list_filter = ["gpu_type"]
-    fields = ["gpu_type", "hourly_price_usd", "effective_from", "created_at"]
+    list_display = ["gpu_type", "scope", "hourly_price_usd", "effective_from", "created_at"]
+    list_filter = ["gpu_type", "own_nodes", "region"]
+    list_select_related = ["gpu_type", "region"]
+    fields = ["gpu_type", "region", "own_nodes", "hourly_price_usd", "effective_from",
+              "created_at"]
+
+    @admin.display(description="where")
+    def scope(self, price: GPUPrice) -> str:
+        if price.own_nodes:
+            return "organisations' own nodes"
+        return price.region.name if price.region else "general"
 
     def save_model(self, request: HttpRequest, obj: GPUPrice, form: object,
                    change: bool) -> None:

@@ -57,11 +57,13 @@ class Line:
     adjustment: bool = False
     adapter: str = ""  # a token line's LoRA adapter; empty for the endpoint's model
 
+    own_node: bool = False  # GPU time on the organisation's own nodes
+
     @property
     def key(self) -> tuple:
         """What makes two lines of one month bill the same thing."""
-        return (self.kind, self.endpoint_id, self.gpu_type_id, self.phase, self.unit_price_usd,
-                self.adapter)
+        return (self.kind, self.endpoint_id, self.gpu_type_id, self.phase, self.own_node,
+                self.unit_price_usd, self.adapter)
 
 
 def month_bounds(month: date) -> tuple[datetime, datetime]:
@@ -79,12 +81,21 @@ def month_of(moment: datetime) -> date:
     return moment.astimezone(UTC).date().replace(day=1)
 
 
-def gpu_price_at(moment: str) -> str:
-    """SQL for the hourly price of GPU type `gpu` at the SQL time `moment`: its latest price
-    version in effect then, else its catalog list price."""
-    return f"""coalesce((SELECT hourly_price_usd FROM billing_gpuprice
-                         WHERE gpu_type_id = gpu.id AND effective_from <= {moment}
-                         ORDER BY effective_from DESC LIMIT 1), gpu.hourly_price_usd)"""
+def gpu_price_at(moment: str, *, line: str) -> str:
+    """SQL for the hourly price of a device of GPU type `gpu` at the SQL time `moment`, for
+    the interval or GPU hour `line` (its price_region_id and own_node): on an organisation's
+    own node, the own-node price version in effect then, else nothing; elsewhere, the
+    version of the line's region in effect then, else the general one, else the catalog's
+    list price."""
+    version = """(SELECT hourly_price_usd FROM billing_gpuprice
+                  WHERE gpu_type_id = gpu.id AND effective_from <= {moment} AND {scope}
+                  ORDER BY effective_from DESC LIMIT 1)"""
+    own = version.format(moment=moment, scope="own_nodes")
+    regional = version.format(moment=moment,
+                              scope=f"NOT own_nodes AND region_id = {line}.price_region_id")
+    general = version.format(moment=moment, scope="NOT own_nodes AND region_id IS NULL")
+    return f"""(CASE WHEN {line}.own_node THEN coalesce({own}, 0)
+                ELSE coalesce({regional}, {general}, gpu.hourly_price_usd) END)"""
 
 
 def lines_for_month(*, organization_id: UUID, month: date) -> list[Line]:
@@ -102,11 +113,12 @@ def adjustment_lines(*, organization_id: UUID, before: date) -> list[Line]:
         due = {line.key: line for line in lines_for_month(organization_id=organization_id,
                                                           month=month)}
         billed = {
-            (row["kind"], row["endpoint_id"], row["gpu_type_id"], row["phase"],
+            (row["kind"], row["endpoint_id"], row["gpu_type_id"], row["phase"], row["own_node"],
              row["unit_price_usd"], row["adapter"]): row
             for row in InvoiceLine.objects.filter(invoice__organization_id=organization_id,
                                                   usage_month=month)
-            .values("kind", "endpoint_id", "gpu_type_id", "phase", "unit_price_usd", "adapter")
+            .values("kind", "endpoint_id", "gpu_type_id", "phase", "own_node", "unit_price_usd",
+                    "adapter")
             .annotate(quantity=Sum("quantity"), amount_cents=Sum("amount_cents"))
         }
         for key in sorted(due.keys() | billed.keys(), key=str):
@@ -155,6 +167,7 @@ def do_finalize_invoice(*, organization: Organization, month: date) -> Invoice |
         InvoiceLine.objects.bulk_create([
             InvoiceLine(invoice=invoice, kind=line.kind, endpoint_id=line.endpoint_id,
                         adapter=line.adapter, gpu_type_id=line.gpu_type_id, phase=line.phase,
+                        own_node=line.own_node,
                         usage_month=line.usage_month, adjustment=line.adjustment,
                         period_start=line.period_start, period_end=line.period_end,
                         description=line.description[:200], quantity=line.quantity,
@@ -189,25 +202,27 @@ def _gpu_lines(organization_id: UUID, month: date) -> list[Line]:
     with connection.cursor() as cursor:
         cursor.execute(f"""
             SELECT line.endpoint_id, endpoint.name, line.gpu_type_id, gpu.name, line.phase,
-                   {gpu_price_at("line.hour")},
+                   line.own_node, {gpu_price_at("line.hour", line="line")},
                    min(line.hour), max(line.hour) + interval '1 hour', sum(line.gpu_seconds)
             FROM billing_gpuhour line
             JOIN endpoints_endpoint endpoint ON endpoint.id = line.endpoint_id
             JOIN endpoints_gputype gpu ON gpu.id = line.gpu_type_id
             WHERE line.organization_id = %s AND line.hour >= %s AND line.hour < %s
               AND line.phase = ANY(%s)
-            GROUP BY 1, 2, 3, 4, 5, 6
-            ORDER BY 2, 4, array_position(%s::text[], line.phase::text), 6""",
+            GROUP BY 1, 2, 3, 4, 5, 6, 7
+            ORDER BY 2, 4, array_position(%s::text[], line.phase::text), 6, 7""",
                        [organization_id, start, end, billed_phases(), list(BilledPhase)])
         rows = cursor.fetchall()
     return [
         Line(kind=LineKind.GPU_TIME, endpoint_id=endpoint_id, endpoint_name=endpoint_name,
-             gpu_type_id=gpu_type_id, phase=phase, usage_month=month, period_start=first,
-             period_end=last, quantity=(seconds / 3600).quantize(Decimal("0.000001")),
-             unit=GPU_HOUR, unit_price_usd=price, amount_cents=cents(seconds * price / 3600),
-             description=f"{endpoint_name}: {gpu_name}, {phase}")
-        for endpoint_id, endpoint_name, gpu_type_id, gpu_name, phase, price, first, last, seconds
-        in rows]
+             gpu_type_id=gpu_type_id, phase=phase, own_node=own_node, usage_month=month,
+             period_start=first, period_end=last,
+             quantity=(seconds / 3600).quantize(Decimal("0.000001")), unit=GPU_HOUR,
+             unit_price_usd=price, amount_cents=cents(seconds * price / 3600),
+             description=f"{endpoint_name}: {gpu_name}, {phase}"
+                         + (", own nodes" if own_node else ""))
+        for (endpoint_id, endpoint_name, gpu_type_id, gpu_name, phase, own_node, price, first,
+             last, seconds) in rows]
 
 
 def _token_lines(organization_id: UUID, month: date) -> list[Line]:
@@ -258,15 +273,15 @@ def _token_lines(organization_id: UUID, month: date) -> list[Line]:
 def _line_from_billed(key: tuple, month: date) -> Line:
     """A line for something billed that the month's usage no longer comes to (an interval
     closed back at a lost node's last heartbeat, say), from its earlier lines."""
-    kind, endpoint_id, gpu_type_id, phase, unit_price, adapter = key
+    kind, endpoint_id, gpu_type_id, phase, own_node, unit_price, adapter = key
     earlier = (InvoiceLine.objects.filter(kind=kind, endpoint_id=endpoint_id,
                                           gpu_type_id=gpu_type_id, phase=phase,
-                                          unit_price_usd=unit_price, adapter=adapter,
-                                          usage_month=month)
+                                          own_node=own_node, unit_price_usd=unit_price,
+                                          adapter=adapter, usage_month=month)
                .select_related("endpoint").first())
     assert earlier is not None, key  # the key is one of the month's billed lines
     return Line(kind=kind, endpoint_id=endpoint_id, endpoint_name=earlier.endpoint.name,
-                gpu_type_id=gpu_type_id, phase=phase, usage_month=month,
+                gpu_type_id=gpu_type_id, phase=phase, own_node=own_node, usage_month=month,
                 period_start=earlier.period_start, period_end=earlier.period_end,
                 quantity=Decimal(0), unit=earlier.unit, unit_price_usd=unit_price,
                 amount_cents=0, description=earlier.description, adapter=adapter)

@@ -133,8 +133,9 @@ class TokenHour(models.Model):
 
 
 class GPUHour(models.Model):
-    """Device-seconds of one endpoint's replicas in one phase and UTC hour, rolled up from
-    replica intervals (endpoints.ReplicaInterval). Derived: the rollup rewrites the hours
+    """Device-seconds of one endpoint's replicas in one phase and UTC hour, on shared nodes
+    or on its organisation's own, rolled up from replica intervals (endpoints.ReplicaInterval),
+    with the region that prices them. Derived: the rollup rewrites the hours
     that intervals still open or recently closed touch. Foreign keys unconstrained and
     unindexed, as TokenHour's."""
 
@@ -145,6 +146,10 @@ class GPUHour(models.Model):
                                  related_name="+", db_constraint=False, db_index=False)
     gpu_type = models.ForeignKey("endpoints.GPUType", on_delete=models.DO_NOTHING,
                                  related_name="+", db_constraint=False, db_index=False)
+    price_region = models.ForeignKey("endpoints.Region", null=True, blank=True,
+                                     on_delete=models.DO_NOTHING, related_name="+",
+                                     db_constraint=False, db_index=False)
+    own_node = models.BooleanField(default=False)
     phase = models.CharField(max_length=10, choices=BilledPhase.choices)
     gpu_seconds = models.DecimalField(max_digits=18, decimal_places=6,
                                       help_text="Seconds held times devices held, to the "
@@ -152,8 +157,9 @@ class GPUHour(models.Model):
     rolled_up_at = models.DateTimeField(help_text="When the rollup last wrote this hour.")
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["endpoint", "hour", "gpu_type", "phase"],
-                                               name="billing_gpu_hour_unique")]
+        constraints = [models.UniqueConstraint(
+            fields=["endpoint", "hour", "gpu_type", "phase", "own_node", "price_region"],
+            nulls_distinct=False, name="billing_gpu_hour_unique")]
         indexes = [models.Index(fields=["organization", "hour"]), models.Index(fields=["hour"])]
 
     def __str__(self) -> str:
@@ -176,26 +182,42 @@ def validate_price_start(effective_from: datetime) -> None:
 
 class GPUPrice(models.Model):
     """What one device of a GPU type costs per hour from `effective_from` on, until the next
-    version. Versions are added, never changed, so a past hour keeps the price it ran at."""
+    version of the same scope. Versions are added, never changed, so a past hour keeps the
+    price it ran at.
+
+    Scopes: the general price (no region); a region's own, which endpoints requiring that
+    region pay from its first version on; and the price on an organisation's own nodes,
+    zero until an operator sets one."""
 
     gpu_type = models.ForeignKey("endpoints.GPUType", on_delete=models.PROTECT,
                                  related_name="prices")
+    region = models.ForeignKey("endpoints.Region", null=True, blank=True,
+                               on_delete=models.PROTECT, related_name="+",
+                               help_text="Empty: the general price, or the own-node price.")
+    own_nodes = models.BooleanField(default=False, verbose_name="on organisations' own nodes")
     hourly_price_usd = models.DecimalField(max_digits=10, decimal_places=4)
     effective_from = models.DateTimeField()
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         verbose_name = "GPU price"
-        ordering = ["gpu_type", "-effective_from"]
+        ordering = ["gpu_type", "own_nodes", "region", "-effective_from"]
         constraints = [
-            models.UniqueConstraint(fields=["gpu_type", "effective_from"],
-                                    name="billing_gpu_price_unique_start"),
+            models.UniqueConstraint(fields=["gpu_type", "own_nodes", "region", "effective_from"],
+                                    nulls_distinct=False, name="billing_gpu_price_unique_start"),
             models.CheckConstraint(condition=models.Q(hourly_price_usd__gte=0),
                                    name="billing_gpu_price_not_negative"),
+            models.CheckConstraint(
+                condition=models.Q(own_nodes=False) | models.Q(region=None),
+                name="billing_gpu_price_own_nodes_everywhere",
+                violation_error_message="The price on organisations' own nodes is one for "
+                                        "every region: leave the region empty."),
         ]
 
     def __str__(self) -> str:
-        return (f"{self.gpu_type} ${self.hourly_price_usd}/h "
+        scope = (" on own nodes" if self.own_nodes else
+                 f" in {self.region}" if self.region_id is not None else "")
+        return (f"{self.gpu_type}{scope} ${self.hourly_price_usd}/h "
                 f"from {self.effective_from:%Y-%m-%d %H:%M}")
 
     def clean(self) -> None:
@@ -288,6 +310,8 @@ class InvoiceLine(models.Model):
     gpu_type = models.ForeignKey("endpoints.GPUType", null=True, blank=True,
                                  on_delete=models.PROTECT, related_name="+")
     phase = models.CharField(max_length=10, blank=True, choices=BilledPhase.choices)
+    own_node = models.BooleanField(default=False, help_text="GPU time on the organisation's "
+                                                            "own nodes.")
     usage_month = models.DateField()
     adjustment = models.BooleanField(default=False)
     period_start = models.DateTimeField()

@@ -367,7 +367,7 @@ def _rewrite_gpu_hours(cursor: _Cursor, *, now: datetime, stamp: datetime) -> in
     cursor.execute("""
         WITH piece AS (
             SELECT span.organization_id, span.endpoint_id, span.gpu_type_id,
-                   span.phase, hour,
+                   span.price_region_id, span.own_node, span.phase, hour,
                    extract(epoch FROM least(span.ended, hour + interval '1 hour')
                                       - greatest(span.started_at, hour))
                    * span.gpu_count AS gpu_seconds
@@ -379,47 +379,81 @@ def _rewrite_gpu_hours(cursor: _Cursor, *, now: datetime, stamp: datetime) -> in
                 date_trunc('hour', greatest(span.started_at, %(since)s), 'UTC'),
                 span.ended, interval '1 hour') AS hour
         )
-        INSERT INTO billing_gpuhour (hour, organization_id, endpoint_id, gpu_type_id, phase,
-                                     gpu_seconds, rolled_up_at)
-        SELECT hour, organization_id, endpoint_id, gpu_type_id, phase, sum(gpu_seconds),
-               %(started)s
+        INSERT INTO billing_gpuhour (hour, organization_id, endpoint_id, gpu_type_id,
+                                     price_region_id, own_node, phase, gpu_seconds,
+                                     rolled_up_at)
+        SELECT hour, organization_id, endpoint_id, gpu_type_id, price_region_id, own_node,
+               phase, sum(gpu_seconds), %(started)s
         FROM piece
-        GROUP BY hour, organization_id, endpoint_id, gpu_type_id, phase
+        GROUP BY hour, organization_id, endpoint_id, gpu_type_id, price_region_id, own_node,
+                 phase
         HAVING sum(gpu_seconds) > 0
         ORDER BY hour, endpoint_id""", {"now": now, "since": since, "started": stamp})
     return cursor.rowcount
 
 
 def do_write_down_list_prices() -> None:
-    """Give every GPU type without a price version its catalog list price as its first
-    version, from FIRST_PRICE_FROM: every rollup, finalisation and operator's new price does,
-    so that a later catalog change cannot reprice an hour already run."""
+    """Give every GPU type without a general price version its catalog list price as its
+    first one, from FIRST_PRICE_FROM: every rollup, finalisation and operator's new price
+    does, so that a later catalog change cannot reprice an hour already run. (Regional and
+    own-node prices have no list price: they exist once an operator sets them.)"""
     with connection.cursor() as cursor:
         cursor.execute("""
-            INSERT INTO billing_gpuprice (gpu_type_id, hourly_price_usd, effective_from,
-                                          created_at)
-            SELECT id, hourly_price_usd, %s, now() FROM endpoints_gputype gpu
-            WHERE NOT EXISTS (SELECT 1 FROM billing_gpuprice WHERE gpu_type_id = gpu.id)
+            INSERT INTO billing_gpuprice (gpu_type_id, region_id, own_nodes, hourly_price_usd,
+                                          effective_from, created_at)
+            SELECT id, NULL, false, hourly_price_usd, %s, now() FROM endpoints_gputype gpu
+            WHERE NOT EXISTS (SELECT 1 FROM billing_gpuprice
+                              WHERE gpu_type_id = gpu.id AND region_id IS NULL
+                                AND NOT own_nodes)
             ON CONFLICT DO NOTHING""", [FIRST_PRICE_FROM])
 
 
 def do_quote_prices_in_effect(*, now: datetime) -> int:
-    """Make each GPU type's list price, which sizing, the wizard and the endpoints quote, the
-    price version in effect at `now`, and each live endpoint's price per replica follow it:
-    what is quoted is what is billed, an operator's new version included. Returns how many
-    endpoints were repriced."""
+    """Make the prices that sizing, the wizard and the endpoints quote the versions in
+    effect at `now`: each GPU type's general and own-node price, each region's own price
+    (endpoints.RegionalPrice), and each live endpoint's price per replica (its own nodes'
+    where it requires them, else its region's, else the general one): what is quoted is what
+    is billed, an operator's new version included. Returns how many endpoints were
+    repriced."""
+    in_effect = """
+        SELECT DISTINCT ON (gpu_type_id, region_id, own_nodes) gpu_type_id, region_id,
+               own_nodes, hourly_price_usd
+        FROM billing_gpuprice WHERE effective_from <= %(now)s
+        ORDER BY gpu_type_id, region_id, own_nodes, effective_from DESC"""
     with transaction.atomic(), connection.cursor() as cursor:
-        cursor.execute("""
-            UPDATE endpoints_gputype gpu SET hourly_price_usd = version.hourly_price_usd
-            FROM (SELECT DISTINCT ON (gpu_type_id) gpu_type_id, hourly_price_usd
-                  FROM billing_gpuprice WHERE effective_from <= %s
-                  ORDER BY gpu_type_id, effective_from DESC) version
-            WHERE gpu.id = version.gpu_type_id
-              AND gpu.hourly_price_usd <> version.hourly_price_usd""", [now])
+        cursor.execute(f"""
+            UPDATE endpoints_gputype gpu
+            SET hourly_price_usd = coalesce(general.hourly_price_usd, gpu.hourly_price_usd),
+                own_node_price_usd = coalesce(own.hourly_price_usd, 0)
+            FROM endpoints_gputype same
+            LEFT JOIN ({in_effect}) general ON general.gpu_type_id = same.id
+                 AND general.region_id IS NULL AND NOT general.own_nodes
+            LEFT JOIN ({in_effect}) own ON own.gpu_type_id = same.id AND own.own_nodes
+            WHERE gpu.id = same.id
+              AND (gpu.hourly_price_usd, gpu.own_node_price_usd)
+                  IS DISTINCT FROM (coalesce(general.hourly_price_usd, gpu.hourly_price_usd),
+                                    coalesce(own.hourly_price_usd, 0))""", {"now": now})
+        cursor.execute(f"""
+            INSERT INTO endpoints_regionalprice (region_id, gpu_type_id, hourly_price_usd)
+            SELECT region_id, gpu_type_id, hourly_price_usd FROM ({in_effect}) version
+            WHERE region_id IS NOT NULL
+            ON CONFLICT (region_id, gpu_type_id) DO UPDATE
+            SET hourly_price_usd = excluded.hourly_price_usd
+            WHERE endpoints_regionalprice.hourly_price_usd <> excluded.hourly_price_usd""",
+                       {"now": now})
         cursor.execute("""
             UPDATE endpoints_endpoint endpoint
-            SET hourly_price_usd = gpu.hourly_price_usd * endpoint.gpu_count
-            FROM endpoints_gputype gpu
-            WHERE gpu.id = endpoint.gpu_type_id AND endpoint.deleted_at IS NULL
-              AND endpoint.hourly_price_usd <> gpu.hourly_price_usd * endpoint.gpu_count""")
+            SET hourly_price_usd = quoted.price * endpoint.gpu_count
+            FROM (SELECT endpoint.id,
+                         CASE WHEN endpoint.own_nodes_only THEN gpu.own_node_price_usd
+                              ELSE coalesce(regional.hourly_price_usd, gpu.hourly_price_usd)
+                         END AS price
+                  FROM endpoints_endpoint endpoint
+                  JOIN endpoints_gputype gpu ON gpu.id = endpoint.gpu_type_id
+                  LEFT JOIN endpoints_regionalprice regional
+                       ON regional.region_id = endpoint.region_id
+                      AND regional.gpu_type_id = endpoint.gpu_type_id
+                  WHERE endpoint.deleted_at IS NULL) quoted
+            WHERE endpoint.id = quoted.id
+              AND endpoint.hourly_price_usd <> quoted.price * endpoint.gpu_count""")
         return cursor.rowcount

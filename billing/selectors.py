@@ -197,7 +197,7 @@ def _final(invoice: Invoice) -> InvoiceView:
                for line in invoice.lines.all()])
 
 
-CURRENT_PRICE = gpu_price_at("now()")
+CURRENT_PRICE = gpu_price_at("now()", line="span")
 
 
 @dataclass(frozen=True)

@@ -172,12 +172,13 @@ class EngineInline(ReplicaInline):
 
 @admin.register(Node)
 class NodeAdmin(ReadOnlyAdmin):
-    list_display = ["name", "state", "draining", "region", "zone", "gpu_type", "device_count",
-                    "engines", "heartbeat", "address"]
-    list_filter = ["state", "draining", "region", "gpu_type"]
-    search_fields = ["name", "address"]
-    list_select_related = ["gpu_type", "region"]
-    fields = ["name", "address", "state", "draining", "region", "zone", "gpu_type",
+    list_display = ["name", "state", "draining", "region", "zone", "owner", "gpu_type",
+                    "device_count", "engines", "heartbeat", "address"]
+    list_filter = ["state", "draining", "region", ("organization", admin.EmptyFieldListFilter),
+                   "gpu_type"]
+    search_fields = ["name", "address", "organization__slug"]
+    list_select_related = ["gpu_type", "region", "organization"]
+    fields = ["name", "address", "state", "draining", "region", "zone", "owner", "gpu_type",
               "device_list", "cpu_count",
               "memory", "registered_at", "heartbeat", "vllm_version", "cached_models"]
     readonly_fields = fields
@@ -187,6 +188,10 @@ class NodeAdmin(ReadOnlyAdmin):
     def get_queryset(self, request: HttpRequest) -> QuerySet[Node]:
         return super().get_queryset(request).annotate(
             live_replicas=Count("replicas", filter=Q(replicas__state__in=ON_NODE)))
+
+    @admin.display(description="owner", ordering="organization__slug")
+    def owner(self, node: Node) -> str:
+        return node.organization.slug if node.organization else "shared"
 
     @admin.display(description="GPUs")
     def device_count(self, node: Node) -> int:

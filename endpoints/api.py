@@ -14,12 +14,13 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from accounts.models import User
+from accounts.models import Organization, User
 from accounts.scoping import OrganizationScoped
 from endpoints import selectors, services
 from endpoints.models import Adapter, Endpoint, GPUType, ModelSpec, Region
 from endpoints.planning import check_tiers, plan, sizing_preview
 from endpoints.policies import EndpointPolicy, EndpointScaling
+from endpoints.scheduling import Placement
 from endpoints.serializers import (
     AdapterInput,
     AdapterSerializer,
@@ -93,19 +94,22 @@ class OrganizationSizing(OrganizationScoped, APIView):
         """The capacity planner for the organisation's endpoints: the public catalog's
         models and its own."""
         return Response(_sized(validated(SizingInput, request,
-                                         context={"organization": self.organization})))
+                                         context={"organization": self.organization}),
+                               organization=self.organization))
 
 
-def _sized(data: dict[str, Any]) -> dict[str, Any]:
+def _sized(data: dict[str, Any], *, organization: Organization | None = None
+           ) -> dict[str, Any]:
+    placement = Placement(region=data.get("region"), own_nodes_only=data["own_nodes_only"],
+                  organization_id=organization.id if organization is not None else None)
     decided = plan(model=data["model"], context_length=data["context_length"],
                    concurrency=data["concurrency"], kv_cache_dtype=data["kv_cache_dtype"],
                    gpu_type=data.get("gpu_type"), gpu_count=data.get("gpu_count"),
                    host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
                    lora_adapters=data["lora_adapters"],
-                   lora_max_rank=data["lora_max_rank"], region=data.get("region"))
+                   lora_max_rank=data["lora_max_rank"], placement=placement)
     check_tiers(host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
-                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
-                region=data.get("region"))
+                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, placement=placement)
     return decided.summary
 
 
@@ -130,6 +134,7 @@ class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.Retrieve
             created_by=request.user if isinstance(request.user, User) else None,
             name=data["name"], model=data["model"], gpu_type=data.get("gpu_type"),
             gpu_count=data.get("gpu_count"), region=data.get("region"),
+            own_nodes_only=data["own_nodes_only"],
             policy=EndpointPolicy.from_values(data),
             scaling=EndpointScaling.from_values(data))
         return Response(self.get_serializer(self._fresh(endpoint)).data,

@@ -44,7 +44,8 @@ def do_transition_replica(*, replica_id: UUID, from_states: Iterable[str], to_st
         # the other way round, an agent's transition and a pass each held what the other
         # waited for, and PostgreSQL aborted one of them.
         endpoint = (Endpoint.objects.select_for_update()
-                    .only("organization_id", "gpu_type_id", "gpu_count").get(id=endpoint_id))
+                    .only("organization_id", "gpu_type_id", "gpu_count", "region_id")
+                    .get(id=endpoint_id))
         moving = Replica.objects.filter(id=replica_id, state__in=list(from_states))
         if node_id is not None:
             moving = moving.filter(node_id=node_id)
@@ -74,10 +75,13 @@ def _record_phase(*, replica_id: UUID, endpoint: Endpoint, to_state: str, now: d
         ended_at = max(current.started_at, min(now, held_until or now))
         ReplicaInterval.objects.filter(id=current.id, ended_at=None).update(ended_at=ended_at)
     if phase is not None:
+        own_node = Replica.objects.filter(
+            id=replica_id, node__organization_id=endpoint.organization_id).exists()
         ReplicaInterval.objects.create(
             replica_id=replica_id, endpoint_id=endpoint.id,
             organization_id=endpoint.organization_id, gpu_type_id=endpoint.gpu_type_id,
-            gpu_count=endpoint.gpu_count, phase=phase, started_at=now)
+            gpu_count=endpoint.gpu_count, price_region_id=endpoint.region_id,
+            own_node=own_node, phase=phase, started_at=now)
 
 
 def backoff_until(failures: int) -> datetime:

@@ -157,6 +157,10 @@ class GPUType(models.Model):
     memory_bytes = models.BigIntegerField(help_text="Usable device memory.")
     bandwidth_gb_s = models.PositiveIntegerField(help_text="Memory bandwidth, GB/s.")
     hourly_price_usd = models.DecimalField(max_digits=8, decimal_places=4)
+    # Quoted, like hourly_price_usd, from billing's price versions (billing.rollup).
+    own_node_price_usd = models.DecimalField(
+        max_digits=8, decimal_places=4, default=0,
+        help_text="Per device-hour on an organisation's own node.")
 
     class Meta:
         ordering = ["hourly_price_usd"]
@@ -164,6 +168,22 @@ class GPUType(models.Model):
 
     def __str__(self) -> str:
         return self.name
+
+
+class RegionalPrice(models.Model):
+    """The list price of a GPU type in a region whose operator priced it apart: what sizing
+    and endpoints there quote. Kept from billing's price versions (billing.rollup)."""
+
+    region = models.ForeignKey(Region, on_delete=models.CASCADE, related_name="prices")
+    gpu_type = models.ForeignKey(GPUType, on_delete=models.CASCADE, related_name="+")
+    hourly_price_usd = models.DecimalField(max_digits=8, decimal_places=4)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["region", "gpu_type"],
+                                               name="endpoints_regional_price_once")]
+
+    def __str__(self) -> str:
+        return f"{self.gpu_type} in {self.region}: ${self.hourly_price_usd}/h"
 
 
 class NodeState(models.TextChoices):
@@ -189,6 +209,10 @@ class Node(models.Model):
     region = models.ForeignKey(Region, null=True, blank=True, on_delete=models.PROTECT,
                                related_name="nodes")
     zone = models.CharField(max_length=40, blank=True)
+    # Likewise from its join token: an organisation's own node runs its endpoints alone.
+    organization = models.ForeignKey(
+        "accounts.Organization", null=True, blank=True, on_delete=models.PROTECT,
+        related_name="nodes", help_text="Whose own node it is; none: the shared fleet's.")
     gpu_type = models.ForeignKey(GPUType, null=True, blank=True, on_delete=models.PROTECT)
     devices = models.JSONField(default=list, help_text="[{index, name, memory_bytes}] per GPU")
     cpu_count = models.PositiveIntegerField()
@@ -268,6 +292,8 @@ class Endpoint(models.Model):
     region = models.ForeignKey(
         Region, null=True, blank=True, on_delete=models.PROTECT, related_name="endpoints",
         help_text="Its replicas run in this region only; none: in any.")
+    own_nodes_only = models.BooleanField(
+        default=False, help_text="Its replicas run on its organisation's own nodes only.")
     kv_cache_dtype = models.CharField(max_length=8, choices=KVCacheDtype.choices,
                                       default=KVCacheDtype.AUTO)
     prefix_caching = models.BooleanField(default=True)
@@ -482,8 +508,9 @@ class ReplicaInterval(models.Model):
     Written by the replica's state transitions in their own transaction (lifecycle): a
     transition opens the next phase's interval and closes the open one, which is then never
     changed again. At most one interval of a replica is open, so a transition delivered twice
-    records one. Endpoint, organisation and devices are copied from the endpoint when the
-    interval opens, as a ledger row keeps what was true then.
+    records one. Endpoint, organisation, devices and price region are copied from the
+    endpoint, and whether its node was the organisation's own, when the interval opens, as a
+    ledger row keeps what was true then.
     """
 
     replica = models.ForeignKey(Replica, on_delete=models.PROTECT, related_name="intervals")
@@ -492,6 +519,11 @@ class ReplicaInterval(models.Model):
                                      related_name="replica_intervals")
     gpu_type = models.ForeignKey(GPUType, on_delete=models.PROTECT, related_name="+")
     gpu_count = models.PositiveSmallIntegerField()
+    # What prices it: the region the endpoint requires, whose price was quoted (none: the
+    # GPU type's general price, wherever it ran), and whether the node was its own.
+    price_region = models.ForeignKey(Region, null=True, blank=True, on_delete=models.PROTECT,
+                                     related_name="+")
+    own_node = models.BooleanField(default=False)
     phase = models.CharField(max_length=10, choices=BilledPhase.choices)
     started_at = models.DateTimeField()
     ended_at = models.DateTimeField(null=True, blank=True,

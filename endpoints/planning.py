@@ -16,15 +16,8 @@ from django.conf import settings
 from django.core.exceptions import ValidationError
 from django.db.models import Q, QuerySet
 
-from endpoints.models import (
-    DEFAULT_CONTEXT_LENGTH,
-    AttentionKind,
-    GPUType,
-    ModelSpec,
-    NodeState,
-    Region,
-)
-from endpoints.scheduling import largest_share
+from endpoints.models import DEFAULT_CONTEXT_LENGTH, AttentionKind, GPUType, ModelSpec, NodeState
+from endpoints.scheduling import Placement, largest_share
 from endpoints.selectors import model_catalog
 from engine import sizing
 from engine.kv_policy import LMCACHE_LORA_REFUSAL, KVPolicy, refusals
@@ -58,11 +51,12 @@ def lora_shape_of(model: ModelSpec) -> LoraShape | None:
                      head_dim=model.head_dim, vocab_size=model.vocab_size)
 
 
-def accelerator_of(gpu: GPUType) -> sizing.Accelerator:
+def accelerator_of(gpu: GPUType, placement: Placement | None = None) -> sizing.Accelerator:
+    """`gpu` as sizing reads it, at its price in `placement` (by default, the general price)."""
     # A CPU node's "device memory" is the RAM kvrun may give one engine.
     memory = settings.KVRUN_CPU_ENGINE_MEMORY_BYTES if gpu.slug == CPU else gpu.memory_bytes
     return sizing.Accelerator(slug=gpu.slug, name=gpu.name, memory_bytes=memory,
-                              hourly_price=gpu.hourly_price_usd)
+                              hourly_price=(placement or Placement()).hourly_price(gpu))
 
 
 def weight_dtype_of(model: ModelSpec) -> str:
@@ -113,10 +107,7 @@ class Option:
     gpu_count: int
     max_concurrency: int
     online: bool
-
-    @property
-    def hourly_price(self) -> Decimal:
-        return self.gpu_type.hourly_price_usd * self.gpu_count
+    hourly_price: Decimal  # of all its GPUs
 
 
 @dataclass(frozen=True)
@@ -147,30 +138,32 @@ class Unfit(ValidationError):
         self.advice = advice
 
 
-def online_gpu_types(region: Region | None = None) -> QuerySet[GPUType]:
-    """Types of the nodes that take new replicas: online and not draining (in `region`,
-    where given)."""
-    nodes = Q(node__state=NodeState.ONLINE, node__draining=False)
-    if region is not None:
-        nodes &= Q(node__region=region)
+def online_gpu_types(placement: Placement) -> QuerySet[GPUType]:
+    """Types of the nodes in `placement` that take new replicas: online and not draining."""
+    nodes = placement.nodes("node__") & Q(node__state=NodeState.ONLINE, node__draining=False)
     return GPUType.objects.filter(nodes).distinct()
 
 
-def online_gpu_type_ids(region: Region | None = None) -> set[int]:
-    return set(online_gpu_types(region).values_list("id", flat=True))
+def online_gpu_type_ids(placement: Placement) -> set[int]:
+    return set(online_gpu_types(placement).values_list("id", flat=True))
 
 
-def region_refusals(*, region: Region | None, gpu_type: GPUType | None) -> dict[str, list[str]]:
-    """Why an endpoint cannot require `region` (on `gpu_type`, where chosen): nothing is
-    online there, or not that type. Empty where it can (or requires none)."""
-    if region is None:
+def placement_refusals(*, placement: Placement, gpu_type: GPUType | None
+                       ) -> dict[str, list[str]]:
+    """Why an endpoint cannot require `placement`'s region or its own nodes (on `gpu_type`,
+    where chosen): nothing is online there, or not that type. Empty where it can (or
+    requires neither)."""
+    if placement.region is None and not placement.own_nodes_only:
         return {}
-    here = list(online_gpu_types(region))
+    field = "region" if placement.region is not None else "own_nodes_only"
+    here = list(online_gpu_types(placement))
     if not here:
-        return {"region": [f"No node is online in {region.name} now; choose another region, "
-                           "or none to run in any."]}
+        other = ("choose another region, or none to run in any" if not placement.own_nodes_only
+                 else "enrol one (docs/operations.md, \"Your organisation's own nodes\"), or "
+                      "let it run on shared nodes too")
+        return {field: [f"No node is online{placement.where()} now; {other}."]}
     if gpu_type is not None and gpu_type not in here:
-        return {"gpu_type": [f"No {gpu_type.name} node is online in {region.name}; there: "
+        return {"gpu_type": [f"No {gpu_type.name} node is online{placement.where()}; there: "
                              + ", ".join(gpu.name for gpu in here) + "."]}
     return {}
 
@@ -178,15 +171,21 @@ def region_refusals(*, region: Region | None, gpu_type: GPUType | None) -> dict[
 def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dtype: str,
          gpu_type: GPUType | None = None, gpu_count: int | None = None,
          host_tier_gib: int = 0, disk_tier_gib: int = 0, lora_adapters: int = 0,
-         lora_max_rank: int = 0, region: Region | None = None) -> Plan:
-    """The hardware for an endpoint, chosen or checked, with its KV policy admitted; in
-    `region`, only what is online there. Raises ValidationError naming the field to change:
-    a region with nothing (or not the chosen type) online, a GPU count vLLM cannot split
+         lora_max_rank: int = 0, placement: Placement | None = None,
+         judge_placement: bool = True) -> Plan:
+    """The hardware for an endpoint, chosen or checked, with its KV policy admitted, priced
+    and judged for `placement` (by default the shared fleet, anywhere): only what is online
+    there. Raises ValidationError naming the field to change: a region (or own nodes) with
+    nothing (or not the chosen type) online, a GPU count vLLM cannot split
     the model over, a KV tier the chosen hardware's vLLM build cannot use (saying why), or
-    `Unfit` saying what would fit when the request fits nothing offered."""
-    if refused_region := region_refusals(region=region, gpu_type=gpu_type):
-        raise ValidationError(refused_region)
-    candidates = _candidate_types(gpu_type, region)
+    `Unfit` saying what would fit when the request fits nothing offered. `judge_placement`
+    False (a policy change of an endpoint whose hardware is decided) prices for `placement`
+    without asking that anything be online there now."""
+    placement = placement or Placement()
+    if judge_placement and (refused := placement_refusals(placement=placement,
+                                                          gpu_type=gpu_type)):
+        raise ValidationError(refused)
+    candidates = _candidate_types(gpu_type, placement)
     if not candidates:
         raise ValidationError({"gpu_type": ["The GPU catalog is empty; an operator loads it "
                                             "with `python manage.py load_catalogs`."]})
@@ -205,10 +204,10 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
     counts = (1,) if is_cpu else ((gpu_count,) if gpu_count else sizing.TP_SIZES)
     by_slug = {gpu.slug: gpu for gpu in candidates}
     decision = sizing.choose(shape_of(model), request,
-                             [accelerator_of(gpu) for gpu in candidates], counts)
+                             [accelerator_of(gpu, placement) for gpu in candidates], counts)
     if decision.choice is None:
         raise Unfit(_advice(model, request, candidates, gpu_type=gpu_type, gpu_count=gpu_count,
-                            region=region))
+                            placement=placement))
     choice = decision.choice
     chosen = by_slug[choice.accelerator.slug]
     policy = KVPolicy(kv_cache_dtype=kv_cache_dtype, host_tier_gib=host_tier_gib,
@@ -218,16 +217,15 @@ def plan(*, model: ModelSpec, context_length: int, concurrency: int, kv_cache_dt
         raise ValidationError({field: [f"{reason} (the plan: {choice.count} × {chosen.name})"]
                                for field, reason in refused.items()})
     return Plan(gpu_type=chosen, gpu_count=choice.count,
-                summary=_summary(model, request, decision, is_cpu, policy, region))
+                summary=_summary(model, request, decision, is_cpu, policy, placement))
 
 
 def check_tiers(*, host_tier_gib: int, disk_tier_gib: int, gpu_type: GPUType, gpu_count: int,
-                region: Region | None) -> None:
+                placement: Placement) -> None:
     """Raise ValidationError, saying the most there is, where KV tiers are more than any
-    node online gives a replica on `gpu_count` of `gpu_type` (in `region`, where given): its
-    GPUs' share of a node's host memory and disk. Nothing is judged where no such node is
-    online."""
-    largest = largest_share(gpu_type=gpu_type, gpu_count=gpu_count, region=region)
+    node online in `placement` gives a replica on `gpu_count` of `gpu_type`: its GPUs' share of
+    a node's host memory and disk. Nothing is judged where no such node is online."""
+    largest = largest_share(gpu_type=gpu_type, gpu_count=gpu_count, placement=placement)
     if largest is None:
         return
     found = {}
@@ -246,11 +244,12 @@ def check_tiers(*, host_tier_gib: int, disk_tier_gib: int, gpu_type: GPUType, gp
 
 
 def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str,
-            region: Region | None = None) -> list[Option]:
+            placement: Placement | None = None) -> list[Option]:
     """Every catalog GPU type (the CPU only where a CPU node is online) at the fewest GPUs
-    that hold one request of `context_length`, cheapest first; online: in `region`, where
-    given."""
-    online = online_gpu_type_ids(region)
+    that hold one request of `context_length`, cheapest first, priced and online in `placement`
+    (by default, the shared fleet anywhere)."""
+    placement = placement or Placement()
+    online = online_gpu_type_ids(placement)
     shape = shape_of(model)
     found = []
     for gpu in GPUType.objects.all():
@@ -261,21 +260,22 @@ def options(*, model: ModelSpec, context_length: int, kv_cache_dtype: str,
         for count in counts_for(gpu):
             if not sizing.valid_tp(shape, count):
                 continue
-            fit = sizing.evaluate(shape, request, accelerator_of(gpu), count)
+            fit = sizing.evaluate(shape, request, accelerator_of(gpu, placement), count)
             if fit.fits:
                 found.append(Option(gpu_type=gpu, gpu_count=count, online=gpu.id in online,
+                                    hourly_price=placement.hourly_price(gpu) * count,
                                     max_concurrency=sizing.largest_concurrency(shape, request,
                                                                                fit)))
                 break
     return sorted(found, key=lambda option: (option.hourly_price, -option.max_concurrency))
 
 
-def _candidate_types(gpu_type: GPUType | None, region: Region | None) -> list[GPUType]:
-    """The asked type; else the types on online nodes (in `region`, where given); else every
-    GPU type in the catalog."""
+def _candidate_types(gpu_type: GPUType | None, placement: Placement) -> list[GPUType]:
+    """The asked type; else the types on online nodes in `placement`; else every GPU type in
+    the catalog."""
     if gpu_type is not None:
         return [gpu_type]
-    present = list(online_gpu_types(region))
+    present = list(online_gpu_types(placement))
     gpus = [gpu for gpu in present if gpu.slug != CPU]
     if gpus:
         return gpus
@@ -285,19 +285,19 @@ def _candidate_types(gpu_type: GPUType | None, region: Region | None) -> list[GP
 
 
 def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType], *,
-            gpu_type: GPUType | None, gpu_count: int | None, region: Region | None) -> Advice:
+            gpu_type: GPUType | None, gpu_count: int | None, placement: Placement) -> Advice:
     shape = shape_of(model)
     weights = sizing.weight_bytes(shape, request.weight_dtype)
-    holder = _cheapest_holder(model, request, region)
+    holder = _cheapest_holder(model, request, placement)
     holder_text = _holder_text(holder, request)
     # What the asked hardware holds: at the asked count where there is one.
-    fits = [sizing.evaluate(shape, request, accelerator_of(gpu), count)
+    fits = [sizing.evaluate(shape, request, accelerator_of(gpu, placement), count)
             for gpu in candidates for count in counts_for(gpu)
             if sizing.valid_tp(shape, count) and gpu_count in (None, count)]
     best = max(fits, key=lambda fit: sizing.largest_concurrency(shape, request, fit)
                if fit.kv_available_per_gpu > 0 else -1, default=None)
     where = (gpu_type.name if gpu_type else "any GPU in the catalog"
-             if not online_gpu_type_ids(region) else "the hardware online (" + ", ".join(
+             if not online_gpu_type_ids(placement) else "the hardware online (" + ", ".join(
                  f"{gpu.name}: {sizing.gib_text(accelerator_of(gpu).memory_bytes)} per "
                  f"{'engine' if gpu.slug == CPU else 'GPU'}" for gpu in candidates) + ")")
     if best is None or sizing.largest_context(shape, request, best,
@@ -306,7 +306,7 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
         fitting = models_that_fit_online(models=model_catalog(),
                                          context_length=request.context_length,
                                          concurrency=request.concurrency,
-                                         kv_cache_dtype=request.kv_dtype, region=region)
+                                         kv_cache_dtype=request.kv_dtype, placement=placement)
         message = (f"{model.name}'s weights need {sizing.gb_text(weights)} "
                    f"({request.weight_dtype}), more than {where} can hold. {holder_text}")
         if fitting:
@@ -359,9 +359,9 @@ def largest_concurrency_on(*, model: ModelSpec, context_length: int, kv_cache_dt
 
 
 def _cheapest_holder(model: ModelSpec, request: sizing.Request,
-                     region: Region | None) -> Option | None:
-    """The cheapest GPUs in the whole catalog that hold the request, online (in `region`,
-    where given) or not."""
+                     placement: Placement) -> Option | None:
+    """The cheapest GPUs in the whole catalog that hold the request, online in `placement` or
+    not."""
     gpus = {gpu.slug: gpu for gpu in GPUType.objects.exclude(slug=CPU)}
     if not gpus:
         return None
@@ -369,12 +369,14 @@ def _cheapest_holder(model: ModelSpec, request: sizing.Request,
     on_gpu = request_for(model, context_length=request.context_length,
                          concurrency=request.concurrency, kv_cache_dtype=request.kv_dtype,
                          gpu=next(iter(gpus.values())))
-    choice = sizing.choose(shape, on_gpu, [accelerator_of(gpu) for gpu in gpus.values()]).choice
+    choice = sizing.choose(shape, on_gpu,
+                           [accelerator_of(gpu, placement) for gpu in gpus.values()]).choice
     if choice is None:
         return None
     gpu = gpus[choice.accelerator.slug]
     return Option(gpu_type=gpu, gpu_count=choice.count,
-                  online=gpu.id in online_gpu_type_ids(region),
+                  online=gpu.id in online_gpu_type_ids(placement),
+                  hourly_price=placement.hourly_price(gpu) * choice.count,
                   max_concurrency=sizing.largest_concurrency(shape, on_gpu, choice))
 
 
@@ -391,10 +393,11 @@ def _holder_text(holder: Option | None, request: sizing.Request) -> str:
 
 def models_that_fit_online(*, models: Iterable[ModelSpec], context_length: int,
                            concurrency: int, kv_cache_dtype: str,
-                           region: Region | None = None) -> list[ModelSpec]:
-    """Those of `models` that online hardware (in `region`, where given) holds at this
-    concurrency (at their own maximum context where the asked one is longer)."""
-    online = list(online_gpu_types(region))
+                           placement: Placement | None = None) -> list[ModelSpec]:
+    """Those of `models` that online hardware in `placement` (by default, the shared fleet)
+    holds at this concurrency (at their own maximum context where the asked one is
+    longer)."""
+    online = list(online_gpu_types(placement or Placement()))
     fitting = []
     for model in models:
         shape = shape_of(model)
@@ -409,7 +412,7 @@ def models_that_fit_online(*, models: Iterable[ModelSpec], context_length: int,
 
 
 def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decision,
-             is_cpu: bool, policy: KVPolicy, region: Region | None) -> dict[str, Any]:
+             is_cpu: bool, policy: KVPolicy, placement: Placement) -> dict[str, Any]:
     choice = decision.choice
     shape = shape_of(model)
     per_token = sizing.kv_bytes_per_token(shape, kv_dtype=request.kv_dtype, tp=choice.count)
@@ -441,18 +444,18 @@ def _summary(model: ModelSpec, request: sizing.Request, decision: sizing.Decisio
         "max_context_at_concurrency": sizing.largest_context(
             shape, request, choice, concurrency=request.concurrency),
         "cpu_kv_cache_bytes": kv_pool_bytes if is_cpu else None,
-        "alternatives": _alternatives(model, request, choice, region),
+        "alternatives": _alternatives(model, request, choice, placement),
     }
 
 
 def _alternatives(model: ModelSpec, request: sizing.Request, choice: sizing.Fit,
-                  region: Region | None) -> list[dict[str, Any]]:
+                  placement: Placement) -> list[dict[str, Any]]:
     """Other GPU types worth a look: the nearest cheaper ones (at a lower concurrency) and
     the nearest pricier ones that hold more; never the chosen type at a higher count."""
     shape = shape_of(model)
     chosen = sizing.largest_concurrency(shape, request, choice)
     others = [option for option in options(model=model, context_length=request.context_length,
-                                           kv_cache_dtype=request.kv_dtype, region=region)
+                                           kv_cache_dtype=request.kv_dtype, placement=placement)
               if option.gpu_type.slug != choice.accelerator.slug]
     cheaper = [option for option in others if option.hourly_price < choice.hourly_price][-2:]
     larger = [option for option in others if option.hourly_price > choice.hourly_price

@@ -1,15 +1,18 @@
-"""Placing replicas on nodes: the right GPU type (and region), enough free devices and room
-for their KV tiers, tightest fit first."""
+"""Placing replicas on nodes: the right GPU type, in the endpoint's placement (its region, and
+its organisation's own nodes or the shared fleet), enough free devices and room for their
+KV tiers; its own nodes first, then the tightest fit."""
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from decimal import Decimal
+from functools import cached_property
 from uuid import UUID
 
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Endpoint, GPUType, Node, NodeState, Region, Replica
+from endpoints.models import Endpoint, GPUType, Node, NodeState, Region, RegionalPrice, Replica
 from endpoints.states import HOLDING_DEVICES, ON_NODE, State
 from engine.sizing import CPU, GIB
 
@@ -17,6 +20,56 @@ from engine.sizing import CPU, GIB
 # agent's and its engines' own processes'. Of its disk, the model cache's budget is set
 # apart first.
 TIER_SHARE_OF_HOST_MEMORY = 0.75
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The nodes an endpoint's replicas may run on, and so the hardware it is sized and
+    priced for: the shared fleet and its organisation's own nodes (those alone where it
+    requires them), in its region where it requires one. Placement() is the shared fleet,
+    anywhere. Nobody's replicas run on another organisation's nodes."""
+
+    region: Region | None = None
+    organization_id: UUID | None = None
+    own_nodes_only: bool = False
+
+    @classmethod
+    def of(cls, endpoint: Endpoint) -> "Placement":
+        return cls(region=endpoint.region, organization_id=endpoint.organization_id,
+                   own_nodes_only=endpoint.own_nodes_only)
+
+    def nodes(self, prefix: str = "") -> Q:
+        """The condition on a node (through `prefix`, such as "node__") of being in placement."""
+        owner = f"{prefix}organization_id"
+        if self.own_nodes_only:
+            # Without an organisation (the public planner) there are no own nodes.
+            found = (Q(**{owner: self.organization_id}) if self.organization_id is not None
+                     else Q(pk__in=[]))
+        else:
+            found = Q(**{owner: None}) | Q(**{owner: self.organization_id})
+        if self.region is not None:
+            found &= Q(**{f"{prefix}region": self.region})
+        return found
+
+    def hourly_price(self, gpu: GPUType) -> Decimal:
+        """What one device of `gpu` is quoted per hour here: the own-node price where the
+        endpoint requires its own nodes, else its region's where the operator set one, else
+        the general one (billing keeps the three from its price versions)."""
+        if self.own_nodes_only:
+            return gpu.own_node_price_usd
+        return self._regional_prices.get(gpu.id, gpu.hourly_price_usd)
+
+    @cached_property
+    def _regional_prices(self) -> dict[int, Decimal]:
+        if self.region is None:
+            return {}
+        return dict(RegionalPrice.objects.filter(region=self.region)
+                    .values_list("gpu_type_id", "hourly_price_usd"))
+
+    def where(self) -> str:
+        """` in <region>` and ` on its own nodes`, as they apply, for a sentence."""
+        return ((f" in {self.region.name}" if self.region is not None else "")
+                + (" on its organisation's own nodes" if self.own_nodes_only else ""))
 
 
 @dataclass(frozen=True)
@@ -68,19 +121,18 @@ def tier_room_left(node: Node, held: Iterable[Replica]) -> Room:
                 disk_bytes=room.disk_bytes - sum(need.disk_bytes for need in taken))
 
 
-def nodes_taking_replicas(*, gpu_type: GPUType, region: Region | None) -> QuerySet[Node]:
-    """The nodes a new replica on `gpu_type` (in `region`, where given) may go to: online
-    and not draining."""
-    nodes = Node.objects.filter(state=NodeState.ONLINE, draining=False, gpu_type=gpu_type)
-    return nodes if region is None else nodes.filter(region=region)
+def nodes_taking_replicas(*, gpu_type: GPUType, placement: Placement) -> QuerySet[Node]:
+    """The nodes in `placement` a new replica on `gpu_type` may go to: online and not
+    draining."""
+    return Node.objects.filter(placement.nodes(), state=NodeState.ONLINE, draining=False,
+                               gpu_type=gpu_type)
 
 
-def largest_share(*, gpu_type: GPUType, gpu_count: int, region: Region | None) -> Room | None:
-    """The most any online node of `gpu_type` with `gpu_count` GPUs or more (in `region`,
-    where given) gives a replica on that many of them for its tiers; None when there is
-    none."""
+def largest_share(*, gpu_type: GPUType, gpu_count: int, placement: Placement) -> Room | None:
+    """The most any online node of `gpu_type` in `placement` with `gpu_count` GPUs or more
+    gives a replica on that many of them for its tiers; None when there is none."""
     shares = [share_of(node, gpu_count=gpu_count)
-              for node in nodes_taking_replicas(gpu_type=gpu_type, region=region)
+              for node in nodes_taking_replicas(gpu_type=gpu_type, placement=placement)
               if not node.devices or len(node.devices) >= gpu_count]
     if not shares:
         return None
@@ -109,11 +161,11 @@ def free_devices(node: Node, held: Iterable[Replica] | None = None) -> list[int]
 def do_place_replica(*, replica_id: UUID) -> Node | None:
     """Assign a pending replica to a node and its devices (pending → scheduling).
 
-    Only online nodes that are not draining take it, in the endpoint's region where it
-    requires one. A node whose model cache holds the
-    model's weights comes first (its start downloads nothing); then best fit: the node with
-    the fewest free devices that still hold the replica, so that large endpoints find whole
-    nodes later. CPU endpoints go to the least busy CPU node.
+    Only online nodes that are not draining take it, in the endpoint's placement (Placement). Its
+    organisation's own nodes come first (they are its own to fill), then a node whose model
+    cache holds the model's weights (its start downloads nothing); then best fit: the node
+    with the fewest free devices that still hold the replica, so that large endpoints find
+    whole nodes later. CPU endpoints go to the least busy CPU node.
     Node rows are locked while counting, so two reconcilers never hand out one device twice.
     Returns None, leaving the replica pending, when no node fits now.
     """
@@ -127,7 +179,7 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
         # A draining node is re-read once its lock is free, so a drain that marked it while
         # this waited keeps the replica off it.
         candidates = list(nodes_taking_replicas(gpu_type=endpoint.gpu_type,
-                                                region=endpoint.region)
+                                                placement=Placement.of(endpoint))
                           .select_for_update().order_by("name"))
         held = held_on(candidates)
         nodes = [node for node in candidates
@@ -135,16 +187,18 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
                  and tier_room_left(node, held[node.id]).holds(needs)]
         if endpoint.gpu_type.slug == CPU:
             ranked = sorted(nodes, key=lambda node: (
-                not node.holds_weights(endpoint.model),
+                node.organization_id is None, not node.holds_weights(endpoint.model),
                 sum(replica.state in ON_NODE for replica in held[node.id])))
             choice, devices = (ranked[0], []) if ranked else (None, [])
         else:
             fits = [(node, free) for node in nodes
                     if len(free := free_devices(node, held[node.id])) >= endpoint.gpu_count]
-            fits.sort(key=lambda pair: (not pair[0].holds_weights(endpoint.model), len(pair[1])))
+            fits.sort(key=lambda pair: (pair[0].organization_id is None,
+                                        not pair[0].holds_weights(endpoint.model), len(pair[1])))
             choice, devices = (fits[0][0], fits[0][1][: endpoint.gpu_count]) if fits else (None, [])
         if choice is None:
-            where = f" in {endpoint.region.slug}" if endpoint.region_id is not None else ""
+            where = ((" of its own" if endpoint.own_nodes_only else "")
+                     + (f" in {endpoint.region.slug}" if endpoint.region_id is not None else ""))
             tiers = " and KV room" if needs.host_bytes or needs.disk_bytes else ""
             Replica.objects.filter(id=replica_id, state=State.PENDING).update(
                 stage=f"waiting for a node{where} with {endpoint.gpu_count} free "

@@ -1,6 +1,7 @@
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
@@ -17,10 +18,12 @@ from endpoints.models import (
     Node,
     NodeState,
     Region,
+    RegionalPrice,
     Replica,
     ReplicaInterval,
     State,
 )
+from endpoints.scheduling import free_devices, held_on
 from engine.sizing import CPU
 from kvrun.common.sealing import unseal
 
@@ -80,18 +83,22 @@ def gpu_catalog() -> QuerySet[GPUType]:
     return GPUType.objects.all()
 
 
-def regions_online() -> QuerySet[Region]:
-    """The regions with a node that takes new replicas now: those an endpoint may require."""
-    return Region.objects.filter(nodes__state=NodeState.ONLINE,
-                                 nodes__draining=False).distinct()
+def regions_online(*, organization_id: UUID | None = None) -> QuerySet[Region]:
+    """The regions with a node that takes new replicas now, shared or the organisation's own:
+    those its endpoints may require."""
+    return Region.objects.filter(
+        Q(nodes__organization=None) | Q(nodes__organization_id=organization_id),
+        nodes__state=NodeState.ONLINE, nodes__draining=False).distinct()
 
 
 def regions() -> QuerySet[Region]:
-    """The regions, each with its nodes that take new replicas now (online, not draining)
-    and their GPU types."""
-    return Region.objects.prefetch_related(Prefetch(
-        "nodes", queryset=Node.objects.filter(state=NodeState.ONLINE, draining=False,
-                                              gpu_type__isnull=False).select_related("gpu_type")))
+    """The regions, each with its shared nodes that take new replicas now (online, not
+    draining) and their GPU types, and its own prices where an operator set them."""
+    return Region.objects.prefetch_related(
+        Prefetch("nodes", queryset=Node.objects.filter(
+            state=NodeState.ONLINE, draining=False, organization=None,
+            gpu_type__isnull=False).select_related("gpu_type")),
+        Prefetch("prices", queryset=RegionalPrice.objects.select_related("gpu_type")))
 
 
 def gpu_type_for_device(*, device_name: str, memory_bytes: int) -> GPUType | None:
@@ -235,3 +242,22 @@ def replica_timeline(*, endpoint_id: UUID, since: datetime, until: datetime
         counts.update(changes[moment])  # adds, negative counts included
         timeline.append((moment, +counts))
     return timeline
+
+
+@dataclass(frozen=True)
+class OwnNode:
+    """One of an organisation's own nodes as its members see it: its replicas there now,
+    with their endpoints, and how many of its GPUs no replica holds."""
+
+    node: Node
+    engines: list[Replica]
+    free_devices: int
+
+
+def own_nodes_of(*, organization: Organization) -> list[OwnNode]:
+    """The organisation's own nodes, by name, with their engines."""
+    nodes = list(Node.objects.filter(organization=organization)
+                 .select_related("gpu_type", "region"))
+    held = held_on(nodes)
+    return [OwnNode(node=node, engines=held[node.id],
+                    free_devices=len(free_devices(node, held[node.id]))) for node in nodes]

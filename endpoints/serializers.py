@@ -81,11 +81,16 @@ class AdapterInput(AdapterNameInput, HubModelInput):
     """A LoRA adapter by its hub id."""
 
 
+@extend_schema_field({"type": "string", "format": "binary", "minLength": 1})
+class NonEmptyFileField(serializers.FileField):
+    """A file upload, refused when empty (FileField's default), as its schema says."""
+
+
 class AdapterUploadInput(AdapterNameInput):
     """A LoRA adapter's two files, as a multipart upload."""
 
-    config = serializers.FileField(help_text="adapter_config.json")
-    weights = serializers.FileField(help_text="adapter_model.safetensors")
+    config = NonEmptyFileField(help_text="adapter_config.json")
+    weights = NonEmptyFileField(help_text="adapter_model.safetensors")
 
 
 class AdapterSerializer(serializers.ModelSerializer):
@@ -119,14 +124,21 @@ class GPUTypeSerializer(serializers.ModelSerializer):
 
 class RegionSerializer(serializers.ModelSerializer):
     online_gpu_types = serializers.SerializerMethodField(
-        help_text="The GPU types of its nodes that take new replicas now.")
+        help_text="The GPU types of its shared nodes that take new replicas now.")
+    hourly_prices_usd = serializers.SerializerMethodField(
+        help_text="Per device-hour, by GPU type, where the region's price differs from the "
+                  "GPU type's general price; endpoints requiring the region pay it.")
 
     class Meta:
         model = Region
-        fields = ["slug", "name", "online_gpu_types"]
+        fields = ["slug", "name", "online_gpu_types", "hourly_prices_usd"]
 
     def get_online_gpu_types(self, region: Region) -> list[str]:
         return sorted({node.gpu_type.slug for node in region.nodes.all()})
+
+    def get_hourly_prices_usd(self, region: Region) -> dict[str, str]:
+        return {price.gpu_type.slug: str(price.hourly_price_usd)
+                for price in region.prices.all()}
 
 
 class ReplicaSerializer(serializers.ModelSerializer):
@@ -149,9 +161,9 @@ class EndpointSerializer(serializers.ModelSerializer):
     class Meta:
         model = Endpoint
         fields = ["id", "name", "model", "context_length", "concurrency", "gpu_type", "gpu_count",
-                  "region", "kv_cache_dtype", "prefix_caching", "host_tier_gib", "disk_tier_gib",
-                  "lora_adapters", "lora_max_rank", "lora_host_adapters", "cache_isolation",
-                  "prefix_affinity", "policy_version", "min_replicas",
+                  "region", "own_nodes_only", "kv_cache_dtype", "prefix_caching", "host_tier_gib",
+                  "disk_tier_gib", "lora_adapters", "lora_max_rank", "lora_host_adapters",
+                  "cache_isolation", "prefix_affinity", "policy_version", "min_replicas",
                   "max_replicas", "scale_to_zero_after_seconds", "scaling_metric",
                   "scaling_target", "scale_up_window_seconds", "scale_down_window_seconds",
                   "last_scaled_at", "desired_replicas", "desired_state", "state", "failure_reason",
@@ -209,6 +221,10 @@ class SizingInput(StrictSerializer):
         help_text="Run only in this region, sized for what is online there; null: any.",
         error_messages={"does_not_exist": "Unknown region {value!r}; GET /api/v1/regions/ "
                                           "lists them."})
+    own_nodes_only = serializers.BooleanField(
+        default=False, help_text="Run only on the organisation's own nodes, sized and priced "
+                                 "for what is online there; false: its own nodes first, then "
+                                 "shared ones.")
     kv_cache_dtype = serializers.ChoiceField(choices=KVCacheDtype.choices, default="auto")
     host_tier_gib = serializers.IntegerField(
         default=0, min_value=0, max_value=MAX_HOST_TIER_GIB,

@@ -19,6 +19,7 @@ from fleet.enrolment import (
     do_ask_rotation,
     do_create_join_token,
     do_revoke_node,
+    owner_refusal,
 )
 from fleet.models import JoinToken, NodeCredential
 
@@ -36,24 +37,29 @@ class JoinTokenForm(forms.ModelForm):
 
     class Meta:
         model = JoinToken
-        fields = ["node_name", "region"]
+        fields = ["node_name", "region", "organization"]
         help_texts = {"region": "Where the node is: endpoints that require a region run on "
-                                "its nodes alone. The node cannot change it."}
+                                "its nodes alone. The node cannot change it.",
+                      "organization": "Whose own node it is: only that organisation's "
+                                      "endpoints run there. Empty: a shared node."}
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
         if cleaned.get("zone") and not cleaned.get("region"):
             self.add_error("zone", "A zone is within a region: choose the region too.")
+        if cleaned.get("node_name") and (refusal := owner_refusal(
+                node_name=cleaned["node_name"], organization=cleaned.get("organization"))):
+            self.add_error("node_name", f"{refusal[0].upper()}{refusal[1:]}.")
         return cleaned
 
 
 @admin.register(JoinToken)
 class JoinTokenAdmin(admin.ModelAdmin):
-    list_display = ["node_name", "region", "zone", "created_at", "expires_at", "used_at",
-                    "created_by"]
+    list_display = ["node_name", "region", "zone", "organization", "created_at", "expires_at",
+                    "used_at", "created_by"]
     search_fields = ["node_name"]
     form = JoinTokenForm
-    fields = ["node_name", "region", "zone", "minutes"]
+    fields = ["node_name", "region", "zone", "organization", "minutes"]
 
     def has_change_permission(self, request: HttpRequest, obj: object = None) -> bool:
         return False
@@ -63,6 +69,7 @@ class JoinTokenAdmin(admin.ModelAdmin):
             node_name=form.cleaned_data["node_name"],
             valid_for=timedelta(minutes=form.cleaned_data["minutes"]),
             region=form.cleaned_data["region"], zone=form.cleaned_data["zone"] or "",
+            organization=form.cleaned_data["organization"],
             created_by=request.user if isinstance(request.user, User) else None)
         obj.pk = token.pk
         self.message_user(request, (

@@ -11,10 +11,11 @@ import secrets
 from collections.abc import Collection
 from datetime import timedelta
 
+from django.core.exceptions import PermissionDenied
 from django.db import transaction
 from django.utils import timezone
 
-from accounts.models import User
+from accounts.models import Organization, Role, User
 from endpoints.dispatch import reconcile_after_commit
 from endpoints.lifecycle import do_transition_replica
 from endpoints.models import Endpoint, Node, NodeState, Region, Replica
@@ -53,11 +54,13 @@ def _new_secret(prefix: str) -> str:
 
 def do_create_join_token(*, node_name: str, valid_for: timedelta = JOIN_TOKEN_LIFETIME,
                          region: Region | None = None, zone: str = "",
+                         organization: Organization | None = None,
                          created_by: User | None = None) -> tuple[JoinToken, str]:
     """A join token for the node `node_name` (a host name: letters, digits, `.`, `_`, `-`),
-    valid for `valid_for` (at most a day), in `region` and `zone` (the node takes them when
-    it enrols; None and "": none). Returns the row and the secret, which is shown once and
-    stored nowhere. Raises ValueError for a bad name, zone or lifetime."""
+    valid for `valid_for` (at most a day), in `region` and `zone`, and `organization`'s own
+    (the node takes them when it enrols; None and "": none, a shared node). Returns the row
+    and the secret, which is shown once and stored nowhere. Raises ValueError for a bad
+    name, zone or lifetime, or a name that a node of another owner has."""
     if not NODE_NAME.fullmatch(node_name):
         raise ValueError(f"{node_name!r} is not a node name: use up to 100 letters, digits, "
                          "'.', '_' or '-', starting with a letter or digit")
@@ -66,12 +69,28 @@ def do_create_join_token(*, node_name: str, valid_for: timedelta = JOIN_TOKEN_LI
     if zone and (region is None or not ZONE_NAME.fullmatch(zone)):
         raise ValueError(f"{zone!r} is not a zone: a zone is within a region, named by up to "
                          "40 letters, digits or '-'")
+    if refusal := owner_refusal(node_name=node_name, organization=organization):
+        raise ValueError(refusal)
     secret = _new_secret(JOIN_TOKEN_PREFIX)
     now = timezone.now()
     token = JoinToken.objects.create(node_name=node_name, digest=secret_digest(secret),
                                      created_at=now, expires_at=now + valid_for,
-                                     region=region, zone=zone, created_by=created_by)
+                                     region=region, zone=zone, organization=organization,
+                                     created_by=created_by)
     return token, secret
+
+
+def do_create_own_node_token(*, organization: Organization, actor_role: str | None,
+                             created_by: User, node_name: str, region: Region | None = None,
+                             zone: str = "") -> tuple[JoinToken, str]:
+    """A join token for a node of `organization`'s own, made by one of its owners: as
+    do_create_join_token, for JOIN_TOKEN_LIFETIME. Raises PermissionDenied for anyone but
+    an owner, ValueError as do_create_join_token."""
+    if actor_role != Role.OWNER:
+        raise PermissionDenied("Only owners can enrol the organisation's own nodes; ask one "
+                               "of them.")
+    return do_create_join_token(node_name=node_name, region=region, zone=zone,
+                                organization=organization, created_by=created_by)
 
 
 def do_enrol_node(*, join_token: str, name: str, resources: HostResources, address: str,
@@ -97,19 +116,35 @@ def do_enrol_node(*, join_token: str, name: str, resources: HostResources, addre
             raise EnrolmentRefused(
                 "This join token is unknown, used or expired; ask an operator for a new one "
                 "(manage.py node_join_token NAME, or the console's join tokens).")
-        token = JoinToken.objects.get(digest=digest)
+        token = JoinToken.objects.select_related("organization").get(digest=digest)
+        # Checked again here: the name may have been taken since the token was made.
+        if refusal := owner_refusal(node_name=name, organization=token.organization):
+            raise EnrolmentRefused(f"{refusal}.")
         revoked = Node.objects.filter(name=token.node_name, state=NodeState.REVOKED)
         revoked.update(state=NodeState.LOST)  # let back by this token; registered below
         node = do_register_node(name=token.node_name, resources=resources, address=address,
                                 model_cache_bytes=model_cache_bytes)
-        Node.objects.filter(id=node.id).update(region=token.region, zone=token.zone)
+        Node.objects.filter(id=node.id).update(region=token.region, zone=token.zone,
+                                               organization=token.organization)
         node.region, node.zone = token.region, token.zone
+        node.organization = token.organization
         # The node's row is held from here (registering locked it): two enrolments of one
         # name at once leave one live credential, the last.
         NodeCredential.objects.filter(node=node, revoked_at=None).update(revoked_at=now)
         secret = _new_secret(CREDENTIAL_PREFIX)
         NodeCredential.objects.create(node=node, digest=secret_digest(secret), created_at=now)
     return node, secret
+
+
+def owner_refusal(*, node_name: str, organization: Organization | None) -> str | None:
+    """Why a token of `organization` (None: the shared fleet) cannot enrol `node_name`: a
+    node of that name belongs to another owner, and enrolling it would take it over."""
+    owner = Node.objects.filter(name=node_name).values_list("organization_id", flat=True)
+    if not owner.exists() or owner.first() == (organization.id if organization else None):
+        return None
+    return (f"a node named {node_name} exists and is not "
+            + (f"{organization.name}'s" if organization else "a shared node")
+            + "; choose another name")
 
 
 def do_use_node_credential(*, secret: str) -> Node | None:

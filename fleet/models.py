@@ -17,6 +17,9 @@ class JoinToken(models.Model):
     region = models.ForeignKey(Region, null=True, blank=True, on_delete=models.PROTECT,
                                related_name="+")
     zone = models.CharField(max_length=40, blank=True)
+    # Made by an organisation's owner: the node is that organisation's own.
+    organization = models.ForeignKey("accounts.Organization", null=True, blank=True,
+                                     on_delete=models.CASCADE, related_name="+")
     digest = models.CharField(max_length=64, unique=True, editable=False)
     created_at = models.DateTimeField(default=timezone.now)
     created_by = models.ForeignKey(settings.AUTH_USER_MODEL, null=True, blank=True,

@@ -36,8 +36,10 @@ from endpoints.models import (
     Region,
     ScalingMetric,
 )
+from endpoints.scheduling import Placement
 from endpoints.selectors import models_visible_to, regions_online
 from endpoints.services import idle_time_refusal
+from fleet.enrolment import NODE_NAME, ZONE_NAME
 
 
 class APIKeyForm(forms.Form):
@@ -88,6 +90,27 @@ class InviteForm(forms.Form):
                              help_text="Only someone signed in with this address can accept "
                                        "the link (kvrun sends no mail); empty: anyone who has it.")
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
+
+
+class OwnNodeForm(forms.Form):
+    """A join token for a node of the organisation's own."""
+
+    node_name = forms.RegexField(
+        regex=rf"\A{NODE_NAME.pattern}\Z", max_length=100, label="Node name",
+        help_text="The host's name: letters, digits, '.', '_' or '-'.",
+        error_messages={"invalid": "Use up to 100 letters, digits, '.', '_' or '-', starting "
+                                   "with a letter or digit."})
+    region = forms.ModelChoiceField(queryset=Region.objects.all(), to_field_name="slug",
+                                    required=False, empty_label="No region",
+                                    help_text="Where the host is; the node cannot change it.")
+    zone = forms.RegexField(regex=rf"\A{ZONE_NAME.pattern}\Z", max_length=40, required=False,
+                            help_text="Its zone within the region, if any.")
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if cleaned.get("zone") and not cleaned.get("region"):
+            self.add_error("zone", "A zone is within a region: choose the region too.")
+        return cleaned
 
 
 class HubModelForm(forms.Form):
@@ -171,6 +194,9 @@ class SizingForm(forms.Form):
         help_text="Its replicas run there alone, on the hardware online there.",
         error_messages={"invalid_choice": "No node is online in that region now; choose "
                                           "another, or any."})
+    own_nodes_only = forms.BooleanField(
+        required=False, label="On our own nodes only",
+        help_text="Otherwise it runs on your own nodes first, then on shared ones.")
     host_tier_gib = forms.IntegerField(
         min_value=0, max_value=MAX_HOST_TIER_GIB, initial=0, required=False,
         label="Host-memory KV tier (GiB per replica)",
@@ -195,7 +221,16 @@ class SizingForm(forms.Form):
         super().__init__(*args, **kwargs)
         # The public catalog and the organisation's own models; nobody else's.
         self.fields["model"].queryset = models_visible_to(organization=organization)
-        self.fields["region"].queryset = regions_online()
+        self.fields["region"].queryset = regions_online(organization_id=organization.id)
+        self.organization = organization
+        if not organization.nodes.exists():  # offered to organisations with nodes of their own
+            del self.fields["own_nodes_only"]
+
+    def placement(self) -> Placement:
+        """Where, by the form's cleaned data, the endpoint would run."""
+        return Placement(region=self.cleaned_data["region"],
+                         organization_id=self.organization.id,
+                         own_nodes_only=self.cleaned_data.get("own_nodes_only", False))
 
     def clean_host_tier_gib(self) -> int:
         return self.cleaned_data["host_tier_gib"] or 0

@@ -1,7 +1,17 @@
 from django.urls import path
 
 from billing.urls import MonthConverter  # noqa: F401  registers <month:...>
-from front.views import adapters, billing, endpoints, keys, kv, organization, playground, wizard
+from front.views import (
+    adapters,
+    billing,
+    endpoints,
+    keys,
+    kv,
+    nodes,
+    organization,
+    playground,
+    wizard,
+)
 
 urlpatterns = [
     path("", endpoints.home, name="dashboard"),
@@ -60,6 +70,9 @@ urlpatterns = [
     path("orgs/<slug:org_slug>/keys/<uuid:key_id>/revoke/", keys.revoke_api_key,
          name="api-key-revoke"),
     path("orgs/<slug:org_slug>/members/", organization.organization, name="organization"),
+    path("orgs/<slug:org_slug>/nodes/", nodes.own_nodes, name="own-nodes"),
+    path("orgs/<slug:org_slug>/nodes/token/", nodes.create_own_node_token,
+         name="own-node-token"),
     path("orgs/<slug:org_slug>/invites/", organization.create_invite, name="invite-create"),
     path("orgs/<slug:org_slug>/members/<int:user_id>/role/", organization.change_role,
          name="member-role"),

@@ -25,6 +25,7 @@ from django.db import IntegrityError, transaction
 
 from endpoints import planning
 from endpoints.models import MAX_REPLICAS_PER_ENDPOINT, Endpoint, EndpointEvent
+from endpoints.scheduling import Placement
 from engine.sizing import CPU
 from telemetry import selectors
 from telemetry.models import Advice, AdviceKind
@@ -89,7 +90,8 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
         ways.append(f"another replica: {held * (endpoint.desired_replicas + 1):,} at once in all, "
                     f"for ${endpoint.hourly_price_usd:.2f}/h more")
     larger = next((option for option in planning.options(
-        model=endpoint.model, context_length=context, kv_cache_dtype=endpoint.kv_cache_dtype)
+        model=endpoint.model, context_length=context, kv_cache_dtype=endpoint.kv_cache_dtype,
+        placement=Placement.of(endpoint))
         if option.max_concurrency > held and option.gpu_type.slug != CPU), None)
     if larger is not None and larger.gpu_type != endpoint.gpu_type:
         ways.append(f"{larger.gpu_count} × {larger.gpu_type.name}: {larger.max_concurrency:,} at "
@@ -138,10 +140,12 @@ def _context_oversized(endpoint: Endpoint, *, now: datetime) -> Finding | None:
     try:
         cheaper = planning.plan(model=endpoint.model, context_length=suggested,
                                 concurrency=endpoint.concurrency,
-                                kv_cache_dtype=endpoint.kv_cache_dtype)
+                                kv_cache_dtype=endpoint.kv_cache_dtype,
+                                placement=Placement.of(endpoint))
     except ValidationError:
         cheaper = None
-    price = cheaper.gpu_type.hourly_price_usd * cheaper.gpu_count if cheaper else None
+    price = (Placement.of(endpoint).hourly_price(cheaper.gpu_type) * cheaper.gpu_count
+             if cheaper else None)
     if price is not None and price < endpoint.hourly_price_usd:
         message += (f" Or, as a new endpoint, {cheaper.gpu_count} × {cheaper.gpu_type.name} at "
                     f"${price:.2f}/h instead of ${endpoint.hourly_price_usd:.2f}/h.")
@@ -182,7 +186,7 @@ def _tier_fits(endpoint: Endpoint) -> bool:
     try:
         planning.check_tiers(host_tier_gib=HOST_TIER_GIB, disk_tier_gib=endpoint.disk_tier_gib,
                              gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count,
-                             region=endpoint.region)
+                             placement=Placement.of(endpoint))
     except ValidationError:
         return False
     return True

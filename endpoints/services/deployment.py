@@ -27,6 +27,7 @@ from endpoints.models import (
 )
 from endpoints.planning import check_tiers, lora_refusal, plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
+from endpoints.scheduling import Placement
 from endpoints.services.quota import hold_quota
 from endpoints.services.scaling import scaling_errors
 from endpoints.states import ASKED_FOR
@@ -69,10 +70,12 @@ def do_create_endpoint(
     *, organization: Organization, actor_role: str | None, created_by: User | None, name: str,
     model: ModelSpec, policy: EndpointPolicy, scaling: EndpointScaling | None = None,
     gpu_type: GPUType | None = None, gpu_count: int | None = None, region: Region | None = None,
+    own_nodes_only: bool = False,
 ) -> Endpoint:
     """Size and create an endpoint that should run; the reconciler starts its replicas, one
     at least (a fewest of 0 lets it scale to zero once idle). Without `scaling`, one replica
-    always. With `region`, its replicas run there alone, sized for what is online there.
+    always. With `region`, its replicas run there alone, and with `own_nodes_only` on its
+    organisation's own nodes alone, sized and priced for what is online there.
 
     Raises ValidationError naming the field to change: a name that does not start with a
     letter, a context above the model's maximum, scaling settings out of range (as
@@ -97,13 +100,15 @@ def do_create_endpoint(
     errors.update(lora_refusals(model=model, policy=policy))
     if errors:
         raise ValidationError(errors)
+    placement = Placement(region=region, organization_id=organization.id,
+                          own_nodes_only=own_nodes_only)
     decided = plan(model=model, context_length=policy.context_length,
                    concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
                    gpu_type=gpu_type, gpu_count=gpu_count, host_tier_gib=policy.host_tier_gib,
                    disk_tier_gib=policy.disk_tier_gib, lora_adapters=policy.lora_adapters,
-                   lora_max_rank=policy.lora_max_rank, region=region)
+                   lora_max_rank=policy.lora_max_rank, placement=placement)
     check_tiers(host_tier_gib=policy.host_tier_gib, disk_tier_gib=policy.disk_tier_gib,
-                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, region=region)
+                gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, placement=placement)
     try:
         with transaction.atomic():
             hold_quota(organization_id=organization.id, new_endpoint=True,
@@ -112,11 +117,12 @@ def do_create_endpoint(
             endpoint = Endpoint.objects.create(
                 organization=organization, name=name, model=model,
                 gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, region=region,
+                own_nodes_only=own_nodes_only,
                 **policy.as_fields(), **scaling.as_fields(),
                 # One replica to begin with, even where the endpoint may scale to zero: it
                 # was created to be used.
                 desired_replicas=max(1, scaling.min_replicas), sizing=decided.summary,
-                hourly_price_usd=decided.gpu_type.hourly_price_usd * decided.gpu_count,
+                hourly_price_usd=placement.hourly_price(decided.gpu_type) * decided.gpu_count,
                 created_by=created_by,
             )
             EndpointEvent.objects.create(endpoint=endpoint, state=State.PENDING,

@@ -11,6 +11,7 @@ from endpoints.dispatch import reconcile_after_commit
 from endpoints.models import Adapter, Endpoint, EndpointEvent
 from endpoints.planning import check_tiers, plan
 from endpoints.policies import EndpointPolicy
+from endpoints.scheduling import Placement
 from endpoints.services.deployment import context_length_refusal, lora_refusals
 
 
@@ -44,12 +45,13 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
                        concurrency=policy.concurrency, kv_cache_dtype=policy.kv_cache_dtype,
                        gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
                        host_tier_gib=policy.host_tier_gib, disk_tier_gib=policy.disk_tier_gib,
-                       lora_adapters=policy.lora_adapters, lora_max_rank=policy.lora_max_rank)
+                       lora_adapters=policy.lora_adapters, lora_max_rank=policy.lora_max_rank,
+                       placement=Placement.of(locked), judge_placement=False)
         if (policy.host_tier_gib > locked.host_tier_gib
                 or policy.disk_tier_gib > locked.disk_tier_gib):  # judged only as they grow
             check_tiers(host_tier_gib=policy.host_tier_gib, disk_tier_gib=policy.disk_tier_gib,
                         gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
-                        region=locked.region)
+                        placement=Placement.of(locked))
         wanted = policy.as_fields()
         changed = [name for name, value in wanted.items() if value != getattr(locked, name)]
         if not changed:

@@ -57,7 +57,8 @@ def new_endpoint(request: HttpRequest, org_slug: str) -> HttpResponse:
         endpoint = services.do_create_endpoint(
             organization=member.organization, actor_role=member.role, created_by=request.user,
             name=data["name"], model=data["model"], gpu_type=data["gpu_type"],
-            region=data["region"], policy=EndpointPolicy.from_values(data),
+            region=data["region"], own_nodes_only=data.get("own_nodes_only", False),
+            policy=EndpointPolicy.from_values(data),
             scaling=EndpointScaling.from_values(data))
     except ValidationError as exc:  # Unfit included: the sizing panel shows its advice
         add_service_errors(form, exc)
@@ -173,14 +174,14 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
     if data["context_length"] > model.max_context:
         return {"sizing_form": form, "too_long": model.max_context}
     try:
-        decided = planning.plan(**asked, gpu_type=data["gpu_type"], region=data["region"],
+        decided = planning.plan(**asked, gpu_type=data["gpu_type"], placement=form.placement(),
                                 host_tier_gib=data["host_tier_gib"],
                                 disk_tier_gib=data["disk_tier_gib"],
                                 lora_adapters=data["lora_adapters"],
                                 lora_max_rank=data["lora_max_rank"])
         planning.check_tiers(host_tier_gib=data["host_tier_gib"],
                              disk_tier_gib=data["disk_tier_gib"], gpu_type=decided.gpu_type,
-                             gpu_count=decided.gpu_count, region=data["region"])
+                             gpu_count=decided.gpu_count, placement=form.placement())
     except planning.Unfit as exc:
         return {"sizing_form": form, "advice": exc.advice}
     except ValidationError as exc:  # a KV tier the hardware's engine cannot use, a region

@@ -13,7 +13,7 @@ from endpoints.models import Endpoint, GPUType, ModelSpec, Node, NodeState, Regi
 from endpoints.planning import plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.reconciler import reconcile_endpoint
-from endpoints.scheduling import Room, needs_of
+from endpoints.scheduling import Placement, Room, needs_of
 from endpoints.services import (
     do_create_endpoint,
     do_load_catalogs,
@@ -130,15 +130,16 @@ def test_sizing_in_a_region_counts_only_what_is_online_there(eu: Region, us: Reg
     model = ModelSpec.objects.get(slug="llama-3.1-8b-instruct")
     asked = {"model": model, "context_length": 8192, "concurrency": 8, "kv_cache_dtype": "auto"}
 
-    assert plan(**asked, region=eu).gpu_type.slug == "a100-80gb"
-    assert plan(**asked, region=us).gpu_type.slug == "h100-80gb"
+    assert plan(**asked, placement=Placement(region=eu)).gpu_type.slug == "a100-80gb"
+    assert plan(**asked, placement=Placement(region=us)).gpu_type.slug == "h100-80gb"
     with pytest.raises(ValidationError) as refused:
-        plan(**asked, region=eu, gpu_type=GPUType.objects.get(slug="h100-80gb"))
+        plan(**asked, placement=Placement(region=eu),
+             gpu_type=GPUType.objects.get(slug="h100-80gb"))
     assert refused.value.message_dict == {"gpu_type": [
         "No NVIDIA H100 80 GB node is online in EU West; there: NVIDIA A100 80 GB."]}
     empty = Region.objects.create(slug="ap-south", name="AP South")
     with pytest.raises(ValidationError) as nothing:
-        plan(**asked, region=empty)
+        plan(**asked, placement=Placement(region=empty))
     assert nothing.value.message_dict == {"region": [
         "No node is online in AP South now; choose another region, or none to run in any."]}
 
@@ -151,9 +152,11 @@ def test_the_api_lists_regions_and_creates_an_endpoint_in_one(
 
     listed = owner_api.get("/api/v1/regions/").json()["results"]
     assert listed == [
-        {"slug": "ap-south", "name": "AP South", "online_gpu_types": []},
-        {"slug": "eu-west", "name": "EU West", "online_gpu_types": ["a100-80gb"]},
-        {"slug": "us-east", "name": "US East", "online_gpu_types": ["h100-80gb"]}]
+        {"slug": "ap-south", "name": "AP South", "online_gpu_types": [], "hourly_prices_usd": {}},
+        {"slug": "eu-west", "name": "EU West", "online_gpu_types": ["a100-80gb"],
+         "hourly_prices_usd": {}},
+        {"slug": "us-east", "name": "US East", "online_gpu_types": ["h100-80gb"],
+         "hourly_prices_usd": {}}]
     body = {"name": "chat", "model": "llama-3.1-8b-instruct", "context_length": 8192,
             "concurrency": 8}
 

@@ -2,6 +2,7 @@ from datetime import timedelta
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
+from accounts.models import Organization
 from endpoints.models import Region
 from fleet.enrolment import JOIN_TOKEN_LIFETIME, do_create_join_token
 
@@ -19,9 +20,15 @@ class Command(BaseCommand):
                             help="The slug of the region the node is in (the console's "
                                  "regions); none by default.")
         parser.add_argument("--zone", default="", help="Its zone within the region.")
+        parser.add_argument("--organization", default="",
+                            help="The slug of the organisation whose own node it is (only its "
+                                 "endpoints run there); none by default: a shared node.")
 
     def handle(self, *args: object, name: str, minutes: float, region: str, zone: str,
-               **options: object) -> None:
+               organization: str, **options: object) -> None:
+        owner = Organization.objects.filter(slug=organization).first() if organization else None
+        if organization and owner is None:
+            raise CommandError(f"No organisation {organization!r}.")
         found = Region.objects.filter(slug=region).first() if region else None
         if region and found is None:
             known = ", ".join(Region.objects.values_list("slug", flat=True)) or "none yet"
@@ -29,6 +36,7 @@ class Command(BaseCommand):
                                "regions in the console.")
         try:
             token, secret = do_create_join_token(node_name=name, region=found, zone=zone,
+                                                 organization=owner,
                                                  valid_for=timedelta(minutes=minutes))
         except ValueError as exc:
             raise CommandError(str(exc)) from exc
