@@ -1,0 +1,127 @@
+"""Prices by where an endpoint runs: a region's own price for endpoints that require the
+region, the general price for the rest wherever they run, and the operator's own-node price
+(nothing by default) for GPU time on an organisation's own nodes. Each is a version, quoted
+as billed."""
+
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+
+import pytest
+import time_machine
+from django.core.exceptions import ValidationError
+from django.utils import timezone
+
+from accounts.models import Organization
+from billing.invoicing import draft_lines
+from billing.models import GPUPrice, Invoice
+from billing.rollup import do_quote_prices_in_effect, hour_of
+from endpoints.models import Endpoint, GPUType, Node, Region, RegionalPrice
+from tests.billing.helpers import finalize_at, ready_for
+
+JAN = date(2026, 1, 1)
+FEB_1 = datetime(2026, 2, 1, tzinfo=UTC)
+SINCE_2025 = datetime(2025, 1, 1, tzinfo=UTC)
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def eu() -> Region:
+    return Region.objects.create(slug="eu-west", name="EU West")
+
+
+def gpu_lines(month: date, organization: Organization) -> list[tuple]:
+    return [(line.description, line.quantity, line.unit_price_usd, line.amount_cents)
+            for line in draft_lines(organization_id=organization.id, month=month)
+            if "ready" in line.description]
+
+
+def test_an_endpoint_requiring_a_region_pays_its_price_and_the_rest_the_general_one(
+        cpu_endpoint: Endpoint, cpu_node: Node, eu: Region, org: Organization) -> None:
+    cpu = GPUType.objects.get(slug="cpu")
+    GPUPrice.objects.create(gpu_type=cpu, region=eu, hourly_price_usd=Decimal("0.6"),
+                            effective_from=datetime(2026, 1, 10, tzinfo=UTC))
+    pinned = Endpoint.objects.create(**{
+        field: getattr(cpu_endpoint, field) for field in (
+            "organization", "model", "context_length", "concurrency", "gpu_type",
+            "gpu_count", "hourly_price_usd")}, name="pinned", region=eu)
+    pinned.replicas.create()
+    # Both on the same node, the same hours: only the endpoint that required the region
+    # pays its price, and only from its first version on.
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 9, 21, 59, 30, tzinfo=UTC), hours=4)
+    ready_for(pinned, cpu_node, datetime(2026, 1, 9, 21, 59, 30, tzinfo=UTC), hours=4)
+
+    assert finalize_at(FEB_1 - timedelta(minutes=1)) == 0  # rolled up, still a draft
+    assert gpu_lines(JAN, org) == [
+        ("chat: CPU only, ready", Decimal("4"), Decimal("0.4"), 160),
+        ("pinned: CPU only, ready", Decimal("2"), Decimal("0.4"), 80),
+        ("pinned: CPU only, ready", Decimal("2"), Decimal("0.6"), 120)]
+
+
+def test_gpu_time_on_an_own_node_costs_nothing_until_the_operator_prices_it(
+        cpu_endpoint: Endpoint, cpu_node: Node, org: Organization) -> None:
+    Node.objects.filter(id=cpu_node.id).update(organization=org)
+    cpu = GPUType.objects.get(slug="cpu")
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 9, 21, 59, 30, tzinfo=UTC), hours=4)
+    GPUPrice.objects.create(gpu_type=cpu, own_nodes=True, hourly_price_usd=Decimal("0.05"),
+                            effective_from=datetime(2026, 1, 20, tzinfo=UTC))
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 20, 0, 0, tzinfo=UTC), hours=2)
+
+    assert finalize_at(FEB_1 + timedelta(hours=2)) == 1
+
+    lines = Invoice.objects.get().lines.filter(description__contains="ready")
+    assert [(line.description, line.quantity, line.unit_price_usd, line.amount_cents,
+             line.own_node) for line in lines] == [
+        ("chat: CPU only, ready, own nodes", Decimal("4"), Decimal("0"), 0, True),
+        ("chat: CPU only, ready, own nodes", Decimal("2"), Decimal("0.05"), 10, True)]
+
+
+def test_what_is_quoted_follows_the_version_in_effect_for_where_it_runs(
+        cpu_endpoint: Endpoint, eu: Region, org: Organization) -> None:
+    cpu = GPUType.objects.get(slug="cpu")
+    next_hour = hour_of(timezone.now()) + timedelta(hours=1)
+    GPUPrice.objects.create(gpu_type=cpu, region=eu, hourly_price_usd=Decimal("0.7"),
+                            effective_from=next_hour)
+    GPUPrice.objects.create(gpu_type=cpu, own_nodes=True, hourly_price_usd=Decimal("0.02"),
+                            effective_from=next_hour)
+    pinned = Endpoint.objects.filter(id=cpu_endpoint.id)
+    pinned.update(region=eu)
+    own = Endpoint.objects.create(
+        organization=org, name="own", model=cpu_endpoint.model, context_length=2048,
+        concurrency=4, gpu_type=cpu, gpu_count=1, own_nodes_only=True, hourly_price_usd=0)
+
+    do_quote_prices_in_effect(now=timezone.now())
+    assert pinned.get().hourly_price_usd == Decimal("0.4")  # the general one, until then
+    assert not RegionalPrice.objects.exists()
+    with time_machine.travel(next_hour + timedelta(minutes=1)):
+        assert do_quote_prices_in_effect(now=timezone.now()) == 2
+
+    assert RegionalPrice.objects.get().hourly_price_usd == Decimal("0.7")
+    assert pinned.get().hourly_price_usd == Decimal("0.7")
+    assert Endpoint.objects.get(id=own.id).hourly_price_usd == Decimal("0.02")
+    assert GPUType.objects.get(slug="cpu").own_node_price_usd == Decimal("0.02")
+
+
+def test_an_own_node_price_is_one_for_every_region(cpu_endpoint: Endpoint,
+                                                   eu: Region) -> None:
+    price = GPUPrice(gpu_type=GPUType.objects.get(slug="cpu"), own_nodes=True, region=eu,
+                     hourly_price_usd=Decimal("1"),
+                     effective_from=hour_of(timezone.now()) + timedelta(hours=1))
+
+    with pytest.raises(ValidationError, match="one for every region: leave the region empty"):
+        price.full_clean()
+
+
+def test_versions_of_one_scope_start_once_and_scopes_stand_apart(eu: Region,
+                                                                 cpu_endpoint: Endpoint) -> None:
+    start = hour_of(timezone.now()) + timedelta(hours=1)
+    cpu = GPUType.objects.get(slug="cpu")
+    for scope in ({}, {"region": eu}, {"own_nodes": True}):
+        GPUPrice.objects.create(gpu_type=cpu, hourly_price_usd=Decimal("1"),
+                                effective_from=start, **scope)
+    again = GPUPrice(gpu_type=cpu, region=eu, hourly_price_usd=Decimal("2"),
+                     effective_from=start)
+
+    with pytest.raises(ValidationError, match="already exists"):
+        again.full_clean()
+    assert GPUPrice.objects.filter(effective_from=SINCE_2025).count() == 1
