@@ -9,6 +9,8 @@ from playwright.sync_api import Page, expect
 
 from accounts.models import APIKey, Organization
 from endpoints.models import Endpoint, Node, Region
+from engine.devices import HostResources
+from fleet.reports import do_register_node
 from tests.browser.conftest import choose_the_demo_model, sign_up, wizard_ready
 from tests.factories import organization_with_owner, ready_endpoint
 
@@ -76,6 +78,38 @@ def test_the_wizard_offers_the_regions_online_and_launches_in_one(
     expect(page.locator("main")).to_contain_text("CPU only in EU West")
     assert Endpoint.objects.get().region == eu
     shot("endpoint-region")
+
+
+def test_an_owner_enrols_a_node_of_the_organisation_s_own_and_an_endpoint_runs_there_alone(
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="Nodes").click()
+    expect(page.locator("main")).to_contain_text("has no node of its own")
+    page.get_by_label("Node name").fill("our-box")
+    page.get_by_role("button", name="Make a join token").click()
+    command = page.get_by_test_id("new-node-token")
+    expect(command).to_contain_text("KVRUN_JOIN_TOKEN=kvj_")
+    expect(command).to_contain_text("--name our-box")
+    shot("nodes-token")
+
+    # The host enrols (its agent would, with that token): a CPU node of the organisation's.
+    engines = Organization.objects.get(slug="engines")
+    do_register_node(name="our-box", resources=HostResources(devices=[], cpu_count=2,
+                                                             memory_bytes=24 * 2**30))
+    Node.objects.filter(name="our-box").update(organization=engines)
+    page.goto(f"{live_server.url}/orgs/engines/nodes/")  # not a reload: that posts again
+    expect(page.get_by_test_id("own-nodes")).to_contain_text("our-box")
+    shot("nodes")
+
+    page.get_by_role("navigation", name="Main").get_by_role("link", name="Endpoints").click()
+    choose_the_demo_model(page)
+    page.get_by_label("On our own nodes only").check()
+    expect(page.get_by_test_id("sizing")).to_contain_text("$0.00/hour")
+    shot("wizard-own-nodes")
+    page.get_by_role("button", name="Launch endpoint").click()
+
+    expect(page.locator("main")).to_contain_text("on your own nodes only")
+    assert Endpoint.objects.get().own_nodes_only
+    shot("endpoint-own-nodes")
 
 
 def test_a_key_is_shown_once_copied_and_revoked(live_server: object, page: Page,
