@@ -9,6 +9,7 @@ from decimal import Decimal
 import pytest
 import time_machine
 from django.core.exceptions import ValidationError
+from django.test import Client
 from django.utils import timezone
 
 from accounts.models import Organization
@@ -17,6 +18,7 @@ from billing.models import GPUPrice, Invoice
 from billing.rollup import do_quote_prices_in_effect, hour_of
 from endpoints.models import Endpoint, GPUType, Node, Region, RegionalPrice
 from tests.billing.helpers import finalize_at, ready_for
+from tests.factories import UserFactory
 
 JAN = date(2026, 1, 1)
 FEB_1 = datetime(2026, 2, 1, tzinfo=UTC)
@@ -125,3 +127,25 @@ def test_versions_of_one_scope_start_once_and_scopes_stand_apart(eu: Region,
     with pytest.raises(ValidationError, match="already exists"):
         again.full_clean()
     assert GPUPrice.objects.filter(effective_from=SINCE_2025).count() == 1
+
+
+def test_an_operator_adds_a_regional_and_an_own_node_price_in_the_console(
+        client: Client, eu: Region, cpu_endpoint: Endpoint) -> None:
+    client.force_login(UserFactory(is_staff=True, is_superuser=True))
+    cpu = GPUType.objects.get(slug="cpu")
+    start = hour_of(timezone.now()) + timedelta(hours=1)
+    form = {"gpu_type": cpu.id, "hourly_price_usd": "0.9", "effective_from_0":
+            f"{start:%Y-%m-%d}", "effective_from_1": f"{start:%H:%M:%S}"}
+
+    refused = client.post("/admin/billing/gpuprice/add/", {**form, "region": eu.id,
+                                                            "own_nodes": "on"})
+    assert "leave the region empty" in str(refused.context["adminform"].form.errors)
+    for scope in ({"region": eu.id}, {"own_nodes": "on"}):
+        assert client.post("/admin/billing/gpuprice/add/", {**form, **scope}).status_code == 302
+
+    assert sorted((str(price.region), price.own_nodes) for price in
+                  GPUPrice.objects.filter(effective_from=start)) == [
+        ("EU West", False), ("None", True)]
+    listed = client.get("/admin/billing/gpuprice/")
+    assert b"organisations&#x27; own nodes" in listed.content
+    assert b"EU West" in listed.content

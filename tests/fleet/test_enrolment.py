@@ -12,6 +12,7 @@ from django.utils import timezone
 from pytest_django import DjangoCaptureOnCommitCallbacks
 from rest_framework.test import APIClient
 
+from accounts.models import Organization
 from endpoints.models import Node, NodeState, Region, State
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.selectors import endpoints_for_gateway
@@ -269,3 +270,28 @@ def test_the_console_makes_a_join_token_shown_once_and_revokes_a_node(client: Cl
     assert response.status_code == 200
     assert Node.objects.get(name="gpu-9").state == NodeState.REVOKED
     assert NodeCredential.objects.get().revoked_at is not None
+
+
+def test_an_operator_makes_a_join_token_for_an_organisation_s_own_node(
+        client: Client, org: Organization) -> None:
+    client.force_login(UserFactory(is_staff=True, is_superuser=True))
+    do_register_node(name="shared-1", resources=HostResources(devices=[], cpu_count=4,
+                                                               memory_bytes=2**34))
+    taken = client.post("/admin/fleet/jointoken/add/", {
+        "node_name": "shared-1", "organization": org.id, "minutes": 30})
+    assert taken.context["adminform"].form.errors == {"node_name": [
+        "A node named shared-1 exists and is not Acme's; choose another name."]}
+    assert not JoinToken.objects.exists()
+
+    made = client.post("/admin/fleet/jointoken/add/", {
+        "node_name": "acme-1", "organization": org.id, "minutes": 30}, follow=True)
+    assert made.status_code == 200
+    assert JoinToken.objects.get().organization == org
+    out = StringIO()
+    call_command("node_join_token", "acme-2", "--organization", org.slug, stdout=out,
+                 stderr=StringIO())
+    assert enrol(out.getvalue().strip(), name="acme-2")[0] == 201
+    assert Node.objects.get(name="acme-2").organization == org
+    with pytest.raises(CommandError, match="No organisation 'nobody'"):
+        call_command("node_join_token", "x", "--organization", "nobody", stdout=StringIO(),
+                     stderr=StringIO())
