@@ -109,8 +109,8 @@ def populate(label: str, owner: User, *, records: int, intervals: int,
         # Each replica's intervals follow one another: starting, loading, ready, stopping.
         cursor.execute("""
             INSERT INTO endpoints_replicainterval (replica_id, endpoint_id, organization_id,
-                gpu_type_id, gpu_count, phase, started_at, ended_at)
-            SELECT replica.id, replica.endpoint_id, %(organization)s, %(cpu)s, 1,
+                gpu_type_id, gpu_count, own_node, phase, started_at, ended_at)
+            SELECT replica.id, replica.endpoint_id, %(organization)s, %(cpu)s, 1, false,
                    (ARRAY['starting', 'loading', 'ready', 'stopping'])[1 + n %% 4],
                    %(now)s - %(span)s * interval '1 second'
                        + (n * %(step)s) * interval '1 second',
