@@ -154,7 +154,7 @@ def usage_behind(*, organization: Organization, line: Line,
     if line.kind == LineKind.GPU_TIME:
         return (ReplicaInterval.objects.filter(
             organization=organization, endpoint_id=line.endpoint_id, gpu_type_id=line.gpu_type_id,
-            phase=line.phase, started_at__lt=line.period_end)
+            phase=line.phase, own_node=line.own_node, started_at__lt=line.period_end)
             .filter(Q(ended_at=None) | Q(ended_at__gt=line.period_start))
             .order_by("started_at", "id"))
     records = UsageRecord.objects.filter(organization=organization,
@@ -189,7 +189,7 @@ def _final(invoice: Invoice) -> InvoiceView:
         total_cents=invoice.total_cents, finalized_at=invoice.finalized_at,
         lines=[Line(kind=line.kind, endpoint_id=line.endpoint_id,
                     endpoint_name=line.endpoint.name, gpu_type_id=line.gpu_type_id,
-                    phase=line.phase, usage_month=line.usage_month,
+                    phase=line.phase, own_node=line.own_node, usage_month=line.usage_month,
                     period_start=line.period_start, period_end=line.period_end,
                     quantity=line.quantity, unit=line.unit, unit_price_usd=line.unit_price_usd,
                     amount_cents=line.amount_cents, description=line.description,

@@ -111,16 +111,21 @@ class ModelSpecAdmin(admin.ModelAdmin):
                                    "those built locally, are left as they are.",
                           messages.SUCCESS)
 
-    @admin.action(description="Pre-pull: download the weights onto every online node",
-                  permissions=["change"])
+    @admin.action(description="Pre-pull: download the weights onto every online node that "
+                              "may run them", permissions=["change"])
     def pull_onto_nodes(self, request: HttpRequest, queryset: QuerySet[ModelSpec]) -> None:
-        nodes = list(Node.objects.filter(state=NodeState.ONLINE))
+        pulls = 0
         for model in queryset:
-            for node in nodes:
+            # An organisation's model (and its hub token) goes to shared nodes and its own
+            # nodes alone; a catalog model to shared nodes: never to another's own node.
+            for node in Node.objects.filter(Q(organization=None)
+                                            | Q(organization_id=model.organization_id),
+                                            state=NodeState.ONLINE):
                 request_pull(model_id=model.id, node=node)
-        self.message_user(request, f"{queryset.count()} model(s) are downloading onto "
-                                   f"{len(nodes)} node(s); each node's page shows its cache.",
-                          messages.SUCCESS)
+                pulls += 1
+        self.message_user(request, f"{queryset.count()} model(s) are downloading: {pulls} "
+                                   "pull(s) onto the online nodes that may run them; each "
+                                   "node's page shows its cache.", messages.SUCCESS)
 
 
 @admin.register(Region)

@@ -44,7 +44,7 @@ class Placement:
         if self.own_nodes_only:
             # Without an organisation (the public planner) there are no own nodes.
             found = (Q(**{owner: self.organization_id}) if self.organization_id is not None
-                     else Q(pk__in=[]))
+                     else Q(**{f"{prefix}pk__in": []}))
         else:
             found = Q(**{owner: None}) | Q(**{owner: self.organization_id})
         if self.region is not None:

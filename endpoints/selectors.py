@@ -58,13 +58,15 @@ def models_of(*, organization: Organization) -> QuerySet[ModelSpec]:
     return ModelSpec.objects.filter(organization=organization).order_by("-added_at", "-id")
 
 
-def engines_online() -> tuple[set[str], set[str], int]:
-    """What the nodes that take replicas run: the model architectures their vLLM builds
-    support, those builds' versions, and the largest model cache among them (bytes)."""
+def engines_online(*, organization_id: UUID | None) -> tuple[set[str], set[str], int]:
+    """What the nodes that take the organisation's replicas run (the shared fleet and its
+    own nodes; None: the shared fleet): the model architectures their vLLM builds support,
+    those builds' versions, and the largest model cache among them (bytes)."""
     architectures: set[str] = set()
     versions: set[str] = set()
     largest_cache = 0
     for found, version, cache in Node.objects.filter(
+            Q(organization=None) | Q(organization_id=organization_id),
             state=NodeState.ONLINE, draining=False).values_list(
             "architectures", "vllm_version", "model_cache_bytes"):
         architectures.update(found)

@@ -126,8 +126,8 @@ class RegionSerializer(serializers.ModelSerializer):
     online_gpu_types = serializers.SerializerMethodField(
         help_text="The GPU types of its shared nodes that take new replicas now.")
     hourly_prices_usd = serializers.SerializerMethodField(
-        help_text="Per device-hour, by GPU type, where the region's price differs from the "
-                  "GPU type's general price; endpoints requiring the region pay it.")
+        help_text="Per device-hour, by GPU type, where an operator priced the region apart "
+                  "from the general price; endpoints requiring the region pay it.")
 
     class Meta:
         model = Region

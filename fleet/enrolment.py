@@ -12,7 +12,7 @@ from collections.abc import Collection
 from datetime import timedelta
 
 from django.core.exceptions import PermissionDenied
-from django.db import transaction
+from django.db import connection, transaction
 from django.utils import timezone
 
 from accounts.models import Organization, Role, User
@@ -89,6 +89,9 @@ def do_create_own_node_token(*, organization: Organization, actor_role: str | No
     if actor_role != Role.OWNER:
         raise PermissionDenied("Only owners can enrol the organisation's own nodes; ask one "
                                "of them.")
+    if Node.objects.filter(name=node_name, state=NodeState.REVOKED).exists():
+        # Revoking is the operator's: a node they revoked comes back by their token alone.
+        raise ValueError(f"an operator revoked node {node_name}; ask one to let it back")
     return do_create_join_token(node_name=node_name, region=region, zone=zone,
                                 organization=organization, created_by=created_by)
 
@@ -117,8 +120,12 @@ def do_enrol_node(*, join_token: str, name: str, resources: HostResources, addre
                 "This join token is unknown, used or expired; ask an operator for a new one "
                 "(manage.py node_join_token NAME, or the console's join tokens).")
         token = JoinToken.objects.select_related("organization").get(digest=digest)
-        # Checked again here: the name may have been taken since the token was made.
-        if refusal := owner_refusal(node_name=name, organization=token.organization):
+        # Checked again here, the name's enrolments one at a time: the name may have been
+        # taken since the token was made, or be taken by another owner's token right now.
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", [f"kvrun.node:{name}"])
+        if refusal := owner_refusal(node_name=name, organization=token.organization,
+                                    waiting_tokens=False):
             raise EnrolmentRefused(f"{refusal}.")
         revoked = Node.objects.filter(name=token.node_name, state=NodeState.REVOKED)
         revoked.update(state=NodeState.LOST)  # let back by this token; registered below
@@ -136,15 +143,27 @@ def do_enrol_node(*, join_token: str, name: str, resources: HostResources, addre
     return node, secret
 
 
-def owner_refusal(*, node_name: str, organization: Organization | None) -> str | None:
+def owner_refusal(*, node_name: str, organization: Organization | None,
+                  waiting_tokens: bool = True) -> str | None:
     """Why a token of `organization` (None: the shared fleet) cannot enrol `node_name`: a
-    node of that name belongs to another owner, and enrolling it would take it over."""
+    node of that name belongs to another owner, and enrolling it would take it over; or
+    (`waiting_tokens`, for a token to be made) a live token of another owner waits for the
+    name."""
+    owner_id = organization.id if organization else None
+    whose = f"{organization.name}'s" if organization else "a shared node"
     owner = Node.objects.filter(name=node_name).values_list("organization_id", flat=True)
-    if not owner.exists() or owner.first() == (organization.id if organization else None):
+    if owner.exists() and owner.first() != owner_id:
+        return f"a node named {node_name} exists and is not {whose}; choose another name"
+    if not waiting_tokens:
         return None
-    return (f"a node named {node_name} exists and is not "
-            + (f"{organization.name}'s" if organization else "a shared node")
-            + "; choose another name")
+    others = JoinToken.objects.filter(node_name=node_name, used_at=None,
+                                      expires_at__gt=timezone.now())
+    others = (others.exclude(organization=None) if organization is None
+              else others.exclude(organization=organization))
+    if others.exists():
+        return (f"a join token of another owner waits for a node named {node_name}; choose "
+                "another name")
+    return None
 
 
 def do_use_node_credential(*, secret: str) -> Node | None:

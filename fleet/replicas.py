@@ -166,10 +166,13 @@ def do_report_engine_samples(*, node: Node,
 
 def do_take_model_pull(*, node: Node, model_id: int) -> tuple[ModelSpec, str | None] | None:
     """Take the pull of a model an operator asked of the node (endpoints.dispatch.request_pull):
-    the model, pinned, and its hub token, once per asking; None when none waits. Raises
-    hub.HubRefusal."""
+    the model, pinned, and its hub token, once per asking; None when none waits, or when the
+    model is another organisation's than the node's (its weights and token stay off that
+    node whoever asked). Raises hub.HubRefusal."""
     model = ModelSpec.objects.filter(id=model_id).first()
     if model is None or not take_pull(node_id=node.id, model_id=model_id):
+        return None
+    if node.organization_id is not None and model.organization_id != node.organization_id:
         return None
     token = hub_token_of(model)
     if not model.hf_repo or model.hf_repo.startswith("/"):  # built here, or an import's folder

@@ -72,7 +72,8 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
         try:
             planning.plan(model=endpoint.model, context_length=context, concurrency=more,
                           kv_cache_dtype=endpoint.kv_cache_dtype, gpu_type=endpoint.gpu_type,
-                          gpu_count=endpoint.gpu_count)
+                          gpu_count=endpoint.gpu_count, placement=Placement.of(endpoint),
+                          judge_placement=False)  # judged as the policy change it offers
         except ValidationError:
             pass
         else:
@@ -103,6 +104,7 @@ def _cache_bound(endpoint: Endpoint, *, now: datetime) -> Finding | None:
             model=endpoint.model, context_length=context, concurrency=endpoint.concurrency,
             kv_cache_dtype=endpoint.kv_cache_dtype, gpu_type=endpoint.gpu_type,
             gpu_count=endpoint.gpu_count, host_tier_gib=HOST_TIER_GIB,
+            placement=Placement.of(endpoint), judge_placement=False,
         ).summary["host_tier_tokens"]
         ways.append(f"a {HOST_TIER_GIB} GiB host tier: {tokens:,} more tokens of cached "
                     f"prefixes, as the hit rate of {hit_rate:.0%} says they do not fit")

@@ -53,7 +53,7 @@ def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
         raise ValidationError({"hf_repo": [
             f"{repo_id}'s config.json has no {exc.args[0]!r}: kvrun sizes decoder language "
             "models from their config, and this one does not say enough."]}) from exc
-    refusal = _refusal(checkpoint, revision=revision)
+    refusal = _refusal(checkpoint, revision=revision, organization=organization)
     if refusal:
         raise ValidationError({"hf_repo": [refusal]})
     files = [asdict(f) for f in hub.engine_files(checkpoint.files,
@@ -77,7 +77,8 @@ def remote_code_allowed(*, repo_id: str, revision: str, commit: str) -> bool:
         repo_id in allowed and revision in ("", hub.DEFAULT_REVISION))
 
 
-def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str) -> str | None:
+def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str,
+             organization: Organization) -> str | None:
     repo = checkpoint.repo_id
     if checkpoint.remote_code and not remote_code_allowed(
             repo_id=repo, revision=revision, commit=checkpoint.commit):
@@ -85,7 +86,7 @@ def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str) -> str | None:
                 "run (its config names custom classes), and kvrun runs such code only where "
                 "an operator allows it: ask one to add it to KVRUN_REMOTE_CODE_REPOS "
                 "(owner/name for its default branch, owner/name@<commit> for one commit).")
-    architectures, versions, largest_cache = engines_online()
+    architectures, versions, largest_cache = engines_online(organization_id=organization.id)
     if not architectures:
         return (f"No node online says which architectures its engines run, so {repo} "
                 f"({checkpoint.architecture}) cannot be judged yet: add it once a node is "

@@ -154,13 +154,14 @@ def invoice_csv(request: HttpRequest, org_slug: str, month: date) -> HttpRespons
     response["Content-Disposition"] = f'attachment; filename="{name}.csv"'
     writer = csv.writer(response)
     writer.writerow(["invoice", "status", "month", "line", "description", "kind", "endpoint",
-                     "adapter", "phase", "usage_month", "adjustment", "period_start", "period_end",
-                     "quantity", "unit", "unit_price_usd", "amount_usd"])
+                     "adapter", "phase", "own_nodes", "usage_month", "adjustment",
+                     "period_start", "period_end", "quantity", "unit", "unit_price_usd",
+                     "amount_usd"])
     for number, line in enumerate(shown.lines, 1):
         writer.writerow([
             shown.number, shown.status, month_label(month), number, line.description, line.kind,
-            line.endpoint_name, line.adapter, line.phase, month_label(line.usage_month),
-            line.adjustment,
+            line.endpoint_name, line.adapter, line.phase, line.own_node,
+            month_label(line.usage_month), line.adjustment,
             line.period_start.isoformat(), line.period_end.isoformat(), line.quantity,
             line.unit, line.unit_price_usd, Decimal(line.amount_cents).scaleb(-2)])  # 1.50
     return response

@@ -26,6 +26,7 @@ from endpoints.models import (
     ModelSpec,
 )
 from endpoints.policies import EndpointPolicy, EndpointScaling
+from endpoints.scheduling import Placement
 from endpoints.selectors import median_start_seconds, models_visible_to
 from front import presenters
 from front.forms import EndpointForm, HubModelForm, SizingForm
@@ -149,7 +150,7 @@ def _catalog_context(organization: Organization) -> dict[str, object]:
     models = list(models_visible_to(organization=organization))
     runs_online = {model.id for model in planning.models_that_fit_online(
         models=models, context_length=RUNS_ONLINE_CONTEXT, concurrency=1,
-        kv_cache_dtype="auto")}
+        kv_cache_dtype="auto", placement=Placement(organization_id=organization.id))}
     # Stable: catalog order within each group.
     models.sort(key=lambda model: (model.organization_id is None, model.id not in runs_online))
     return {

@@ -3,6 +3,8 @@ region, the general price for the rest wherever they run, and the operator's own
 (nothing by default) for GPU time on an organisation's own nodes. Each is a version, quoted
 as billed."""
 
+import csv
+import io
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 
@@ -12,10 +14,11 @@ from django.core.exceptions import ValidationError
 from django.test import Client
 from django.utils import timezone
 
-from accounts.models import Organization
+from accounts.models import Organization, User
 from billing.invoicing import draft_lines
 from billing.models import GPUPrice, Invoice
 from billing.rollup import do_quote_prices_in_effect, hour_of
+from billing.selectors import invoice_of, usage_behind
 from endpoints.models import Endpoint, GPUType, Node, Region, RegionalPrice
 from tests.billing.helpers import finalize_at, ready_for
 from tests.factories import UserFactory
@@ -149,3 +152,26 @@ def test_an_operator_adds_a_regional_and_an_own_node_price_in_the_console(
     listed = client.get("/admin/billing/gpuprice/")
     assert b"organisations&#x27; own nodes" in listed.content
     assert b"EU West" in listed.content
+
+
+def test_own_and_shared_hours_are_lines_of_their_own_down_to_their_intervals_and_csv(
+        cpu_endpoint: Endpoint, cpu_node: Node, org: Organization, owner: User) -> None:
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 9, 8, tzinfo=UTC), hours=3)
+    Node.objects.filter(id=cpu_node.id).update(organization=org)
+    ready_for(cpu_endpoint, cpu_node, datetime(2026, 1, 9, 12, tzinfo=UTC), hours=1)
+    assert finalize_at(FEB_1 + timedelta(hours=2)) == 1
+    invoice = invoice_of(organization=org, month=JAN)
+    ready = [line for line in invoice.lines if line.phase == "ready"]
+
+    assert [(line.own_node, line.quantity, line.amount_cents) for line in ready] == [
+        (False, Decimal("3"), 120), (True, Decimal("1"), 0)]
+    assert [[interval.own_node for interval in usage_behind(
+        organization=org, line=line, billed_at=invoice.finalized_at)] for line in ready] == [
+        [False], [True]]
+    client = Client()
+    client.force_login(owner)
+    rows = list(csv.DictReader(io.StringIO(client.get(
+        f"/orgs/{org.slug}/billing/2026-01/csv/").content.decode())))
+    assert [(row["description"], row["own_nodes"]) for row in rows
+            if row["phase"] == "ready"] == [("chat: CPU only, ready", "False"),
+                                            ("chat: CPU only, ready, own nodes", "True")]

@@ -8,7 +8,7 @@ from django.utils import timezone
 from accounts.models import Organization, Role
 from bench.hub_server import Hub
 from endpoints import dispatch
-from endpoints.dispatch import pulls_for
+from endpoints.dispatch import pulls_for, request_pull
 from endpoints.models import (
     DesiredState,
     Endpoint,
@@ -30,6 +30,7 @@ from endpoints.services import (
     do_restart_endpoint,
 )
 from engine.devices import Device, HostResources
+from fleet.replicas import do_take_model_pull
 from fleet.reports import do_record_model_cache, do_register_node
 from tests.factories import UserFactory
 
@@ -360,7 +361,8 @@ def test_an_endpoint_past_its_quota_is_not_started_and_the_operator_is_told(
 
 
 def test_an_operator_promotes_an_organisation_s_model_and_pre_pulls_it_onto_nodes(
-        operator: Client, org: Organization, woken: list, hub: Hub, hub_url: str) -> None:
+        operator: Client, org: Organization, other_org: Organization, woken: list, hub: Hub,
+        hub_url: str) -> None:
     hub.tokens.add("hf_secret_1234")  # a token the hub knows, with no special access
     node = h100_node("n1")
     Node.objects.filter(id=node.id).update(architectures=["LlamaForCausalLM"],
@@ -373,9 +375,17 @@ def test_an_operator_promotes_an_organisation_s_model_and_pre_pulls_it_onto_node
     assert page.status_code == 200 and b"hf_secret" not in page.content
     assert b"1234" in page.content  # which token it is, by its last four characters
 
+    # Never onto another organisation's own node: its weights and token stay off it.
+    theirs, ours = h100_node("globex-1"), h100_node("acme-1")
+    Node.objects.filter(id=theirs.id).update(organization=other_org)
+    Node.objects.filter(id=ours.id).update(organization=org)
     assert post_action(operator, "/admin/endpoints/modelspec/", "pull_onto_nodes",
                        model.id) == 302
-    assert pulls_for(node_id=node.id) == [model.id] and woken == [node.id]
+    assert [pulls_for(node_id=each.id) for each in (node, ours, theirs)] == [
+        [model.id], [model.id], []]
+    assert sorted(woken) == sorted([node.id, ours.id])
+    request_pull(model_id=model.id, node=theirs)  # asked by any other path: still refused
+    assert do_take_model_pull(node=Node.objects.get(id=theirs.id), model_id=model.id) is None
     assert post_action(operator, "/admin/endpoints/modelspec/", "promote", model.id) == 302
     assert ModelSpec.objects.get(id=model.id).organization is None
     assert model.slug in set(model_catalog().values_list("slug", flat=True))

@@ -12,7 +12,7 @@ from endpoints.planning import online_gpu_types, plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.scheduling import Placement
-from endpoints.selectors import own_nodes_of, regions_online
+from endpoints.selectors import engines_online, own_nodes_of, regions_online
 from endpoints.services import do_create_endpoint, do_load_catalogs, do_scale_endpoint
 from engine.devices import Device, HostResources
 from fleet.enrolment import (
@@ -20,9 +20,12 @@ from fleet.enrolment import (
     do_create_join_token,
     do_create_own_node_token,
     do_enrol_node,
+    do_revoke_node,
 )
+from fleet.models import JoinToken, NodeCredential
 from fleet.reports import do_register_node
 from tests.factories import UserFactory
+from tests.helpers import at_once
 
 pytestmark = pytest.mark.django_db
 
@@ -197,7 +200,7 @@ def test_a_join_token_cannot_take_over_a_node_of_another_owner(
             do_create_join_token(node_name=name, organization=owner)
     # A token made before the name was taken is refused at enrolment, and stays unspent.
     _, early = do_create_join_token(node_name="later", organization=org)
-    node("later")
+    do_register_node(name="later", resources=resources(1))  # a shared node took the name
     with pytest.raises(EnrolmentRefused, match="a node named later exists and is not Acme's"):
         do_enrol_node(join_token=early, name="later", resources=resources(1),
                       address="127.0.0.1", model_cache_bytes=0)
@@ -211,3 +214,59 @@ def test_a_node_re_enrolled_by_its_own_organisation_stays_its_own(org: Organizat
     assert (again.organization, len(again.devices)) == (org, 4)
     registered = do_register_node(name="acme-gpu", resources=resources(4))
     assert registered.organization == org  # the agent's own reports never change it
+
+
+def test_another_owner_s_waiting_token_or_an_operator_s_revocation_keeps_a_name(
+        org: Organization, other_org: Organization) -> None:
+    do_create_join_token(node_name="box", organization=other_org)
+    with pytest.raises(ValueError, match="a join token of another owner waits for a node "
+                                         "named box"):
+        do_create_join_token(node_name="box", organization=org)
+    with pytest.raises(ValueError, match="a join token of another owner waits"):
+        do_create_join_token(node_name="box")
+    revoked = node("acme-gpu", owner=org)
+    do_revoke_node(node_id=revoked.id)
+    with pytest.raises(ValueError, match="an operator revoked node acme-gpu; ask one"):
+        do_create_own_node_token(organization=org, actor_role=Role.OWNER,
+                                 created_by=UserFactory(), node_name="acme-gpu")
+
+
+def test_a_model_is_admitted_by_what_the_shared_fleet_and_the_organisation_s_nodes_run(
+        org: Organization, other_org: Organization) -> None:
+    theirs = node("globex-gpu", owner=other_org)
+    Node.objects.filter(id=theirs.id).update(architectures=["MambaForCausalLM"],
+                                             vllm_version="9.9", model_cache_bytes=10**13)
+    shared = node("shared-gpu")
+    Node.objects.filter(id=shared.id).update(architectures=["LlamaForCausalLM"],
+                                             vllm_version="0.11", model_cache_bytes=10**11)
+
+    assert engines_online(organization_id=org.id) == ({"LlamaForCausalLM"}, {"0.11"}, 10**11)
+    assert engines_online(organization_id=other_org.id) == (
+        {"LlamaForCausalLM", "MambaForCausalLM"}, {"0.11", "9.9"}, 10**13)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_owners_tokens_for_one_name_enrolled_at_once_make_one_owner_s_node(
+        org: Organization, other_org: Organization) -> None:
+    do_load_catalogs()
+    _, ours = do_create_join_token(node_name="box", organization=org)
+    # A token of the other owner for the same name, as two creations racing could leave.
+    theirs_row, theirs = do_create_join_token(node_name="box-2", organization=other_org)
+    JoinToken.objects.filter(id=theirs_row.id).update(node_name="box")
+
+    def enrol(secret: str) -> str:
+        try:
+            do_enrol_node(join_token=secret, name="box", resources=resources(1),
+                          address="127.0.0.1", model_cache_bytes=0)
+        except EnrolmentRefused as refused:
+            return str(refused)
+        return "enrolled"
+
+    outcomes = at_once(lambda: enrol(ours), lambda: enrol(theirs))
+
+    assert sorted(outcome.split(";")[0] for outcome in outcomes) in (
+        ["a node named box exists and is not Globex's", "enrolled"],
+        ["a node named box exists and is not Acme's", "enrolled"])
+    owner = Node.objects.get(name="box").organization
+    assert NodeCredential.objects.filter(node__name="box", revoked_at=None).count() == 1
+    assert JoinToken.objects.filter(node_name="box", used_at=None).get().organization != owner
