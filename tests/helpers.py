@@ -177,19 +177,20 @@ def start_worker(queue: str, **env: str) -> subprocess.Popen:
 
 
 def start_agent(name: str, logs: Path, *, web: str, rejoin: bool = True, region: Any = None,
-                **extra: str) -> subprocess.Popen:
+                join_token: str = "", **extra: str) -> subprocess.Popen:
     """A node agent on this machine's CPU, with its engines' logs under `logs`, reaching the
     control plane at `web`, started as on a host of its own (nodes.config.agent_environment:
-    none of the control plane's settings). It enrols with a join token made now (`rejoin`),
-    in `region` where given, or, restarted, goes on with the credential its node's last
-    agent left."""
+    none of the control plane's settings). It enrols with `join_token`, or one made now
+    (`rejoin`), in `region` where given, or, restarted, goes on with the credential its
+    node's last agent left."""
     from fleet.enrolment import do_create_join_token
     from nodes.config import AgentConfig, agent_environment
 
-    token = ""
+    token = join_token
     if rejoin:
         AgentConfig.from_environ().credential_file(name).unlink(missing_ok=True)
-        _, token = do_create_join_token(node_name=name, region=region)
+        if not token:
+            _, token = do_create_join_token(node_name=name, region=region)
     return subprocess.Popen(
         [sys.executable, "-m", "nodes", "--name", name], cwd=ROOT,
         env=agent_environment(os.environ, KVRUN_NODE_GPUS="none", KVRUN_ENGINE_LOG_DIR=str(logs),
