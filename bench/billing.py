@@ -95,11 +95,12 @@ def populate(label: str, owner: User, *, records: int, intervals: int,
             INSERT INTO billing_usagerecord (request_id, idempotency_key, organization_id,
                 endpoint_id, api_key_id, operation, stream, prompt_tokens, completion_tokens,
                 cached_tokens, status_code, error_code, client_disconnected, started_at,
-                duration_ms, gateway_overhead_ms, ingested_at)
+                duration_ms, gateway_overhead_ms, adapter, ingested_at)
             SELECT %(label)s || '-' || g, '', %(organization)s,
                    (%(endpoints)s::uuid[])[1 + g %% %(count)s], %(key)s, 'chat.completions',
                    true, 100 + g %% 400, 50 + g %% 200, g %% 64, 200, '', false,
-                   %(now)s - (g::bigint * 7919 %% %(span)s) * interval '1 second', 800, 0.300, now()
+                   %(now)s - (g::bigint * 7919 %% %(span)s) * interval '1 second', 800, 0.300,
+                   '', now()
             FROM generate_series(1, %(records)s) AS g
             ORDER BY g::bigint * 7919 %% %(span)s DESC""",
                        {"label": label, "organization": organization.id, "key": key.id,
