@@ -72,7 +72,7 @@ def populate(label: str, endpoints: int, records: int, owner: User) -> Organizat
             INSERT INTO billing_usagerecord (request_id, idempotency_key, organization_id,
                 endpoint_id, operation, stream, prompt_tokens, completion_tokens, cached_tokens,
                 status_code, error_code, client_disconnected, started_at,
-                time_to_first_token_ms, duration_ms, gateway_overhead_ms, ingested_at)
+                time_to_first_token_ms, duration_ms, gateway_overhead_ms, adapter, ingested_at)
             SELECT %(label)s || '-' || g, '', %(organization)s,
                    CASE WHEN g <= %(hot)s THEN (%(ids)s::uuid[])[1]
                         ELSE (%(ids)s::uuid[])[1 + g %% %(count)s] END,
@@ -81,7 +81,7 @@ def populate(label: str, endpoints: int, records: int, owner: User) -> Organizat
                    now() - CASE WHEN g <= %(hot)s OR g %% 10 = 0
                                 THEN (g %% 3600) * interval '1 second'
                                 ELSE (g %% 2592000) * interval '1 second' END,
-                   20 + g %% 300, 500 + g %% 2000, 0.300, now()
+                   20 + g %% 300, 500 + g %% 2000, 0.300, '', now()
             FROM generate_series(1, %(records)s) AS g
         """, {"label": label, "organization": organization.id, "ids": [e.id for e in rows],
               "count": len(rows), "records": records, "hot": min(HOT_RECORDS, records // 10)})
