@@ -8,7 +8,7 @@ from django.db.models import QuerySet
 from django.shortcuts import get_object_or_404
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema
-from rest_framework import mixins, status, viewsets
+from rest_framework import generics, mixins, status, viewsets
 from rest_framework.decorators import action, api_view
 from rest_framework.request import Request
 from rest_framework.response import Response
@@ -21,6 +21,7 @@ from endpoints.models import Adapter, Endpoint, GPUType, ModelSpec, Region
 from endpoints.planning import check_tiers, plan, sizing_preview
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.scheduling import Placement
+from endpoints.selectors import OwnNode
 from endpoints.serializers import (
     AdapterInput,
     AdapterSerializer,
@@ -32,6 +33,7 @@ from endpoints.serializers import (
     HubModelInput,
     ModelSpecSerializer,
     OwnModelSerializer,
+    OwnNodeSerializer,
     PolicyInput,
     RegionSerializer,
     ScaleInput,
@@ -111,6 +113,19 @@ def _sized(data: dict[str, Any], *, organization: Organization | None = None
     check_tiers(host_tier_gib=data["host_tier_gib"], disk_tier_gib=data["disk_tier_gib"],
                 gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, placement=placement)
     return decided.summary
+
+
+class OrganizationNodes(OrganizationScoped, generics.ListAPIView):
+    """The organisation's own nodes, by name, and their health: state, hardware, free GPUs
+    and the replicas on each (docs/operations.md, "Your organisation's own nodes")."""
+
+    serializer_class = OwnNodeSerializer
+    filter_backends: list = []  # a few nodes, by name: nothing to filter or order them by
+
+    def get_queryset(self) -> list[OwnNode]:  # type: ignore[override]
+        if getattr(self, "swagger_fake_view", False):
+            return []
+        return selectors.own_nodes_of(organization=self.organization)
 
 
 class EndpointViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveModelMixin,

@@ -26,7 +26,7 @@ from endpoints.models import (
     ScalingMetric,
     State,
 )
-from endpoints.selectors import models_visible_to, progress_of
+from endpoints.selectors import OwnNode, models_visible_to, progress_of
 from kvrun.common.api import StrictSerializer
 
 MODEL_FIELDS = ["slug", "name", "hf_repo", "hf_revision", "hf_commit", "family", "architecture",
@@ -139,6 +139,34 @@ class RegionSerializer(serializers.ModelSerializer):
     def get_hourly_prices_usd(self, region: Region) -> dict[str, str]:
         return {price.gpu_type.slug: str(price.hourly_price_usd)
                 for price in region.prices.all()}
+
+
+class OwnNodeEngineSerializer(serializers.Serializer):
+    endpoint = serializers.CharField(source="endpoint.name")
+    replica = serializers.UUIDField(source="id")
+    state = serializers.CharField()
+
+
+class OwnNodeSerializer(serializers.Serializer):
+    """One of the organisation's own nodes (endpoints.selectors.OwnNode) and its health."""
+
+    name = serializers.CharField(source="node.name")
+    state = serializers.CharField(source="node.state",
+                                  help_text="online, lost, recovering or revoked.")
+    draining = serializers.BooleanField(source="node.draining")
+    region = serializers.CharField(source="node.region.slug", default=None)
+    zone = serializers.CharField(source="node.zone")
+    gpu_type = serializers.CharField(source="node.gpu_type.slug", default=None)
+    gpus = serializers.SerializerMethodField()
+    free_gpus = serializers.IntegerField(source="free_devices")
+    memory_bytes = serializers.IntegerField(source="node.memory_bytes")
+    disk_bytes = serializers.IntegerField(source="node.disk_bytes")
+    vllm_version = serializers.CharField(source="node.vllm_version")
+    last_heartbeat_at = serializers.DateTimeField(source="node.last_heartbeat_at")
+    engines = OwnNodeEngineSerializer(many=True, help_text="Its replicas there now.")
+
+    def get_gpus(self, own: OwnNode) -> int:
+        return len(own.node.devices)
 
 
 class ReplicaSerializer(serializers.ModelSerializer):

@@ -38,6 +38,8 @@ urlpatterns = [
     path(f"{ADAPTERS}/<slug:name>/",
          adapters.as_view({"get": "retrieve", "delete": "destroy"}),
          name="api-endpoint-adapter"),
+    path("organizations/<slug:org_slug>/nodes/", api.OrganizationNodes.as_view(),
+         name="api-organization-nodes"),
     path("organizations/<slug:org_slug>/models/",
          api.OrganizationModelViewSet.as_view({"get": "list", "post": "create"}),
          name="api-organization-models"),

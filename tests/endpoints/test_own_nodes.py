@@ -270,3 +270,25 @@ def test_two_owners_tokens_for_one_name_enrolled_at_once_make_one_owner_s_node(
     owner = Node.objects.get(name="box").organization
     assert NodeCredential.objects.filter(node__name="box", revoked_at=None).count() == 1
     assert JoinToken.objects.filter(node_name="box", used_at=None).get().organization != owner
+
+
+def test_the_api_lists_the_organisation_s_own_nodes_and_their_health(
+        owner_api: APIClient, org: Organization, other_org: Organization) -> None:
+    eu = Region.objects.create(slug="eu-west", name="EU West")
+    node("acme-gpu", owner=org, count=2, region=eu)
+    node("globex-gpu", owner=other_org)
+    node("shared-gpu")
+    endpoint = create(org)
+    placed(endpoint)
+
+    listed = owner_api.get(f"/api/v1/organizations/{org.slug}/nodes/")
+
+    assert listed.status_code == 200
+    [row] = listed.json()["results"]
+    assert {key: row[key] for key in ("name", "state", "draining", "region", "gpu_type",
+                                      "gpus", "free_gpus")} == {
+        "name": "acme-gpu", "state": "online", "draining": False, "region": "eu-west",
+        "gpu_type": "h100-80gb", "gpus": 2, "free_gpus": 1}
+    assert row["engines"] == [{"endpoint": "chat", "replica": str(endpoint.replicas.get().id),
+                               "state": "starting"}]
+    assert owner_api.get(f"/api/v1/organizations/{other_org.slug}/nodes/").status_code == 404
