@@ -65,7 +65,12 @@ class APIKeyAdmin(admin.ModelAdmin):
         # Keys are created where the secret can be shown once: the dashboard or the API.
         return False
 
-    @admin.action(description="Revoke the selected keys now")
+    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
+        # Revoked, never deleted: the ledger's rows name their key, and usage still on its
+        # way is billed to it.
+        return False
+
+    @admin.action(description="Revoke the selected keys now", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> None:
         revoked = sum(do_revoke_api_key(key=key, actor_role=Role.OWNER) for key in queryset)
         self.message_user(request, f"Revoked {revoked} key(s).", messages.SUCCESS)

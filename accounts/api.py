@@ -1,6 +1,9 @@
 """REST views for accounts. Thin: they parse input, call a service or selector, render."""
 
+from typing import Any
+
 from django.db.models import QuerySet
+from django.utils.cache import add_never_cache_headers
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import PolymorphicProxySerializer, extend_schema
 from rest_framework import mixins, status, viewsets
@@ -153,9 +156,7 @@ class InviteViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
         )
         invite.token = token
         invite.url = services.invite_url(token)
-        return Response(
-            serializers.CreatedInviteSerializer(invite).data, status=status.HTTP_201_CREATED
-        )
+        return _secret(serializers.CreatedInviteSerializer(invite).data)
 
     def destroy(self, request: Request, **kwargs: str) -> Response:
         services.do_revoke_invite(invite=self.get_object(), actor_role=self.actor_role)
@@ -189,10 +190,17 @@ class APIKeyViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
             created_by=_creator(request), **data,
         )
         key.secret = secret
-        return Response(serializers.CreatedAPIKeySerializer(key).data,
-                        status=status.HTTP_201_CREATED)
+        return _secret(serializers.CreatedAPIKeySerializer(key).data)
 
     def destroy(self, request: Request, **kwargs: str) -> Response:
         """Revoke the key at once; the row stays for the audit trail."""
         services.do_revoke_api_key(key=self.get_object(), actor_role=self.actor_role)
         return Response(status=status.HTTP_204_NO_CONTENT)
+
+
+def _secret(data: dict[str, Any]) -> Response:
+    """A 201 that carries a secret shown once: no cache, shared or the client's own, may
+    keep it."""
+    response = Response(data, status=status.HTTP_201_CREATED)
+    add_never_cache_headers(response)
+    return response

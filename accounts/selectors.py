@@ -134,3 +134,10 @@ def api_keys_of(*, organization: Organization) -> QuerySet[APIKey]:
     """The keys people made; the playground's own short-lived keys are left out."""
     return APIKey.objects.filter(organization=organization, purpose=KeyPurpose.API
                                  ).select_related("created_by")
+
+
+def playground_keys_of(*, organization: Organization) -> QuerySet[APIKey]:
+    """The playground's short-lived keys of the last day, newest first, with who used them."""
+    return (APIKey.objects.filter(organization=organization, purpose=KeyPurpose.PLAYGROUND,
+                                  created_at__gte=timezone.now() - timedelta(days=1))
+            .select_related("created_by").order_by("-created_at"))

@@ -69,12 +69,22 @@ def do_sign_up(*, email: str, password: str, name: str = "", organization_name: 
 
 
 def do_create_organization(*, user: User, name: str) -> Organization:
-    """Create an organisation with a unique slug derived from `name`, owned by `user`."""
+    """Create an organisation with a unique slug derived from `name`, owned by `user`.
+    Raises ValidationError for an empty name, or when `user` owns
+    KVRUN_MAX_OWNED_ORGANIZATIONS already: each organisation has quotas of its own, so one
+    person may not multiply them at will. The user's row is held while counting, so that two
+    creations at once cannot both take the last one."""
     name = name.strip()
     if not name:
         raise ValidationError({"name": ["Give the organisation a name."]})
     base = slugify(name)[:50] or "org"
     with transaction.atomic():
+        User.objects.select_for_update().filter(id=user.id).first()
+        most = settings.KVRUN_MAX_OWNED_ORGANIZATIONS
+        if Membership.objects.filter(user=user, role=Role.OWNER).count() >= most:
+            raise ValidationError({"name": [
+                f"You own {most} organisations, the most one person may; use one of them, or "
+                "ask an operator."]})
         slug = base
         while True:
             try:
@@ -259,12 +269,14 @@ def validate_key_expiry(expires_at: datetime | None) -> None:
         raise ValidationError("Choose an expiry in the future, or none.")
 
 
-def do_issue_playground_key(*, organization: Organization, user: User, endpoint_name: str,
-                            lifetime: timedelta) -> APIKey:
-    """A short-lived inference key for one member's playground on one endpoint, so that what
-    the playground spends is recorded against a key of its own, never another's. Any member
-    may have one. Its secret is `kvrun.common.digests.playground_secret(key.id)`: derived, never
-    stored, never shown."""
+def do_issue_playground_key(*, organization: Organization, user: User, actor_role: str | None,
+                            endpoint_name: str, lifetime: timedelta) -> APIKey:
+    """A short-lived inference key for one person's playground on one endpoint, so that what
+    the playground spends is recorded against a key of its own, never another's. Owners and
+    admins may have one: the playground spends (and wakes an endpoint at zero), and members
+    are read-only. Its secret is `kvrun.common.digests.playground_secret(key.id)`: derived,
+    never stored, never shown. Raises PermissionDenied for a member."""
+    require_manager(actor_role, "use the playground")
     key = APIKey(organization=organization, name=f"playground: {user.email}"[:100],
                  scope=Scope.INFERENCE, purpose=KeyPurpose.PLAYGROUND,
                  endpoint_names=[endpoint_name], created_by=user,

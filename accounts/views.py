@@ -10,7 +10,7 @@ from django.contrib.auth.decorators import login_required
 from django.contrib.auth.forms import PasswordResetForm
 from django.core.cache import cache
 from django.core.exceptions import ValidationError
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils.http import url_has_allowed_host_and_scheme
 
@@ -22,7 +22,11 @@ from kvrun.common.clients import client_address
 from kvrun.common.digests import secret_digest
 from kvrun.common.forms import add_service_errors
 
+# Reset requests a client address may make an hour; and reset mails one email address may
+# be sent an hour, from every address together: enough that no stranger can keep a person's
+# reset from them for long, few enough that nobody floods an inbox.
 PASSWORD_RESETS_PER_HOUR = 5
+PASSWORD_RESET_MAILS_PER_HOUR = 20
 
 
 def lockout(request: HttpRequest, credentials: dict | None = None, *args: object,
@@ -60,8 +64,10 @@ def sign_up(request: HttpRequest) -> HttpResponse:
 
 
 class PasswordResetView(auth_views.PasswordResetView):
-    """Django's reset form, with its mail limited per address and per client address
-    (`PASSWORD_RESETS_PER_HOUR` each), so that nobody can flood an inbox through it."""
+    """Django's reset form, limited per client address (PASSWORD_RESETS_PER_HOUR: that
+    address is told, with a 429) and per email address (PASSWORD_RESET_MAILS_PER_HOUR: past
+    it, no mail is sent, and the answer is the one every request gets, so that it says
+    neither whether the address has an account nor how often it was asked for)."""
 
     template_name = "accounts/password_reset.html"
     email_template_name = "accounts/password_reset_email.txt"
@@ -69,17 +75,21 @@ class PasswordResetView(auth_views.PasswordResetView):
     success_url = "/password/reset/sent/"
 
     def form_valid(self, form: PasswordResetForm) -> HttpResponse:
-        senders = (f"password-reset:email:{form.cleaned_data['email'].lower()}",
-                   f"password-reset:ip:{client_address(self.request)}")
-        if not all([_within_hourly_limit(name) for name in senders]):
-            form.add_error("email", "Too many reset requests; wait an hour, then try again.")
+        if not _within_hourly_limit(f"password-reset:ip:{client_address(self.request)}",
+                                    PASSWORD_RESETS_PER_HOUR):
+            form.add_error("email", "Too many reset requests from your address; wait an "
+                                    "hour, then try again.")
             return self.render_to_response(self.get_context_data(form=form), status=429)
+        if not _within_hourly_limit(
+                f"password-reset:email:{form.cleaned_data['email'].lower()}",
+                PASSWORD_RESET_MAILS_PER_HOUR):
+            return HttpResponseRedirect(self.get_success_url())
         return super().form_valid(form)
 
 
-def _within_hourly_limit(name: str) -> bool:
+def _within_hourly_limit(name: str, most: int) -> bool:
     cache.add(name, 0, timeout=3600)
-    return cache.incr(name) <= PASSWORD_RESETS_PER_HOUR
+    return cache.incr(name) <= most
 
 
 @login_required

@@ -5,6 +5,9 @@ and its search runs substring matches on every row; here both use fixed choices 
 matches on indexed columns instead, and the list counts at most BoundedCountPaginator's limit.
 """
 
+from typing import Any
+
+from django import forms
 from django.contrib import admin
 from django.db.models import Q, QuerySet
 from django.http import HttpRequest
@@ -25,6 +28,7 @@ from billing.models import (
     UsageRecord,
 )
 from billing.money import usd
+from billing.payments import do_clear_delinquency
 from billing.rollup import do_write_down_list_prices
 from billing.selectors import RollupLag, rollup_lag
 from endpoints.models import Endpoint
@@ -286,13 +290,48 @@ class BudgetEventAdmin(LedgerAdmin):
 
 
 
+class BillingAccountForm(forms.ModelForm):
+    clear_delinquency = forms.BooleanField(
+        required=False, help_text="Lift the hold its failed payment put on the organisation "
+                                  "(a budget's stays); its invoices keep their status.")
+    reason = forms.CharField(required=False, max_length=500, widget=forms.Textarea(
+        attrs={"rows": 2}), help_text="Why: kept in this account's history.")
+
+    class Meta:
+        model = BillingAccount
+        fields: list[str] = []
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        if cleaned.get("clear_delinquency"):
+            if self.instance.delinquent_since is None:
+                self.add_error("clear_delinquency", "This account is not delinquent.")
+            if not cleaned.get("reason", "").strip():
+                self.add_error("reason", "Say why: the reason is kept in the history.")
+        return cleaned
+
+
 @admin.register(BillingAccount)
 class BillingAccountAdmin(admin.ModelAdmin):
     list_display = ["organization", "stripe_customer_id", "payment_method", "delinquent_since"]
+    list_filter = [("delinquent_since", admin.EmptyFieldListFilter)]
     list_select_related = ["organization"]
     search_fields = ["=organization__slug", "=stripe_customer_id"]
+    form = BillingAccountForm
     readonly_fields = ["organization", "stripe_customer_id", "stripe_subscription_id",
                        "payment_method", "delinquent_since", "delinquent_reason"]
+    fields = [*readonly_fields, "clear_delinquency", "reason"]
+
+    def save_model(self, request: HttpRequest, obj: BillingAccount, form: Any,
+                   change: bool) -> None:
+        if form.cleaned_data.get("clear_delinquency"):
+            do_clear_delinquency(account=obj)
+
+    def construct_change_message(self, request: HttpRequest, form: Any, formsets: Any,
+                                 add: bool = False) -> str | list:
+        if form.cleaned_data.get("clear_delinquency"):
+            return f"Cleared the delinquency: {form.cleaned_data['reason'].strip()}"
+        return super().construct_change_message(request, form, formsets, add)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

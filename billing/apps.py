@@ -6,3 +6,6 @@ class BillingConfig(AppConfig):
 
     name = "billing"
     verbose_name = "Billing"
+
+    def ready(self) -> None:
+        from billing import checks  # noqa: F401  registers the deployment checks

@@ -57,7 +57,8 @@ def spend_of(*, organization: Organization, now: datetime | None = None) -> Spen
 def do_set_budget(*, organization: Organization, actor_role: str | None,
                   monthly_limit_cents: int, thresholds: list[int], action: str) -> Budget:
     """Set the organisation's budget and check it at once, so that a raised budget lifts its
-    hold now. Raises ValidationError for a limit below a cent or thresholds outside 1–1000 %."""
+    hold now. Raises ValidationError for a limit below a cent, or thresholds outside
+    1–1000 % or more than MAX_BUDGET_THRESHOLDS of them."""
     require_manager(actor_role, "set the budget")
     values = {"monthly_limit_cents": monthly_limit_cents, "thresholds": sorted(set(thresholds)),
               "action": action}

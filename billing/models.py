@@ -335,6 +335,10 @@ class BudgetAction(models.TextChoices):
     STOP = "stop", "stop the endpoints"
 
 
+# A handful: each threshold is an alert, and an event each month it is crossed.
+MAX_BUDGET_THRESHOLDS = 10
+
+
 def default_thresholds() -> list[int]:
     return [50, 80, 100]
 
@@ -363,10 +367,11 @@ class Budget(models.Model):
     def clean(self) -> None:
         if self.monthly_limit_cents is not None and self.monthly_limit_cents < 1:
             raise ValidationError({"monthly_limit_cents": "Set a limit of at least $0.01."})
-        if not self.thresholds or any(not 1 <= threshold <= 1000
-                                      for threshold in self.thresholds):
-            raise ValidationError({"thresholds": "Give one or more percentages of the limit, "
-                                                 "each from 1 to 1000, such as 50, 80, 100."})
+        if (not self.thresholds or len(set(self.thresholds)) > MAX_BUDGET_THRESHOLDS
+                or any(not 1 <= threshold <= 1000 for threshold in self.thresholds)):
+            raise ValidationError({"thresholds": (
+                f"Give one to {MAX_BUDGET_THRESHOLDS} percentages of the limit, each from 1 to "
+                "1000, such as 50, 80, 100.")})
 
 
 class BudgetEvent(models.Model):

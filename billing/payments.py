@@ -7,12 +7,14 @@ a push looks for what an earlier, interrupted push created before creating anyth
 push never duplicates an item or an invoice, on Stripe or on a stand-in that ignores
 idempotency keys.
 
-Webhooks are verified on the raw body, stored once per event id, and handled by re-reading
-the invoice from Stripe, so that events arriving twice or out of order end in the same state.
+Webhooks are taken only where payments are configured, verified on the raw body, stored once
+per event id (kept KVRUN_STRIPE_EVENT_KEPT_DAYS), and handled by re-reading the invoice or the
+subscription from Stripe, so that events arriving twice, out of order or forged with a
+leaked secret end in the state Stripe holds.
 """
 
 import logging
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import stripe
 from django.conf import settings
@@ -45,6 +47,12 @@ class StripeUnavailable(Exception):
 
 def configured() -> bool:
     return bool(settings.STRIPE_SECRET_KEY)
+
+
+def receives_webhooks() -> bool:
+    """Whether Stripe's deliveries are taken: with its key and the webhook's secret both
+    set. `manage.py check --deploy` refuses a deployment with one of them alone."""
+    return bool(settings.STRIPE_SECRET_KEY and settings.STRIPE_WEBHOOK_SECRET)
 
 
 def _client() -> stripe.StripeClient:
@@ -215,9 +223,17 @@ def do_receive_webhook(*, payload: bytes, signature: str) -> StripeEvent | None:
 def _handle(event: stripe.Event) -> str:
     data = event.data.object
     if event.type == "customer.subscription.deleted":
-        account = BillingAccount.objects.filter(stripe_customer_id=data.customer).first()
+        # The subscription as Stripe holds it now decides, not the payload, and only the
+        # one kvrun made for an account with a customer of its own.
+        subscription = _client().v1.subscriptions.retrieve(data.id)
+        if subscription.status != "canceled":
+            return (f"subscription {subscription.id} is {subscription.status} on Stripe: "
+                    "nothing done")
+        account = (BillingAccount.objects.exclude(stripe_customer_id="")
+                   .filter(stripe_customer_id=subscription.customer,
+                           stripe_subscription_id=subscription.id).first())
         if account is None:
-            return "no organisation has this customer"
+            return "no organisation has this subscription"
         _mark_delinquent(account, "Its Stripe subscription was cancelled")
         do_refresh_hold(organization=account.organization)
         return "organisation marked unpaid"
@@ -246,6 +262,27 @@ def _handle(event: stripe.Event) -> str:
     Invoice.objects.filter(id=invoice.id, stripe_invoice_id="").update(
         stripe_invoice_id=current.id, payment_status=PaymentStatus.OPEN)
     return f"invoice {invoice.number} {current.status}"
+
+
+def do_prune_stripe_events(*, now: datetime) -> int:
+    """Delete the webhook deliveries handled more than KVRUN_STRIPE_EVENT_KEPT_DAYS before
+    `now` (Stripe redelivers an event for three days at most, so a pruned id never comes
+    back as new). Returns how many."""
+    kept_from = now - timedelta(days=settings.KVRUN_STRIPE_EVENT_KEPT_DAYS)
+    deleted, _ = StripeEvent.objects.filter(received_at__lt=kept_from,
+                                            handled_at__isnull=False).delete()
+    return deleted
+
+
+def do_clear_delinquency(*, account: BillingAccount) -> bool:
+    """An operator's pardon: the account is no longer delinquent, and the hold that its
+    failed payment put on the organisation is lifted (a budget's stays). Its invoices keep
+    their payment status. Returns False, changing nothing, for an account not delinquent."""
+    cleared = BillingAccount.objects.filter(id=account.id, delinquent_since__isnull=False
+                                            ).update(delinquent_since=None, delinquent_reason="")
+    if cleared:
+        do_refresh_hold(organization=account.organization)
+    return bool(cleared)
 
 
 def _mark_delinquent(account: BillingAccount, what: str) -> None:

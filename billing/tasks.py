@@ -63,3 +63,11 @@ def enforce_budgets() -> None:
     events = do_enforce_budgets()
     if events:
         logger.info("%d budget threshold(s) crossed", events)
+
+
+@shared_task(name="billing.prune_stripe_events", ignore_result=True)
+def prune_stripe_events() -> None:
+    """Delete the stored webhook deliveries past their retention."""
+    pruned = payments.do_prune_stripe_events(now=timezone.now())
+    if pruned:
+        logger.info("pruned %d stored Stripe event(s)", pruned)

@@ -4,12 +4,20 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from billing.payments import InvalidWebhook, StripeUnavailable, do_receive_webhook
+from billing.payments import (
+    InvalidWebhook,
+    StripeUnavailable,
+    do_receive_webhook,
+    receives_webhooks,
+)
 
 
 @csrf_exempt  # Stripe signs the body instead
 @require_POST
 def stripe_webhook(request: HttpRequest) -> JsonResponse:
+    if not receives_webhooks():
+        return JsonResponse({"error": "This deployment takes no payments: there is no "
+                                      "Stripe webhook here."}, status=404)
     try:
         stored = do_receive_webhook(payload=request.body,
                                     signature=request.headers.get("Stripe-Signature", ""))

@@ -36,7 +36,14 @@ MODEL_FIELDS = ["slug", "name", "hf_repo", "hf_revision", "hf_commit", "family",
                 "sliding_window_layers", "default_dtype", "licence", "chat_template"]
 
 
+# What clients send as "model": the catalog's slugs hold dots (llama-3.2-3b-instruct), which
+# a slug field's schema pattern would refuse.
+MODEL_SLUG_HELP = "What clients send as \"model\"; letters, digits, '-', '_' and '.'."
+
+
 class ModelSpecSerializer(serializers.ModelSerializer):
+    slug = serializers.CharField(read_only=True, help_text=MODEL_SLUG_HELP)
+
     class Meta:
         model = ModelSpec
         fields = MODEL_FIELDS
@@ -46,6 +53,7 @@ class OwnModelSerializer(serializers.ModelSerializer):
     """A model an organisation added from the hub; its access token shows as its last four
     characters only."""
 
+    slug = serializers.CharField(read_only=True, help_text=MODEL_SLUG_HELP)
     download_bytes = serializers.SerializerMethodField()
     hf_token = serializers.SerializerMethodField()
     added_by = serializers.EmailField(source="added_by.email", default=None, read_only=True)

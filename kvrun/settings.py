@@ -57,6 +57,7 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "kvrun.common.middleware.BodySizeLimitMiddleware",
+    "kvrun.common.middleware.ApiNotFoundMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -194,6 +195,8 @@ KVRUN_ORG_MAX_CONCURRENT_REQUESTS = env.int("KVRUN_ORG_MAX_CONCURRENT_REQUESTS",
 # is self-service, so these bound what a stranger can take before anyone looks: room to try
 # several models and to run two full 8-GPU nodes, no more.
 KVRUN_ORG_MAX_ENDPOINTS = env.int("KVRUN_ORG_MAX_ENDPOINTS", default=10)
+# Organisations one person may own: each has quotas of its own.
+KVRUN_MAX_OWNED_ORGANIZATIONS = env.int("KVRUN_MAX_OWNED_ORGANIZATIONS", default=5)
 KVRUN_ORG_MAX_GPUS = env.int("KVRUN_ORG_MAX_GPUS", default=16)
 KVRUN_ORG_MAX_REPLICAS = env.int("KVRUN_ORG_MAX_REPLICAS", default=16)
 # Requests with unknown keys an address may send a minute (per web process) before the
@@ -249,13 +252,16 @@ KVRUN_BILLING_ROLLUP_TIMEOUT_SECONDS = env.float("KVRUN_BILLING_ROLLUP_TIMEOUT_S
 # way lands in its own month; later usage is an adjustment on the next invoice.
 KVRUN_INVOICE_GRACE_SECONDS = env.int("KVRUN_INVOICE_GRACE_SECONDS", default=3600)
 # How often budgets are checked against the month's spend projected to the next check; with
-# the engines' stop grace, it bounds how far spend can pass a budget that stops endpoints.
+# the engines' drain and stop grace, it bounds how far spend can pass a budget that stops
+# endpoints (docs/billing.md, "Spend caps").
 KVRUN_BUDGET_CHECK_SECONDS = env.int("KVRUN_BUDGET_CHECK_SECONDS", default=60)
 # Stripe: empty STRIPE_SECRET_KEY keeps invoices in kvrun only. STRIPE_API_BASE points the
 # client elsewhere (a local Stripe stand-in in tests).
 STRIPE_SECRET_KEY = env.str("STRIPE_SECRET_KEY", default="")
 STRIPE_WEBHOOK_SECRET = env.str("STRIPE_WEBHOOK_SECRET", default="")
 STRIPE_API_BASE = env.str("STRIPE_API_BASE", default="")
+# Stored webhook deliveries are kept this long (Stripe retries one for three days at most).
+KVRUN_STRIPE_EVENT_KEPT_DAYS = env.int("KVRUN_STRIPE_EVENT_KEPT_DAYS", default=90)
 # After a failed payment, the organisation's endpoints keep running this long, then stop
 # until it pays.
 KVRUN_PAYMENT_GRACE_SECONDS = env.int("KVRUN_PAYMENT_GRACE_SECONDS", default=3 * 86400)
@@ -365,6 +371,7 @@ CELERY_BEAT_SCHEDULE = {
     "billing.finalize_invoices": {"task": "billing.finalize_invoices", "schedule": 300.0},
     "billing.enforce_budgets": {"task": "billing.enforce_budgets",
                                 "schedule": float(KVRUN_BUDGET_CHECK_SECONDS)},
+    "billing.prune_stripe_events": {"task": "billing.prune_stripe_events", "schedule": 3600.0},
     "telemetry.downsample_samples": {"task": "telemetry.downsample_samples", "schedule": 300.0},
     "telemetry.advise": {"task": "telemetry.advise", "schedule": 60.0},
 }

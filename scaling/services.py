@@ -54,7 +54,8 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
     for endpoint in endpoints:
         live = list(endpoint.replicas.all())
         if len(live) != endpoint.desired_replicas or any(
-                replica.state != State.READY for replica in live):
+                replica.state != State.READY or replica.policy_version != endpoint.policy_version
+                for replica in live):
             continue  # starting, stopping or rolling: judged once it has settled
         decision = _decide(endpoint, [replica.id for replica in live], now=now)
         if decision is None:
@@ -69,7 +70,8 @@ def do_scale_endpoints_on_signals(*, now: datetime) -> int:
                        f"({'not read yet' if busy is None else busy}), drained first")
         scaled += do_autoscale_endpoint(
             endpoint_id=endpoint.id, replicas=endpoint.desired_replicas, to_replicas=to_replicas,
-            reason=reason, stop_replica_id=stopped.id if stopped else None)
+            reason=reason, policy_version=endpoint.policy_version,
+            stop_replica_id=stopped.id if stopped else None)
     return scaled
 
 

@@ -127,18 +127,21 @@ def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str) 
 
 
 def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int, reason: str,
-                          stop_replica_id: UUID | None = None) -> bool:
-    """Move a running endpoint from `replicas` (the count the decision was made at) to
-    `to_replicas`, with `reason` (the numbers behind it) as its event. A conditional update:
-    a change made since, or a second autoscaler deciding the same, changes nothing. Returns
-    whether this call scaled it; the reconciler then adds replicas.
+                          policy_version: int, stop_replica_id: UUID | None = None) -> bool:
+    """Move a running endpoint from `replicas` at `policy_version` (what the decision was
+    made at) to `to_replicas`, with `reason` (the numbers behind it) as its event. A
+    conditional update: a change made since (a scale, or a policy change whose rolling
+    restart then decides alone), or a second autoscaler deciding the same, changes nothing.
+    Returns whether this call scaled it; the reconciler then adds replicas.
 
     Scaling down, `stop_replica_id` is the replica to remove (the one the event names),
     stopped in the same transaction; its node agent drains it first. If it has moved on
     since, nothing changes and False is returned: the next pass decides again."""
     with transaction.atomic():
         moved = _move_desired_replicas(
-            endpoint_id=endpoint_id, where=Q(desired_replicas=replicas), to_replicas=to_replicas,
+            endpoint_id=endpoint_id,
+            where=Q(desired_replicas=replicas, policy_version=policy_version),
+            to_replicas=to_replicas,
             message=reason, last_scaled_at=timezone.now())
         if moved and stop_replica_id is not None:
             replica = (Replica.objects.select_related("node")

@@ -10,6 +10,7 @@ from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.paginator import Paginator
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -26,6 +27,7 @@ from front.scoping import Member, membership
 from kvrun.common.forms import add_service_errors
 
 ROWS_SHOWN = 200
+BUDGET_EVENTS_PER_PAGE = 20  # newest first
 
 
 def _manager(request: HttpRequest, org_slug: str) -> Member:
@@ -60,8 +62,9 @@ def billing(request: HttpRequest, org_slug: str, budget_form: BudgetForm | None 
         "account": BillingAccount.objects.filter(organization=organization).first(),
         "stripe_on": payments.configured(),
         "budget": budget, "budget_form": form,
-        "budget_events": BudgetEvent.objects.filter(organization=organization,
-                                                    month=spend.month).order_by("at"),
+        "budget_events": Paginator(
+            BudgetEvent.objects.filter(organization=organization, month=spend.month)
+            .order_by("-at", "-id"), BUDGET_EVENTS_PER_PAGE).get_page(request.GET.get("events")),
         "member": member, "organization": organization, "section": "billing",
         "so_far_cents": spend.so_far_cents, "run_rate_usd": spend.run_rate_usd,
         "projected_cents": spend.so_far_cents + cents(spend.run_rate_usd * hours_left),

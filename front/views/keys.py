@@ -30,6 +30,8 @@ def api_keys(request: HttpRequest, org_slug: str, form: APIKeyForm | None = None
         "section": "keys",
         "api_keys": selectors.api_keys_of(organization=member.organization)
         .order_by("-created_at"),
+        "playground_keys": (selectors.playground_keys_of(organization=member.organization)
+                            if member.manages else []),
         "key_form": form or _key_form(member),
         "default_limits": {"requests": settings.KVRUN_KEY_REQUESTS_PER_MINUTE,
                            "tokens": settings.KVRUN_KEY_TOKENS_PER_MINUTE},

@@ -14,9 +14,10 @@ import httpx
 import orjson
 from asgiref.sync import sync_to_async
 from django.conf import settings
+from django.contrib import messages
 from django.contrib.auth.decorators import login_required
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse, StreamingHttpResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.views.decorators.http import require_POST
 
 from accounts.selectors import playground_key_of
@@ -39,6 +40,10 @@ MAX_TOKENS = 4096
 def playground(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
     member = membership(request, org_slug)
     endpoint = endpoint_of(member, name)
+    if not member.manages:
+        messages.error(request, "Only owners and admins can use the playground: it spends, "
+                                "and can wake an endpoint at zero; ask one of them.")
+        return redirect("endpoint", org_slug=org_slug, name=name)
     return render(request, "front/playground.html", {
         "member": member, "organization": member.organization, "endpoint": endpoint,
         "adapters": adapters_of(endpoint=endpoint), "section": "endpoints"})
@@ -54,6 +59,8 @@ async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
         member, endpoint = await sync_to_async(_visible)(request, org_slug, name)
     except Http404:
         return _error(404, "No such endpoint in this organisation.")
+    if not member.manages:
+        return _error(403, "Only owners and admins can use the playground; ask one of them.")
     try:
         payload = _payload(request.body)
     except ValueError as exc:
@@ -122,7 +129,8 @@ def _secret_for(request: HttpRequest, member: Member, endpoint: Endpoint,
         usable_for=KEY_RENEW_BEFORE)
     if key is None:
         key = do_issue_playground_key(organization=member.organization, user=request.user,
-                                      endpoint_name=endpoint.name, lifetime=KEY_LIFETIME)
+                                      actor_role=member.role, endpoint_name=endpoint.name,
+                                      lifetime=KEY_LIFETIME)
     return playground_secret(key.id)
 
 

@@ -7,7 +7,7 @@ from django import forms
 from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
-from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse
 from django.views.defaults import page_not_found
 from rest_framework import exceptions, serializers, status
 from rest_framework.pagination import PageNumberPagination
@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
 from kvrun.common.clients import client_address
-from kvrun.common.middleware import body_too_large_error
+from kvrun.common.middleware import body_too_large_error, no_such_api_path
 
 
 class Pagination(PageNumberPagination):
@@ -205,9 +205,7 @@ def not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
     """A URL no route matches (Django's handler404): under /api/ in the API's error envelope,
     so that API clients never get an HTML page; elsewhere Django's page."""
     if request.path.startswith("/api/"):
-        return JsonResponse({"error": {"type": "not_found", "fields": {},
-                                       "message": "No such API path; /api/docs/ lists them."}},
-                            status=404)
+        return no_such_api_path()
     return page_not_found(request, exception)
 
 

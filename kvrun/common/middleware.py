@@ -29,6 +29,30 @@ class BodySizeLimitMiddleware:
         return self.get_response(request)
 
 
+class ApiNotFoundMiddleware:
+    """A path under /api/ that no route matches answers the API's JSON 404, never an HTML
+    page: Django's handler404 (kvrun.common.api.not_found) is not used while DEBUG is on,
+    and its debug page would otherwise reach API clients of `make run`. Outside
+    CommonMiddleware, so that a path missing its trailing slash is still redirected."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        response = self.get_response(request)
+        if (response.status_code == 404 and request.path.startswith("/api/")
+                and response.get("Content-Type", "").startswith("text/html")):
+            return no_such_api_path()
+        return response
+
+
+def no_such_api_path() -> JsonResponse:
+    """The API's 404 for a path no route matches, in its error envelope."""
+    return JsonResponse({"error": {"type": "not_found", "fields": {},
+                                   "message": "No such API path; /api/docs/ lists them."}},
+                        status=404)
+
+
 def limit_body(app: ASGIApp) -> ASGIApp:
     """`app` (Django's ASGI handler) behind the body limit: 413 as soon as a body is known to be
     over DATA_UPLOAD_MAX_MEMORY_SIZE, from its declared length or, for a chunked upload, from

@@ -1,7 +1,8 @@
 import pytest
+from django.contrib.auth.models import Permission
 from django.test import Client
 
-from accounts.models import Organization
+from accounts.models import APIKey, Organization
 from accounts.services import do_create_invite
 from tests.factories import UserFactory, api_key
 
@@ -53,3 +54,27 @@ def test_an_operator_revokes_keys(operator: Client, org: Organization) -> None:
 def test_the_console_lists_people_and_organisations(operator: Client, org: Organization) -> None:
     assert b"Acme" in operator.get("/admin/accounts/organization/").content
     assert b"owner@acme.test" in operator.get("/admin/accounts/user/").content
+
+
+def test_staff_who_may_only_view_keys_cannot_revoke_or_delete_them(org: Organization) -> None:
+    key, _ = api_key(org)
+    viewer = UserFactory(is_staff=True)
+    viewer.user_permissions.add(Permission.objects.get(codename="view_apikey"))
+    client = Client()
+    client.force_login(viewer)
+
+    listed = client.get("/admin/accounts/apikey/")
+    revoked = client.post("/admin/accounts/apikey/", {
+        "action": "revoke", "_selected_action": [str(key.id)]})
+    deleted = client.post("/admin/accounts/apikey/", {
+        "action": "delete_selected", "_selected_action": [str(key.id)], "post": "yes"})
+
+    assert listed.status_code == 200 and b'value="revoke"' not in listed.content
+    assert revoked.status_code == 200 and deleted.status_code == 200  # "no action selected"
+    key.refresh_from_db()
+    assert key.revoked_at is None
+    superuser = Client()
+    superuser.force_login(UserFactory(is_staff=True, is_superuser=True))
+    assert b"delete_selected" not in superuser.get("/admin/accounts/apikey/").content
+    assert superuser.post(f"/admin/accounts/apikey/{key.id}/delete/").status_code == 403
+    assert APIKey.objects.filter(id=key.id).exists()

@@ -34,6 +34,7 @@ def test_it_creates_a_key_and_shows_the_secret_once(owner_api: APIClient,
     response = owner_api.post(keys_url(org), {"name": "ci", "scope": "inference"}, format="json")
 
     assert response.status_code == 201, response.content
+    assert "no-store" in response["Cache-Control"]  # no cache may keep the secret
     body = response.json()
     secret = body["secret"]
     # kvr_ and 43 base62 characters: 256 bits, as the API documentation says.

@@ -25,7 +25,9 @@ def join(org: Organization, role: str = Role.MEMBER) -> User:
 
 
 def test_an_invite_link_works_once(owner_api: APIClient, org: Organization) -> None:
-    created = owner_api.post(invites_url(org), {"role": "admin"}, format="json").json()
+    response = owner_api.post(invites_url(org), {"role": "admin"}, format="json")
+    assert "no-store" in response["Cache-Control"]  # no cache may keep the token
+    created = response.json()
     assert created["url"].endswith(f"/invite/{created['token']}/")
     invitee, second = APIClient(), APIClient()
     invitee.force_authenticate(UserFactory(email="new@acme.test"))
@@ -129,6 +131,19 @@ def test_a_user_creates_another_organisation(owner_api: APIClient, owner: User) 
 
     assert response.status_code == 201
     assert Membership.objects.get(user=owner, organization__slug="side-project").role == Role.OWNER
+
+
+def test_one_person_owns_a_bounded_number_of_organisations(
+        owner_api: APIClient, owner: User, org: Organization, settings: object) -> None:
+    settings.KVRUN_MAX_OWNED_ORGANIZATIONS = 3
+    answers = [owner_api.post("/api/v1/organizations/", {"name": f"Side {n}"},
+                              format="json") for n in range(3)]
+
+    assert [answer.status_code for answer in answers] == [201, 201, 400]
+    assert answers[2].json()["error"]["fields"]["name"] == [
+        "You own 3 organisations, the most one person may; use one of them, or ask an "
+        "operator."]
+    assert Membership.objects.filter(user=owner, role=Role.OWNER).count() == 3
 
 
 def test_a_key_cannot_create_organisations(manage_secret: str) -> None:

@@ -120,7 +120,7 @@ def test_a_reset_for_an_unknown_email_sends_nothing_and_says_the_same(client: Cl
     assert mail.outbox == []
 
 
-def test_reset_mail_is_limited_per_address(client: Client) -> None:
+def test_reset_requests_are_limited_per_client_address(client: Client) -> None:
     UserFactory(email="ada@example.com")
 
     answers = [client.post("/password/reset/", {"email": "ada@example.com"}).status_code
@@ -128,6 +128,26 @@ def test_reset_mail_is_limited_per_address(client: Client) -> None:
 
     assert answers == [302] * 5 + [429]
     assert len(mail.outbox) == 5
+
+
+def test_strangers_cannot_keep_a_person_s_reset_from_them_or_flood_their_inbox() -> None:
+    UserFactory(email="ada@example.com")
+
+    def ask(address: str, email: str = "ada@example.com") -> int:
+        return Client(REMOTE_ADDR=address).post("/password/reset/", {"email": email}).status_code
+
+    # Strangers from three addresses ask fifteen times: each is answered as anyone is.
+    strangers = [ask(f"198.51.100.{n}") for n in range(3) for _ in range(5)]
+    ada = ask("203.0.113.9")  # Ada's own request still reaches her
+
+    assert strangers == [302] * 15 and ada == 302
+    assert len(mail.outbox) == 16
+    # Past the mails an address may be sent in an hour, nothing more is sent, and the answer
+    # is the same: it tells nothing of the account or of the count.
+    later = [ask(f"192.0.2.{n}") for n in range(5)]
+    unknown = ask("192.0.2.99", "nobody@example.com")
+    assert later == [302] * 5 and unknown == 302
+    assert len(mail.outbox) == 20
 
 
 def test_reset_mail_is_limited_per_client_behind_a_trusted_proxy(settings: object) -> None:

@@ -75,12 +75,14 @@ def test_a_stop_budget_stops_the_endpoints_within_the_stated_overshoot(
             stopped_at = moment
             break
     assert stopped_at is not None
-    # The worker reconciles; the engine takes its whole grace to stop.
+    # The worker reconciles; the engine drains its requests as long as it may, then takes
+    # its whole grace to stop: the longest a stop can bill.
     with time_machine.travel(stopped_at, tick=False):
         reconcile_endpoint(endpoint_id=running.id)
     replica = Replica.objects.get(endpoint=running)
     assert replica.state == State.STOPPING
-    gone = stopped_at + timedelta(seconds=settings.KVRUN_ENGINE_STOP_GRACE_SECONDS)
+    stopping = settings.KVRUN_ENGINE_DRAIN_SECONDS + settings.KVRUN_ENGINE_STOP_GRACE_SECONDS
+    gone = stopped_at + timedelta(seconds=stopping)
     with time_machine.travel(gone, tick=False):
         assert do_transition_replica(replica_id=replica.id, from_states=[State.STOPPING],
                                      to_state=State.STOPPED, message="engine stopped")
@@ -88,7 +90,7 @@ def test_a_stop_budget_stops_the_endpoints_within_the_stated_overshoot(
 
     with time_machine.travel(gone + timedelta(hours=1), tick=False):
         final = spend_of(organization=org).so_far_cents
-    bound = cents(RATE * (CHECK_SECONDS + settings.KVRUN_ENGINE_STOP_GRACE_SECONDS) / 3600)
+    bound = cents(RATE * Decimal(CHECK_SECONDS + stopping) / 3600)
     assert final - 100 <= bound
     hold = Organization.objects.get(id=org.id).billing_hold
     assert "monthly budget of $1.00 is reached" in hold and f"/orgs/{org.slug}/billing/" in hold
@@ -118,6 +120,7 @@ def test_a_new_month_lifts_the_hold(running: Endpoint, org: Organization) -> Non
 
 @pytest.mark.parametrize(("limit", "thresholds", "field"), [
     (0, [100], "monthly_limit_cents"), (100, [], "thresholds"), (100, [0, 50], "thresholds"),
+    (100, list(range(10, 120, 10)), "thresholds"),  # eleven: more than a handful
 ])
 def test_a_budget_that_makes_no_sense_is_refused(org: Organization, limit: int,
                                                  thresholds: list[int], field: str) -> None:

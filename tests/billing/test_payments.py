@@ -10,16 +10,23 @@ import pytest
 import stripe
 import time_machine
 from django.conf import settings
+from django.contrib.admin.models import LogEntry
+from django.core.checks import run_checks
 from django.test import Client
 
 from accounts.models import Organization
 from billing.budgets import do_enforce_budgets
 from billing.models import BillingAccount, Invoice, PaymentStatus, StripeEvent
-from billing.payments import do_attach_card, do_ensure_customer, do_push_invoice
+from billing.payments import (
+    do_attach_card,
+    do_ensure_customer,
+    do_prune_stripe_events,
+    do_push_invoice,
+)
 from endpoints.models import DesiredState, Endpoint, Node, Replica
 from tests.billing.conftest import WEBHOOK_SECRET
 from tests.billing.helpers import finalize_at, ready_for
-from tests.factories import demo_endpoint
+from tests.factories import UserFactory, demo_endpoint
 from tests.helpers import wait_until
 
 GOOD_CARD = {"number": "4242424242424242", "exp_month": 12, "exp_year": 2031, "cvc": "123"}
@@ -207,3 +214,101 @@ def test_a_delivery_stripe_cannot_be_asked_about_is_stored_only_once_handled(
 
     assert failed.status_code == 503
     assert not StripeEvent.objects.filter(stripe_id="evt_retried").exists()
+
+
+@pytest.mark.django_db
+def test_without_payments_configured_the_webhook_is_a_404_and_stores_nothing(
+        client: Client, settings: object) -> None:
+    for key, secret in (("", ""), ("sk_test_kvrun", ""), ("", WEBHOOK_SECRET)):
+        settings.STRIPE_SECRET_KEY, settings.STRIPE_WEBHOOK_SECRET = key, secret
+
+        refused = deliver(client, "invoice.paid", {"id": "in_1", "object": "invoice"})
+
+        assert refused.status_code == 404
+        assert refused.json()["error"].startswith("This deployment takes no payments")
+    assert not StripeEvent.objects.exists()
+
+
+@pytest.mark.parametrize(("key", "secret", "missing"), [
+    ("sk_test_kvrun", "", "STRIPE_WEBHOOK_SECRET"), ("", WEBHOOK_SECRET, "STRIPE_SECRET_KEY"),
+    ("", "", None), ("sk_test_kvrun", WEBHOOK_SECRET, None)])
+def test_check_deploy_refuses_a_half_configured_stripe(settings: object, key: str, secret: str,
+                                                       missing: str | None) -> None:
+    settings.STRIPE_SECRET_KEY, settings.STRIPE_WEBHOOK_SECRET = key, secret
+
+    found = [message for message in run_checks(include_deployment_checks=True)
+             if message.id == "kvrun.billing.E001"]
+
+    if missing is None:
+        assert found == []
+    else:
+        [error] = found
+        assert error.is_serious() and f"{missing} is not" in error.msg
+
+
+def test_a_cancelled_subscription_counts_as_stripe_holds_it_not_as_the_payload_says(
+        invoice: Invoice, org: Organization, other_org: Organization, client: Client) -> None:
+    account = do_attach_card(organization=org, card=GOOD_CARD)
+    # An account made while payments were off: no customer, which must match nothing.
+    BillingAccount.objects.create(organization=other_org)
+    live = stripe_client().v1.subscriptions.retrieve(account.stripe_subscription_id).to_dict()
+
+    forged = deliver(client, "customer.subscription.deleted", {**live, "status": "canceled"})
+    empty = deliver(client, "customer.subscription.deleted", {**live, "customer": ""})
+
+    assert (forged.status_code, empty.status_code) == (200, 200)
+    assert sorted(StripeEvent.objects.values_list("outcome", flat=True)) == [
+        f"subscription {live['id']} is {live['status']} on Stripe: nothing done"] * 2
+    assert not BillingAccount.objects.exclude(delinquent_since=None).exists()
+
+    cancelled = stripe_client().v1.subscriptions.cancel(account.stripe_subscription_id)
+    delivered = deliver(client, "customer.subscription.deleted", cancelled.to_dict())
+
+    assert delivered.status_code == 200
+    assert BillingAccount.objects.get(organization=org).delinquent_since is not None
+    assert BillingAccount.objects.get(organization=other_org).delinquent_since is None
+
+
+@pytest.mark.django_db
+def test_stored_deliveries_are_pruned_after_their_retention(settings: object) -> None:
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    for stripe_id, days, handled in (("evt_old", 91, True), ("evt_kept", 89, True),
+                                     ("evt_unhandled", 200, False)):
+        event = StripeEvent.objects.create(stripe_id=stripe_id, type="invoice.paid",
+                                           payload={}, handled_at=now if handled else None)
+        StripeEvent.objects.filter(id=event.id).update(received_at=now - timedelta(days=days))
+
+    assert do_prune_stripe_events(now=now) == 1
+
+    assert sorted(StripeEvent.objects.values_list("stripe_id", flat=True)) == [
+        "evt_kept", "evt_unhandled"]
+
+
+@pytest.mark.django_db
+def test_an_operator_clears_a_delinquency_with_a_reason_kept_in_the_history(
+        org: Organization, cpu_endpoint: Endpoint) -> None:
+    account = BillingAccount.objects.create(
+        organization=org, delinquent_since=datetime(2026, 1, 1, tzinfo=UTC),
+        delinquent_reason="The payment of invoice KVR-1 failed")
+    do_enforce_budgets()
+    assert Organization.objects.get(id=org.id).billing_hold  # past its grace: held
+    operator = Client()
+    operator.force_login(UserFactory(is_staff=True, is_superuser=True))
+    page = f"/admin/billing/billingaccount/{account.id}/change/"
+
+    unexplained = operator.post(page, {"clear_delinquency": "on", "reason": " "})
+    assert unexplained.status_code == 200
+    assert unexplained.context["adminform"].form.errors == {
+        "reason": ["Say why: the reason is kept in the history."]}
+    assert BillingAccount.objects.get(id=account.id).delinquent_since is not None
+
+    cleared = operator.post(page, {"clear_delinquency": "on", "reason": "paid by wire"})
+
+    assert cleared.status_code == 302
+    assert BillingAccount.objects.get(id=account.id).delinquent_since is None
+    assert Organization.objects.get(id=org.id).billing_hold == ""
+    assert LogEntry.objects.get(object_id=str(account.id)).get_change_message() == (
+        "Cleared the delinquency: paid by wire")
+    again = operator.post(page, {"clear_delinquency": "on", "reason": "twice"})
+    assert again.context["adminform"].form.errors == {
+        "clear_delinquency": ["This account is not delinquent."]}

@@ -11,10 +11,11 @@ from decimal import Decimal
 import pytest
 import time_machine
 from django.test import Client
+from django.utils import timezone
 
 from accounts.models import Organization
 from accounts.services import do_set_billing_hold
-from billing.models import Budget, GPUPrice, TokenPrice
+from billing.models import Budget, BudgetEvent, GPUPrice, TokenPrice
 from billing.rollup import do_roll_up_usage
 from endpoints.models import Endpoint, Node, Replica, State
 from tests.billing.helpers import finalize_at, ready_for, record, run_replica
@@ -138,8 +139,25 @@ def test_an_owner_sets_a_budget_and_sees_the_thresholds_it_reached(
                                                                             "stop")
     # $0.80 spent and $0.40 an hour running: 80 % is reached at once, 100 % within the check.
     page = owner_client.get(f"/orgs/{org.slug}/billing/")
-    assert [event.threshold for event in page.context["budget_events"]] == [50, 80]
+    assert [event.threshold for event in page.context["budget_events"]] == [80, 50]  # newest
     assert b"$1.00 a month" in page.content
+
+
+def test_a_month_s_budget_events_come_a_page_at_a_time(owner_client: Client,
+                                                       org: Organization) -> None:
+    month = timezone.now().date().replace(day=1)
+    Budget.objects.create(organization=org, monthly_limit_cents=100)
+    BudgetEvent.objects.bulk_create([
+        BudgetEvent(organization=org, month=month, threshold=50, limit_cents=100 + number,
+                    spend_cents=50, projected_cents=60, at=timezone.now()) for number in range(25)])
+
+    first = owner_client.get(f"/orgs/{org.slug}/billing/")
+    second = owner_client.get(f"/orgs/{org.slug}/billing/?events=2")
+
+    assert len(first.context["budget_events"]) == 20
+    assert [event.limit_cents for event in second.context["budget_events"]] == [
+        104, 103, 102, 101, 100]
+    assert b"Events 1\xe2\x80\x9320 of 25" in first.content
 
 
 @pytest.mark.parametrize(("thresholds", "phrase"), [

@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 from django.test import Client
 
-from accounts.models import APIKey, KeyPurpose, Organization, User
+from accounts.models import APIKey, KeyPurpose, Organization, Role, User
 from accounts.services import do_issue_playground_key
 from endpoints.models import Adapter
 from tests.factories import api_key, ready_endpoint
@@ -106,16 +106,19 @@ def test_revoking_a_key_refuses_it_at_once(owner_client: Client, org: Organizati
     assert key.state == "revoked"
 
 
-def test_playground_keys_stay_off_the_list(owner_client: Client, owner: User,
-                                           org: Organization) -> None:
-    do_issue_playground_key(organization=org, user=owner, endpoint_name="chat",
-                            lifetime=timedelta(hours=1))
+def test_playground_keys_are_listed_apart_for_owners_and_admins(
+        owner_client: Client, member_client: Client, owner: User, org: Organization) -> None:
+    do_issue_playground_key(organization=org, user=owner, actor_role=Role.OWNER,
+                            endpoint_name="chat", lifetime=timedelta(hours=1))
 
     page = owner_client.get(f"/orgs/{org.slug}/keys/")
+    seen_by_member = member_client.get(f"/orgs/{org.slug}/keys/")
 
     assert list(page.context["api_keys"]) == []
+    assert [key.created_by for key in page.context["playground_keys"]] == [owner]
     assert APIKey.objects.get().purpose == KeyPurpose.PLAYGROUND
     assert b"Create key" in page.content
+    assert seen_by_member.context["playground_keys"] == []
 
 
 def test_a_hidden_field_s_error_is_shown_too(owner_client: Client, org: Organization) -> None:

@@ -76,3 +76,19 @@ def test_signed_out_people_are_sent_to_sign_in(client: Client, org: Organization
 
     assert response.status_code == 302
     assert response["Location"].startswith("/login/")
+
+
+def test_members_are_read_only_and_cannot_spend_through_the_playground(
+        member_client: Client, org: Organization) -> None:
+    ready_endpoint(org, "chat", ports=[])
+
+    page = member_client.get(f"/orgs/{org.slug}/endpoints/chat/playground/", follow=True)
+    refused = chat(member_client, org, {"messages": [{"role": "user", "content": "hi"}]})
+    endpoint_page = member_client.get(f"/orgs/{org.slug}/endpoints/chat/")
+
+    assert page.redirect_chain == [(f"/orgs/{org.slug}/endpoints/chat/", 302)]
+    assert b"Only owners and admins can use the playground" in page.content
+    assert refused.status_code == 403
+    assert "Only owners and admins" in refused.json()["error"]["message"]
+    assert not APIKey.objects.exists()
+    assert b"Open the playground" not in endpoint_page.content

@@ -61,12 +61,19 @@ def test_every_operation_documents_the_errors_it_can_answer_with(api: APIClient)
                     else {"application/json"}), (method, path)
 
 
-def test_an_unknown_api_path_answers_in_the_api_s_error_envelope(api: APIClient) -> None:
-    response = api.get("/api/v1/no-such-thing/")
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_unknown_api_path_answers_in_the_api_s_error_envelope(
+        api: APIClient, settings: object, debug: bool) -> None:
+    # Under DEBUG (`make run`) Django answers its own HTML page, not the handler404.
+    settings.DEBUG = debug
+    for path in ("/api/v1/no-such-thing/", "/api/v1/organizations/acme/endpoints/a/b/c/"):
+        response = api.get(path)
 
-    assert response.status_code == 404
-    assert response["Content-Type"] == "application/json"
-    assert response.json()["error"]["type"] == "not_found"
+        assert response.status_code == 404
+        assert response["Content-Type"] == "application/json"
+        assert response.json()["error"]["type"] == "not_found"
+    # A path that lacks only its trailing slash is still sent to the one that has it.
+    assert api.get("/api/v1/models").status_code == 301
 
 
 @pytest.mark.django_db

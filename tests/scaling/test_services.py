@@ -16,7 +16,7 @@ from endpoints.models import (
     Replica,
     State,
 )
-from endpoints.services import do_autoscale_endpoint, do_scale_endpoint
+from endpoints.services import do_autoscale_endpoint, do_change_endpoint_policy, do_scale_endpoint
 from kvrun.common.redis import redis_client
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.selectors import replica_to_remove
@@ -242,11 +242,35 @@ def test_a_replica_chosen_that_has_moved_on_changes_nothing(org: Organization) -
     Replica.objects.filter(id=chosen.id).update(state=State.STOPPED)
 
     scaled = do_autoscale_endpoint(endpoint_id=endpoint.id, replicas=2, to_replicas=1,
-                                   reason="scaling down from 2 to 1", stop_replica_id=chosen.id)
+                                   reason="scaling down from 2 to 1", stop_replica_id=chosen.id,
+                                   policy_version=endpoint.policy_version)
 
     assert scaled is False
     assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 2
     assert scaling_events(endpoint) == []
+
+def test_a_scale_down_decided_before_a_policy_change_leaves_its_roll_alone(
+        org: Organization) -> None:
+    # Decided on two ready replicas of policy 1; the policy changes before the decision
+    # lands: its rolling restart replaces the replicas one at a time, and a scale-down now
+    # could stop the one replica the roll keeps serving.
+    endpoint = busy(org, 2, min_replicas=1)
+    chosen = endpoint.replicas.order_by("created_at").last()
+    decided_at = endpoint.policy_version
+    do_change_endpoint_policy(endpoint=endpoint, actor_role=Role.OWNER,
+                              changes={"prefix_caching": False})
+    assert Endpoint.objects.get(id=endpoint.id).policy_version == decided_at + 1
+
+    scaled = do_autoscale_endpoint(endpoint_id=endpoint.id, replicas=2, to_replicas=1,
+                                   reason="scaling down from 2 to 1", stop_replica_id=chosen.id,
+                                   policy_version=decided_at)
+
+    assert scaled is False
+    assert Replica.objects.get(id=chosen.id).state == State.READY
+    # While the roll runs (replicas on the older policy), the autoscaler decides nothing.
+    load(endpoint, seconds=120, in_flight=1, now=timezone.now())
+    assert do_scale_endpoints_on_signals(now=timezone.now()) == 0
+
 
 def test_it_decides_nothing_without_readings_over_the_whole_window_or_while_starting(
         org: Organization) -> None:
