@@ -1,10 +1,13 @@
 """The operators' console for people, organisations and keys. No secret is ever shown:
 keys and invites hold only digests, and the digest fields are left out here too."""
 
+from typing import Any
+
 from django.contrib import admin, messages
 from django.contrib.auth.admin import UserAdmin as BaseUserAdmin
+from django.core.exceptions import PermissionDenied
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 
 from accounts.models import APIKey, Invite, Membership, Organization, Role, User
 from accounts.services import do_revoke_api_key
@@ -65,10 +68,22 @@ class APIKeyAdmin(admin.ModelAdmin):
         # Keys are created where the secret can be shown once: the dashboard or the API.
         return False
 
-    def has_delete_permission(self, request: HttpRequest, obj: object = None) -> bool:
-        # Revoked, never deleted: the ledger's rows name their key, and usage still on its
-        # way is billed to it.
-        return False
+    # Revoked, never deleted one by one: the ledger's rows name their key, and usage still on
+    # its way is billed to it. (An organisation deleted takes its keys with it, which the
+    # delete permission, left as it is, allows.)
+    def get_actions(self, request: HttpRequest) -> dict:
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def delete_view(self, request: HttpRequest, object_id: str,
+                    extra_context: dict | None = None) -> HttpResponse:
+        raise PermissionDenied("API keys are revoked, never deleted.")
+
+    def render_change_form(self, request: HttpRequest, context: dict, *args: Any,
+                           **kwargs: Any) -> HttpResponse:
+        context["show_delete"] = False
+        return super().render_change_form(request, context, *args, **kwargs)
 
     @admin.action(description="Revoke the selected keys now", permissions=["change"])
     def revoke(self, request: HttpRequest, queryset: QuerySet[APIKey]) -> None:

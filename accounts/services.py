@@ -71,20 +71,15 @@ def do_sign_up(*, email: str, password: str, name: str = "", organization_name: 
 def do_create_organization(*, user: User, name: str) -> Organization:
     """Create an organisation with a unique slug derived from `name`, owned by `user`.
     Raises ValidationError for an empty name, or when `user` owns
-    KVRUN_MAX_OWNED_ORGANIZATIONS already: each organisation has quotas of its own, so one
-    person may not multiply them at will. The user's row is held while counting, so that two
-    creations at once cannot both take the last one."""
+    KVRUN_MAX_OWNED_ORGANIZATIONS already (_refuse_past_owned_cap)."""
     name = name.strip()
     if not name:
         raise ValidationError({"name": ["Give the organisation a name."]})
     base = slugify(name)[:50] or "org"
     with transaction.atomic():
-        User.objects.select_for_update().filter(id=user.id).first()
-        most = settings.KVRUN_MAX_OWNED_ORGANIZATIONS
-        if Membership.objects.filter(user=user, role=Role.OWNER).count() >= most:
-            raise ValidationError({"name": [
-                f"You own {most} organisations, the most one person may; use one of them, or "
-                "ask an operator."]})
+        _refuse_past_owned_cap(user, field="name",
+                               whose="You own {most} organisations, the most one person may; "
+                                     "use one of them, or ask an operator.")
         slug = base
         while True:
             try:
@@ -158,6 +153,10 @@ def do_accept_invite(*, token: str, user: User) -> Membership:
             ).update(accepted_at=now, accepted_by=user)
             if claimed != 1:
                 raise unusable
+            if invite.role == Role.OWNER:
+                _refuse_past_owned_cap(user, field="token", whose=(
+                    "You own {most} organisations, the most one person may: leave one, or "
+                    "ask for an invite as an admin or a member."))
             return Membership.objects.create(
                 organization_id=invite.organization_id, user=user, role=invite.role
             )
@@ -185,6 +184,10 @@ def do_change_member_role(*, membership: Membership, role: str,
         _lock_owners(membership.organization_id)
         if membership.role == Role.OWNER and role != Role.OWNER:
             _refuse_last_owner(membership, "make another member an owner before changing this role")
+        if role == Role.OWNER and membership.role != Role.OWNER:
+            _refuse_past_owned_cap(membership.user, field="role", whose=(
+                f"{membership.user.email} owns {{most}} organisations, the most one person "
+                "may; make them an admin instead."))
         Membership.objects.filter(id=membership.id).update(role=role)
     membership.role = role
     return membership
@@ -202,6 +205,18 @@ def do_remove_member(*, membership: Membership, actor_role: str | None, actor: U
         if membership.role == Role.OWNER:
             _refuse_last_owner(membership, "make another member an owner first")
         Membership.objects.filter(id=membership.id).delete()
+
+
+def _refuse_past_owned_cap(user: User, *, field: str, whose: str) -> None:
+    """Raise ValidationError on `field` (`whose`, with {most} filled in) when `user` owns
+    KVRUN_MAX_OWNED_ORGANIZATIONS organisations already: each has quotas of its own, so one
+    person may not multiply them at will, by creating organisations, by owner invites or by
+    promotion. Holds the user's row until the transaction ends, so that two of these at once
+    cannot both take the last one."""
+    User.objects.select_for_update().filter(id=user.id).first()
+    most = settings.KVRUN_MAX_OWNED_ORGANIZATIONS
+    if Membership.objects.filter(user=user, role=Role.OWNER).count() >= most:
+        raise ValidationError({field: [whose.format(most=most)]})
 
 
 def _lock_owners(organization_id: object) -> None:

@@ -79,12 +79,15 @@ def do_ensure_customer(*, organization: Organization) -> BillingAccount:
         BillingAccount.objects.filter(id=account.id).update(stripe_customer_id=customer.id)
         account.refresh_from_db()
     plan = _usage_plan(client)
-    subscriptions = client.v1.subscriptions.list(params={"customer": account.stripe_customer_id})
+    subscriptions = list(client.v1.subscriptions.list(
+        params={"customer": account.stripe_customer_id, "status": "all"}))
     live = [subscription for subscription in subscriptions if subscription.status == "active"]
+    # Keyed by how many it had: after a cancellation, the next one is a new subscription.
     subscription = live[0] if live else client.v1.subscriptions.create(
         params={"customer": account.stripe_customer_id, "items": [{"plan": plan}],
                 "metadata": tag},
-        options={"idempotency_key": f"kvrun-subscription-{organization.id}"})
+        options={"idempotency_key": f"kvrun-subscription-{organization.id}-"
+                                    f"{len(subscriptions)}"})
     BillingAccount.objects.filter(id=account.id).update(stripe_subscription_id=subscription.id)
     account.refresh_from_db()
     return account
@@ -225,7 +228,10 @@ def _handle(event: stripe.Event) -> str:
     if event.type == "customer.subscription.deleted":
         # The subscription as Stripe holds it now decides, not the payload, and only the
         # one kvrun made for an account with a customer of its own.
-        subscription = _client().v1.subscriptions.retrieve(data.id)
+        try:
+            subscription = _client().v1.subscriptions.retrieve(data.id)
+        except stripe.InvalidRequestError:  # an id Stripe does not know: forged, or another's
+            return f"no subscription {data.id} on Stripe: nothing done"
         if subscription.status != "canceled":
             return (f"subscription {subscription.id} is {subscription.status} on Stripe: "
                     "nothing done")
@@ -234,6 +240,9 @@ def _handle(event: stripe.Event) -> str:
                            stripe_subscription_id=subscription.id).first())
         if account is None:
             return "no organisation has this subscription"
+        # Forgotten, so that invoices pushed later (once paid, or once an operator clears
+        # the delinquency) go to a new subscription rather than to the cancelled one.
+        BillingAccount.objects.filter(id=account.id).update(stripe_subscription_id="")
         _mark_delinquent(account, "Its Stripe subscription was cancelled")
         do_refresh_hold(organization=account.organization)
         return "organisation marked unpaid"

@@ -1,8 +1,7 @@
 """Stripe's webhook: the raw body verified against its signature, nothing else trusted."""
 
-from django.http import HttpRequest, JsonResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseNotAllowed, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
-from django.views.decorators.http import require_POST
 
 from billing.payments import (
     InvalidWebhook,
@@ -13,11 +12,11 @@ from billing.payments import (
 
 
 @csrf_exempt  # Stripe signs the body instead
-@require_POST
-def stripe_webhook(request: HttpRequest) -> JsonResponse:
-    if not receives_webhooks():
-        return JsonResponse({"error": "This deployment takes no payments: there is no "
-                                      "Stripe webhook here."}, status=404)
+def stripe_webhook(request: HttpRequest) -> HttpResponse:
+    if not receives_webhooks():  # no route to find, whatever the method
+        raise Http404("No Stripe webhook: this deployment takes no payments.")
+    if request.method != "POST":
+        return HttpResponseNotAllowed(["POST"])
     try:
         stored = do_receive_webhook(payload=request.body,
                                     signature=request.headers.get("Stripe-Signature", ""))

@@ -40,8 +40,10 @@ class ApiNotFoundMiddleware:
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
         response = self.get_response(request)
+        # Only where no route matched: a route's own 404 (an object not found, in the
+        # browsable API's HTML too) says what it means.
         if (response.status_code == 404 and request.path.startswith("/api/")
-                and response.get("Content-Type", "").startswith("text/html")):
+                and getattr(request, "resolver_match", None) is None):
             return no_such_api_path()
         return response
 

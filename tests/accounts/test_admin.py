@@ -4,7 +4,7 @@ from django.test import Client
 
 from accounts.models import APIKey, Organization
 from accounts.services import do_create_invite
-from tests.factories import UserFactory, api_key
+from tests.factories import UserFactory, api_key, organization_with_owner
 
 pytestmark = pytest.mark.django_db
 
@@ -78,3 +78,14 @@ def test_staff_who_may_only_view_keys_cannot_revoke_or_delete_them(org: Organiza
     assert b"delete_selected" not in superuser.get("/admin/accounts/apikey/").content
     assert superuser.post(f"/admin/accounts/apikey/{key.id}/delete/").status_code == 403
     assert APIKey.objects.filter(id=key.id).exists()
+
+
+def test_an_operator_still_deletes_an_organisation_with_its_keys(operator: Client) -> None:
+    gone = organization_with_owner("Gone")
+    api_key(gone)
+
+    confirmed = operator.post(f"/admin/accounts/organization/{gone.id}/delete/", {"post": "yes"})
+
+    assert confirmed.status_code == 302
+    assert not Organization.objects.filter(id=gone.id).exists()
+    assert not APIKey.objects.filter(organization_id=gone.id).exists()

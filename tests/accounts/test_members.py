@@ -5,7 +5,7 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from accounts.models import Invite, Membership, Organization, Role, User
-from tests.factories import UserFactory
+from tests.factories import UserFactory, organization_with_owner
 
 pytestmark = pytest.mark.django_db
 
@@ -144,6 +144,31 @@ def test_one_person_owns_a_bounded_number_of_organisations(
         "You own 3 organisations, the most one person may; use one of them, or ask an "
         "operator."]
     assert Membership.objects.filter(user=owner, role=Role.OWNER).count() == 3
+
+
+def test_owner_invites_and_promotions_keep_to_the_cap_too(
+        owner_api: APIClient, org: Organization, settings: object) -> None:
+    settings.KVRUN_MAX_OWNED_ORGANIZATIONS = 1
+    busy = UserFactory(email="busy@example.com")
+    organization_with_owner("Busy's own", busy)  # busy owns one: the most
+    token = owner_api.post(invites_url(org), {"role": "owner"}, format="json").json()["token"]
+    invitee = APIClient()
+    invitee.force_authenticate(busy)
+
+    refused = invitee.post("/api/v1/invites/accept/", {"token": token}, format="json")
+
+    assert refused.status_code == 400
+    assert refused.json()["error"]["fields"]["token"] == [
+        "You own 1 organisations, the most one person may: leave one, or ask for an invite "
+        "as an admin or a member."]
+    assert not Membership.objects.filter(organization=org, user=busy).exists()
+    member = Membership.objects.create(organization=org, user=busy, role=Role.ADMIN)
+    promoted = owner_api.patch(f"/api/v1/organizations/{org.slug}/members/{busy.id}/",
+                               {"role": "owner"}, format="json")
+    assert promoted.status_code == 400
+    assert "busy@example.com owns 1 organisations" in promoted.json()["error"]["fields"][
+        "role"][0]
+    assert Membership.objects.get(id=member.id).role == Role.ADMIN
 
 
 def test_a_key_cannot_create_organisations(manage_secret: str) -> None:

@@ -19,6 +19,7 @@ from billing.budgets import do_enforce_budgets
 from billing.models import BillingAccount, Invoice, PaymentStatus, StripeEvent
 from billing.payments import (
     do_attach_card,
+    do_clear_delinquency,
     do_ensure_customer,
     do_prune_stripe_events,
     do_push_invoice,
@@ -225,7 +226,7 @@ def test_without_payments_configured_the_webhook_is_a_404_and_stores_nothing(
         refused = deliver(client, "invoice.paid", {"id": "in_1", "object": "invoice"})
 
         assert refused.status_code == 404
-        assert refused.json()["error"].startswith("This deployment takes no payments")
+        assert client.get(WEBHOOK).status_code == 404  # no route, whatever the method
     assert not StripeEvent.objects.exists()
 
 
@@ -261,12 +262,31 @@ def test_a_cancelled_subscription_counts_as_stripe_holds_it_not_as_the_payload_s
         f"subscription {live['id']} is {live['status']} on Stripe: nothing done"] * 2
     assert not BillingAccount.objects.exclude(delinquent_since=None).exists()
 
+    unknown = deliver(client, "customer.subscription.deleted", {**live, "id": "sub_nobody"})
+    assert unknown.status_code == 200  # not a 503: Stripe would retry it for days
+    assert StripeEvent.objects.filter(outcome="no subscription sub_nobody on Stripe: "
+                                              "nothing done").exists()
+
     cancelled = stripe_client().v1.subscriptions.cancel(account.stripe_subscription_id)
     delivered = deliver(client, "customer.subscription.deleted", cancelled.to_dict())
 
     assert delivered.status_code == 200
-    assert BillingAccount.objects.get(organization=org).delinquent_since is not None
+    after = BillingAccount.objects.get(organization=org)
+    assert after.delinquent_since is not None and after.stripe_subscription_id == ""
     assert BillingAccount.objects.get(organization=other_org).delinquent_since is None
+    # Cleared by an operator (or paid), the next push subscribes the customer anew.
+    do_clear_delinquency(account=after)
+    renewed = do_ensure_customer(organization=org)
+    assert renewed.stripe_subscription_id not in ("", account.stripe_subscription_id)
+    assert stripe_client().v1.subscriptions.retrieve(
+        renewed.stripe_subscription_id).status == "active"
+
+
+def test_check_refuses_a_retention_shorter_than_stripe_s_retries(settings: object) -> None:
+    settings.KVRUN_STRIPE_EVENT_KEPT_DAYS = 2
+
+    assert [message.id for message in run_checks() if message.id.startswith("kvrun.")] == [
+        "kvrun.billing.E002"]
 
 
 @pytest.mark.django_db

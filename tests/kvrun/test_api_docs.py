@@ -77,6 +77,15 @@ def test_an_unknown_api_path_answers_in_the_api_s_error_envelope(
 
 
 @pytest.mark.django_db
+def test_a_route_s_own_404_keeps_its_message_in_the_browsable_api_too(
+        owner_api: APIClient) -> None:
+    missing = owner_api.get("/api/v1/models/no-such-model/", HTTP_ACCEPT="text/html")
+
+    assert missing.status_code == 404
+    assert b"No such API path" not in missing.content
+
+
+@pytest.mark.django_db
 def test_a_page_size_out_of_range_is_refused_rather_than_ignored(owner_api: APIClient) -> None:
     for asked in ("0", "201", "null"):
         response = owner_api.get(f"/api/v1/models/?page_size={asked}")
