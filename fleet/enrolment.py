@@ -151,8 +151,9 @@ def owner_refusal(*, node_name: str, organization: Organization | None,
     name."""
     owner_id = organization.id if organization else None
     whose = f"{organization.name}'s" if organization else "a shared node"
-    owner = Node.objects.filter(name=node_name).values_list("organization_id", flat=True)
-    if owner.exists() and owner.first() != owner_id:
+    # The owners of the node of that name: none, or one (names are unique).
+    owners = list(Node.objects.filter(name=node_name).values_list("organization_id", flat=True))
+    if owners and owners[0] != owner_id:
         return f"a node named {node_name} exists and is not {whose}; choose another name"
     if not waiting_tokens:
         return None
