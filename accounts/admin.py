@@ -16,11 +16,12 @@ from accounts.services import do_revoke_api_key
 @admin.register(User)
 class UserAdmin(BaseUserAdmin):
     ordering = ["email"]
-    list_display = ["email", "name", "is_active", "is_staff", "date_joined", "last_login"]
+    list_display = ["email", "name", "is_active", "is_staff", "date_joined", "email_verified_at",
+                    "last_login"]
     search_fields = ["email", "name"]
-    list_filter = ["is_active", "is_staff", "is_superuser"]
+    list_filter = ["is_active", "is_staff", "is_superuser", "email_verified_at"]
     fieldsets = [
-        (None, {"fields": ["email", "password", "name"]}),
+        (None, {"fields": ["email", "password", "name", "email_verified_at"]}),
         ("Permissions", {"fields": ["is_active", "is_staff", "is_superuser", "groups",
                                     "user_permissions"]}),
         ("Dates", {"fields": ["last_login", "date_joined"]}),
@@ -45,6 +46,7 @@ class OrganizationAdmin(admin.ModelAdmin):
         # Raised here when a customer asks; the services refuse past them with a 400.
         ("Limits and quotas (empty: the deployment's default)",
          {"fields": ["max_concurrent_requests", "max_endpoints", "max_gpus", "max_replicas"]}),
+        ("Payment", {"fields": ["gpus_approved"]}),
     ]
     inlines = [MembershipInline]
 

@@ -16,7 +16,8 @@ class UserManager(BaseUserManager["User"]):
         return user
 
     def create_superuser(self, email: str, password: str | None = None, **fields: object) -> "User":
-        fields.update(is_staff=True, is_superuser=True)
+        # An operator made on the command line vouches for their own address.
+        fields.update(is_staff=True, is_superuser=True, email_verified_at=timezone.now())
         return self.create_user(email, password, **fields)
 
 
@@ -28,6 +29,12 @@ class User(AbstractBaseUser, PermissionsMixin):
     is_active = models.BooleanField(default=True)
     is_staff = models.BooleanField(default=False)
     date_joined = models.DateTimeField(default=timezone.now)
+    # When the person opened the link kvrun mailed to this address; nothing they own may
+    # hold hardware before it (sign-up is self-service: an unverified address costs nothing).
+    email_verified_at = models.DateTimeField(
+        null=True, blank=True,
+        help_text="When the address was confirmed from kvrun's link; empty until then. "
+                  "Operators may set it for a person they vouch for.")
 
     objects = UserManager()
 
@@ -75,6 +82,10 @@ class Organization(models.Model):
         null=True, blank=True,
         help_text="Replicas its running endpoints may scale to, all together; empty means the "
                   "deployment's default.")
+    gpus_approved = models.BooleanField(
+        default=False,
+        help_text="Where kvrun takes payment: may run GPU endpoints with no payment method on "
+                  "file (an operator vouches for it, invoicing it some other way).")
     billing_hold = models.TextField(
         blank=True, help_text="Why its endpoints may not run (a spend cap reached), as the "
                               "gateway and the dashboard tell its people; empty when they may.")

@@ -24,5 +24,7 @@ urlpatterns = [
         success_url="/password/reset/done/"), name="password_reset_confirm"),
     path("password/reset/done/", auth_views.PasswordResetCompleteView.as_view(
         template_name="accounts/password_reset_done.html"), name="password_reset_complete"),
+    path("email/verify/", views.send_email_verification, name="send-email-verification"),
+    path("email/verify/<str:token>/", views.verify_email, name="verify-email"),
     path("invite/<str:token>/", views.accept_invite, name="invite-accept"),
 ]

@@ -1,7 +1,9 @@
 """Reads for accounts: who may see what. Another organisation's objects are never found."""
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
+from uuid import UUID
 
 from django.conf import settings
 from django.core.cache import cache
@@ -78,13 +80,34 @@ class Quota:
     replicas: int
 
 
-def quota_of(*, organization: Organization) -> Quota:
-    """The organisation's quotas: its own where an operator set one, else the deployment's."""
-    return Quota(
-        endpoints=_or_default(organization.max_endpoints, settings.KVRUN_ORG_MAX_ENDPOINTS),
-        gpus=_or_default(organization.max_gpus, settings.KVRUN_ORG_MAX_GPUS),
-        replicas=_or_default(organization.max_replicas, settings.KVRUN_ORG_MAX_REPLICAS),
-    )
+QUOTAS = ("endpoints", "gpus", "replicas")
+_DEFAULT_QUOTA_SETTINGS = {"endpoints": "KVRUN_ORG_MAX_ENDPOINTS", "gpus": "KVRUN_ORG_MAX_GPUS",
+                           "replicas": "KVRUN_ORG_MAX_REPLICAS"}
+
+
+@dataclass(frozen=True)
+class QuotaScope:
+    """One quota (`most`) and the organisations whose endpoints count against it together."""
+
+    most: int
+    organization_ids: tuple[UUID, ...]
+
+
+def quota_scope(*, organization: Organization, owner_ids: Iterable[object],
+                quota: str) -> QuotaScope:
+    """Where an operator set the organisation's own value of `quota` (one of QUOTAS), the
+    organisation alone. Otherwise the deployment's default, counted over every organisation
+    its owners (`owner_ids`) own that is on the default too: organisations are free to create,
+    so the default bounds a person, not each of their organisations."""
+    own = getattr(organization, f"max_{quota}")
+    if own is not None:
+        return QuotaScope(most=own, organization_ids=(organization.id,))
+    pooled = (Organization.objects.filter(memberships__role=Role.OWNER,
+                                          memberships__user_id__in=list(owner_ids),
+                                          **{f"max_{quota}": None})
+              .exclude(id=organization.id).values_list("id", flat=True).distinct())
+    return QuotaScope(most=getattr(settings, _DEFAULT_QUOTA_SETTINGS[quota]),
+                      organization_ids=(organization.id, *sorted(pooled)))
 
 
 def organizations_visible_to(*, principal: Principal) -> QuerySet[Organization]:

@@ -12,11 +12,15 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 from django.contrib.auth.password_validation import validate_password
+from django.core import signing
 from django.core.cache import cache
 from django.core.exceptions import PermissionDenied, ValidationError
+from django.core.mail import send_mail
 from django.core.validators import validate_email
 from django.db import IntegrityError, transaction
 from django.db.models import Q
+from django.template.loader import render_to_string
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.text import slugify
 
@@ -39,10 +43,12 @@ from kvrun.common.digests import playground_secret, secret_digest
 logger = logging.getLogger(__name__)
 
 QUICKSTART_KEY_NAME = "quickstart"
+EMAIL_VERIFICATION_SALT = "kvrun.accounts.email-verification"
 
 
 def do_sign_up(*, email: str, password: str, name: str = "", organization_name: str = "") -> User:
-    """Create a user and an organisation that the user owns. Nothing is written on error."""
+    """Create a user and an organisation that the user owns, and mail them the link that
+    confirms their address (do_send_email_verification). Nothing is written on error."""
     email = (email or "").strip().lower()
     errors: dict[str, list[str]] = {}
     try:
@@ -65,6 +71,43 @@ def do_sign_up(*, email: str, password: str, name: str = "", organization_name: 
         raise ValidationError(
             {"email": ["An account with this email already exists; sign in instead."]}
         ) from None
+    do_send_email_verification(user=user)
+    return user
+
+
+def do_send_email_verification(*, user: User) -> None:
+    """Mail `user`, once the transaction commits, a link that confirms their address
+    (do_verify_email). It is signed, names the address, and works for
+    KVRUN_EMAIL_VERIFICATION_DAYS; nothing is stored."""
+    token = signing.dumps({"user": user.pk, "email": user.email}, salt=EMAIL_VERIFICATION_SALT)
+    body = render_to_string("accounts/verify_email.txt", {
+        "email": user.email, "days": settings.KVRUN_EMAIL_VERIFICATION_DAYS,
+        "link": settings.KVRUN_BASE_URL.rstrip("/") + reverse("verify-email", args=[token])})
+    transaction.on_commit(lambda: send_mail(
+        "Confirm your email address for kvrun", body, None, [user.email]))
+
+
+def do_verify_email(*, token: str) -> User:
+    """Mark the address that `token` (from do_send_email_verification) names as confirmed,
+    once; a link opened again changes nothing. Raises ValidationError, saying what to do,
+    for a link that is not kvrun's, has expired, or names an address that is no longer the
+    account's."""
+    try:
+        claim = signing.loads(token, salt=EMAIL_VERIFICATION_SALT,
+                              max_age=timedelta(days=settings.KVRUN_EMAIL_VERIFICATION_DAYS))
+    except signing.SignatureExpired:
+        raise ValidationError("This link has expired. Sign in, and have a new one sent from "
+                              "the dashboard.") from None
+    except signing.BadSignature:
+        raise ValidationError("This is not a link kvrun sent: copy the whole link from the "
+                              "mail, or have a new one sent from the dashboard.") from None
+    user = User.objects.filter(pk=claim["user"], email=claim["email"]).first()
+    if user is None:
+        raise ValidationError("This link is for an address that no longer has an account "
+                              "here.")
+    User.objects.filter(pk=user.pk, email_verified_at=None).update(
+        email_verified_at=timezone.now())
+    user.refresh_from_db(fields=["email_verified_at"])
     return user
 
 

@@ -1,6 +1,6 @@
-"""Account pages: sign-up, the lock-out page, the password-reset request, accepting an
-invite. Sign-in, sign-out, the password change and the rest of the reset are Django's own
-views (accounts.page_urls)."""
+"""Account pages: sign-up, confirming an email address, the lock-out page, the
+password-reset request, accepting an invite. Sign-in, sign-out, the password change and the
+rest of the reset are Django's own views (accounts.page_urls)."""
 
 from django.conf import settings
 from django.contrib import messages
@@ -13,6 +13,7 @@ from django.core.exceptions import ValidationError
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils.http import url_has_allowed_host_and_scheme
+from django.views.decorators.http import require_POST
 
 from accounts import services
 from accounts.api import SignUpThrottle
@@ -27,6 +28,8 @@ from kvrun.common.forms import add_service_errors
 # reset from them for long, few enough that nobody floods an inbox.
 PASSWORD_RESETS_PER_HOUR = 5
 PASSWORD_RESET_MAILS_PER_HOUR = 20
+# Confirmation mails a person may have sent again an hour.
+VERIFICATION_MAILS_PER_HOUR = 5
 
 
 def lockout(request: HttpRequest, credentials: dict | None = None, *args: object,
@@ -61,6 +64,35 @@ def sign_up(request: HttpRequest) -> HttpResponse:
     status = 400 if request.method == "POST" else 200
     return render(request, "accounts/signup.html", {"form": form, "next": next_url},
                   status=status)
+
+
+def verify_email(request: HttpRequest, token: str) -> HttpResponse:
+    """The link mailed at sign-up. It works signed in or not: mail is often read elsewhere."""
+    try:
+        user = services.do_verify_email(token=token)
+    except ValidationError as exc:
+        return render(request, "accounts/verify_email.html", {"errors": exc.messages},
+                      status=400)
+    return render(request, "accounts/verify_email.html", {"confirmed": user.email})
+
+
+@login_required
+@require_POST
+def send_email_verification(request: HttpRequest) -> HttpResponse:
+    user = request.user
+    if user.email_verified_at is not None:  # type: ignore[union-attr]
+        messages.info(request, "Your email address is confirmed already.")
+    elif not _within_hourly_limit(f"email-verification:{user.pk}",
+                                  VERIFICATION_MAILS_PER_HOUR):
+        messages.error(request, "Too many confirmation mails sent this hour; use the last "
+                                "one, or wait an hour and ask again.")
+    else:
+        services.do_send_email_verification(user=user)  # type: ignore[arg-type]
+        messages.success(request, f"A new confirmation link is on its way to {user.email}.")
+    next_url = request.POST.get("next", "")
+    if url_has_allowed_host_and_scheme(next_url, allowed_hosts={request.get_host()}):
+        return redirect(next_url)
+    return redirect("dashboard")
 
 
 class PasswordResetView(auth_views.PasswordResetView):

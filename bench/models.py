@@ -37,8 +37,7 @@ django.setup()
 import httpx  # noqa: E402
 from django.conf import settings  # noqa: E402
 
-from accounts.models import Organization, Role, User  # noqa: E402
-from accounts.services import do_create_organization  # noqa: E402
+from accounts.models import Organization, Role  # noqa: E402
 from bench import seed  # noqa: E402
 from bench.hub_server import Hub  # noqa: E402
 from bench.provision import delete_and_settle, kvrun_start, start_processes  # noqa: E402
@@ -157,8 +156,8 @@ def measure(served: Hub, scratch: Path) -> int:
     do_load_catalogs()
     demo = demo_model.build(scratch / "demo")
     served.publish("bench/demo", demo)
-    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
-    organization = do_create_organization(user=owner, name="bench")
+    owner = seed.owner()
+    organization = seed.organization("bench", owned_by=owner)
     children, web = start_processes(Path(settings.KVRUN_STATE_DIR) / "bench-logs")
     try:
         deadline = time.monotonic() + 300

@@ -27,8 +27,8 @@ django.setup()
 
 from django.conf import settings  # noqa: E402
 
-from accounts.models import Role, User  # noqa: E402
-from accounts.services import do_create_organization  # noqa: E402
+from accounts.models import Role  # noqa: E402
+from bench import seed  # noqa: E402
 from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State  # noqa: E402
 from endpoints.planning import plan  # noqa: E402
@@ -175,8 +175,7 @@ def main() -> int:
     model = ModelSpec.objects.get(slug="kvrun-demo-tiny")
     model_dir = str(demo_model.build(AgentConfig.from_environ().model_dir / model.slug))
     logs = Path(settings.KVRUN_STATE_DIR) / "bench-logs"
-    owner = User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
-    organization = do_create_organization(user=owner, name="bench")
+    organization = seed.organization("bench")
     sized = demo_plan()
     children, _ = start_processes(logs)
     bare, through, engine_own, capacities, assigned = [], [], [], [], []

@@ -17,8 +17,9 @@ from fleet.certificates import do_sign_engine_certificate
 
 
 def owner() -> User:
-    """A user of its own for one run: its address is new each time."""
-    return User.objects.create_user(email=f"bench-{time.time_ns()}@example.com")
+    """A user of its own for one run, with a confirmed address that is new each time."""
+    return User.objects.create_user(email=f"bench-{time.time_ns()}@example.com",
+                                    email_verified_at=timezone.now())
 
 
 def organization(name: str, *, owned_by: User | None = None) -> Organization:

@@ -124,12 +124,12 @@ def endpoints_of(*, organization: Organization) -> QuerySet[Endpoint]:
             .prefetch_related(Prefetch("replicas", queryset=live)))
 
 
-def quota_used_by(*, organization_id: UUID, excluding: UUID | None = None) -> Quota:
-    """What an organisation's endpoints (but `excluding`, an endpoint id) hold against its
-    quotas: every endpoint not deleted; and of those that should run, their replicas and GPUs
-    at their most replicas, so that scaling within max_replicas never passes a quota. A CPU
-    engine holds no GPU."""
-    kept = Endpoint.objects.filter(organization_id=organization_id, deleted_at=None)
+def quota_used_by(*, organization_ids: Iterable[UUID], excluding: UUID | None = None) -> Quota:
+    """What the organisations' endpoints (but `excluding`, an endpoint id) hold against
+    quotas, together: every endpoint not deleted; and of those that should run, their
+    replicas and GPUs at their most replicas, so that scaling within max_replicas never passes
+    a quota. A CPU engine holds no GPU."""
+    kept = Endpoint.objects.filter(organization_id__in=list(organization_ids), deleted_at=None)
     if excluding is not None:
         kept = kept.exclude(id=excluding)
     running = kept.filter(desired_state=DesiredState.RUNNING)

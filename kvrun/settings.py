@@ -140,7 +140,8 @@ AUTH_PASSWORD_VALIDATORS = [
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "dashboard"
 LOGOUT_REDIRECT_URL = "login"
-# Password-reset mail: printed to the web process's console in development.
+# Mail (confirming addresses, password resets): printed to the web process's console in
+# development. The file backend writes each mail under EMAIL_FILE_PATH.
 EMAIL_BACKEND = env.str("EMAIL_BACKEND", default="django.core.mail.backends.console.EmailBackend"
                         if DEBUG else "django.core.mail.backends.smtp.EmailBackend")
 EMAIL_HOST = env.str("EMAIL_HOST", default="localhost")
@@ -148,6 +149,7 @@ EMAIL_PORT = env.int("EMAIL_PORT", default=25)
 EMAIL_HOST_USER = env.str("EMAIL_HOST_USER", default="")
 EMAIL_HOST_PASSWORD = env.str("EMAIL_HOST_PASSWORD", default="")
 EMAIL_USE_TLS = env.bool("EMAIL_USE_TLS", default=False)
+EMAIL_FILE_PATH = env.str("EMAIL_FILE_PATH", default="")
 DEFAULT_FROM_EMAIL = env.str("DEFAULT_FROM_EMAIL", default="kvrun <noreply@localhost>")
 
 # Reverse proxies in front of the web processes, each appending to X-Forwarded-For; every
@@ -186,14 +188,17 @@ KVRUN_API_KEY_CACHE_SECONDS = env.int("KVRUN_API_KEY_CACHE_SECONDS", default=5)
 # last_used_at is written at most this often per key, off the request path.
 KVRUN_API_KEY_TOUCH_SECONDS = env.int("KVRUN_API_KEY_TOUCH_SECONDS", default=60)
 KVRUN_INVITE_DAYS = env.int("KVRUN_INVITE_DAYS", default=7)
+# How long the link that confirms a person's email address works.
+KVRUN_EMAIL_VERIFICATION_DAYS = env.int("KVRUN_EMAIL_VERIFICATION_DAYS", default=3)
 
 # Inference limits; a key's or an organisation's own value overrides these. 0 means no limit.
 KVRUN_KEY_REQUESTS_PER_MINUTE = env.int("KVRUN_KEY_REQUESTS_PER_MINUTE", default=600)
 KVRUN_KEY_TOKENS_PER_MINUTE = env.int("KVRUN_KEY_TOKENS_PER_MINUTE", default=1_000_000)
 KVRUN_ORG_MAX_CONCURRENT_REQUESTS = env.int("KVRUN_ORG_MAX_CONCURRENT_REQUESTS", default=64)
-# What one organisation may hold unless an operator sets its own quota in the admin. Sign-up
-# is self-service, so these bound what a stranger can take before anyone looks: room to try
-# several models and to run two full 8-GPU nodes, no more.
+# What one person's organisations may hold together, unless an operator sets an
+# organisation's own quota in the admin (it then counts alone). Sign-up is self-service, so
+# these bound what a stranger can take before anyone looks: room to try several models and
+# to run two full 8-GPU nodes, no more.
 KVRUN_ORG_MAX_ENDPOINTS = env.int("KVRUN_ORG_MAX_ENDPOINTS", default=10)
 # Organisations one person may own: each has quotas of its own.
 KVRUN_MAX_OWNED_ORGANIZATIONS = env.int("KVRUN_MAX_OWNED_ORGANIZATIONS", default=5)

@@ -224,7 +224,13 @@ def celery_worker(django_db_setup: None, django_db_blocker: object) -> Iterator[
 
 
 @pytest.fixture(scope="session")
-def web(celery_worker: subprocess.Popen, hub: Hub) -> Iterator[str]:
+def web_mail(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the shared web process writes the mail it sends, a file each."""
+    return tmp_path_factory.mktemp("web-mail")
+
+
+@pytest.fixture(scope="session")
+def web(celery_worker: subprocess.Popen, hub: Hub, web_mail: Path) -> Iterator[str]:
     """The base URL of a web process shared by the gateway tests, with the control worker
     that ingests its usage records."""
     port = free_port()
@@ -238,7 +244,9 @@ def web(celery_worker: subprocess.Popen, hub: Hub) -> Iterator[str]:
                         KVRUN_NODE_HEARTBEAT_SECONDS="1",
                         KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE=str(10**9),
                         KVRUN_HUB_URL=hub.url,
-                        KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS=PATIENT_CONNECT_SECONDS)
+                        KVRUN_GATEWAY_CONNECT_TIMEOUT_SECONDS=PATIENT_CONNECT_SECONDS,
+                        EMAIL_BACKEND="django.core.mail.backends.filebased.EmailBackend",
+                        EMAIL_FILE_PATH=str(web_mail))
     yield base
     stop(process)
 

@@ -33,6 +33,7 @@ class UserFactory(factory.django.DjangoModelFactory):
     email = factory.Sequence(lambda n: f"user{n}@example.com")
     name = factory.Faker("name")
     password = factory.LazyFunction(password_hash)
+    email_verified_at = factory.LazyFunction(timezone.now)
 
 
 def organization_with_owner(name: str = "Acme", owner: User | None = None) -> Organization:

@@ -1,9 +1,12 @@
 """A real Chromium (Debian's, which `make test` installs) driven by Playwright. Every page a
 test visits is also saved as a screenshot under artifacts/screenshots/, to be looked at."""
 
+import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
+from django.core import mail
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from endpoints.models import Node
@@ -59,14 +62,31 @@ def shot(page: Page) -> Callable[[str], None]:
     return take
 
 
-def sign_up(page: Page, base: str, organization: str = "Engines") -> None:
-    """Sign up through the page, as a newcomer does, with a new organisation."""
+def sign_up(page: Page, base: str, organization: str = "Engines",
+            mail_dir: Path | None = None) -> None:
+    """Sign up through the page, as a newcomer does, with a new organisation, and confirm the
+    address from the mail: from the shared web process's `mail_dir`, else from this
+    process's outbox (the live server's)."""
     page.goto(f"{base}/signup/")
     page.get_by_label("Email").fill("ada@example.com")
     page.get_by_label("Password").fill("analytical engine 1843")
     page.get_by_label("Organisation name").fill(organization)
     page.get_by_role("button", name="Sign up").click()
     expect(page.get_by_role("heading", level=1)).to_have_text("Endpoints")
+    confirm_email(page, base, "ada@example.com", mail_dir)
+
+
+def confirm_email(page: Page, base: str, address: str, mail_dir: Path | None) -> None:
+    """Open the last confirmation link mailed to `address`, as its owner does."""
+    mails = ([path.read_text() for path in sorted(
+        mail_dir.iterdir(), key=lambda path: path.stat().st_mtime_ns)] if mail_dir
+             else [message.message().as_string() for message in mail.outbox])
+    links = [found.group(1) for text in mails if f"To: {address}" in text
+             for found in re.finditer(r"https?://\S+?(/email/verify/\S+/)", text)]
+    assert links, f"no confirmation mail to {address}"
+    page.goto(f"{base}{links[-1]}")
+    expect(page.get_by_role("heading", level=1)).to_have_text("Email address confirmed")
+    page.goto(f"{base}/")
 
 
 @pytest.fixture

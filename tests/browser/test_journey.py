@@ -2,7 +2,7 @@
 (dashboard and gateway), PostgreSQL, Redis, the control worker, a node agent and a real vLLM
 CPU engine.
 
-sign up → create an endpoint in the wizard → the progress bar reaches ready → the playground
+sign up → confirm the address from the mail → create an endpoint in the wizard → the progress bar reaches ready → the playground
 streams an answer → the charts show the request → create an API key → the copied Python
 snippet, run as a script, gets an answer → a budget below the month's cost stops the endpoint
 and the gateway refuses the snippet with the budget's message → revoke the key → the snippet
@@ -23,7 +23,7 @@ from billing.invoicing import month_bounds, month_of
 from billing.models import GPUPrice, TokenHour, UsageRecord
 from billing.tasks import ingest_usage, roll_up_usage
 from endpoints.models import Endpoint, Node, Replica, State
-from tests.browser.conftest import choose_the_demo_model
+from tests.browser.conftest import choose_the_demo_model, confirm_email
 from tests.helpers import api_servers, drive, wait_until
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
@@ -39,7 +39,7 @@ def run_snippet(code: str, secret: str, tmp_path: Path) -> subprocess.CompletedP
 
 
 def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
-        web: str, ready_node: Node, page: Page, shot: Callable[[str], None],
+        web: str, web_mail: Path, ready_node: Node, page: Page, shot: Callable[[str], None],
         tmp_path: Path) -> None:
     page.context.grant_permissions(["clipboard-read", "clipboard-write"])
     page.goto(f"{web}/signup/")
@@ -48,7 +48,10 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
     page.get_by_label("Password").fill("first endpoint today")
     page.get_by_label("Organisation name").fill("Newcomers")
     page.get_by_role("button", name="Sign up").click()
+    expect(page.get_by_test_id("unconfirmed-email")).to_contain_text("newcomer@example.com")
     shot("journey-02-no-endpoints")
+    confirm_email(page, web, "newcomer@example.com", web_mail)
+    expect(page.get_by_test_id("unconfirmed-email")).to_have_count(0)
 
     choose_the_demo_model(page)
     page.get_by_label("Context length (tokens)").fill("2048")

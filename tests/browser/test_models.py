@@ -27,14 +27,14 @@ READY_WITHIN = 240
 
 
 def test_a_pasted_hugging_face_id_is_sized_launched_downloaded_and_chatted_with_an_adapter(
-        web: str, ready_node: Node, hub: Hub, page: Page, shot: Callable[[str], None],
-        tmp_path: Path) -> None:
+        web: str, web_mail: Path, ready_node: Node, hub: Hub, page: Page,
+        shot: Callable[[str], None], tmp_path: Path) -> None:
     folder = shutil.copytree(hub.root / "kvrun/demo" / hub.commit_of("kvrun/demo", "main"),
                              tmp_path / "demo")
     (folder / "generation_config.json").write_text(f'{{"run": "{uuid.uuid4()}"}}')
     repo = f"acme/tiny-{uuid.uuid4().hex[:6]}"  # never downloaded before: the cache outlives runs
     commit = hub.publish(repo, folder)
-    sign_up(page, web, organization="Own models")
+    sign_up(page, web, organization="Own models", mail_dir=web_mail)
     page.get_by_role("link", name="Create your first endpoint").click()
     wizard_ready(page)
 

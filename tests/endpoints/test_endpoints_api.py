@@ -5,7 +5,7 @@ from django.core.exceptions import ValidationError
 from django.db import connection
 from rest_framework.test import APIClient
 
-from accounts.models import Membership, Organization, Role, Scope
+from accounts.models import Membership, Organization, Role, Scope, User
 from endpoints import services
 from endpoints.models import (
     DesiredState,
@@ -19,7 +19,7 @@ from endpoints.models import (
 )
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.services import do_create_endpoint, do_load_catalogs
-from tests.factories import UserFactory, api_key
+from tests.factories import UserFactory, api_key, organization_with_owner
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.django_db
@@ -384,13 +384,54 @@ def test_a_stopped_endpoint_holds_no_replicas_and_cannot_start_past_the_quota(
     assert Endpoint.objects.get(name="demo").desired_state == DesiredState.STOPPED
 
 
+def test_a_person_s_organisations_share_the_default_quotas_and_an_operator_s_own_stands_alone(
+        owner_api: APIClient, owner: User, org: Organization, cpu_node: Node,
+        settings: object) -> None:
+    settings.KVRUN_ORG_MAX_ENDPOINTS = 2
+    second = organization_with_owner("Acme two", owner)
+    third = organization_with_owner("Acme three", owner)
+    assert owner_api.post(url(org), DEMO, format="json").status_code == 201
+    assert owner_api.post(url(second), DEMO, format="json").status_code == 201
+
+    refused = owner_api.post(url(third), DEMO, format="json")
+
+    assert refused.status_code == 400
+    assert ("The organisations that owner@acme.test own on the deployment's default quotas "
+            "(this one and 2 more) may have 2 endpoint(s) and have 2; delete one, or "
+            f"{RAISE_IT}.") == refused.json()["error"]["message"]
+    assert not Endpoint.objects.filter(organization=third).exists()
+    Organization.objects.filter(id=third.id).update(max_endpoints=1)
+    assert owner_api.post(url(third), DEMO, format="json").status_code == 201
+
+
+def test_a_co_owned_organisation_counts_with_each_owner_s_others(
+        owner_api: APIClient, owner: User, org: Organization, cpu_node: Node,
+        settings: object) -> None:
+    settings.KVRUN_ORG_MAX_REPLICAS = 2
+    partner = UserFactory()
+    theirs = organization_with_owner("Partner's", partner)
+    assert owner_api.post(url(org), DEMO, format="json").status_code == 201
+    Membership.objects.create(organization=org, user=partner, role=Role.OWNER)
+    owner_api.force_authenticate(partner)
+    assert owner_api.post(url(theirs), DEMO, format="json").status_code == 201
+
+    refused = owner_api.post(url(org), {**DEMO, "name": "third"}, format="json")
+
+    assert refused.status_code == 400
+    assert "may have 2 replica(s) at most, all together; they have 2 and this needs 1" in \
+        refused.json()["error"]["message"]
+
+
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("second_in", ["the same organisation", "another of its owner's"])
 def test_two_creates_at_once_cannot_both_take_the_last_room(
         org: Organization, cpu_node: Node, settings: object,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, second_in: str) -> None:
     """The first create stops right after its quota check, inside its transaction, until the
     second has either finished (nothing held the first one's room) or waits for a lock."""
     settings.KVRUN_ORG_MAX_ENDPOINTS = 1
+    second_organization = org if second_in == "the same organisation" else \
+        organization_with_owner("Acme two", org.members.get())
     checked, second_done = threading.Event(), threading.Event()
     outcomes: dict[str, str] = {}
     hold_quota = services.hold_quota
@@ -415,7 +456,8 @@ def test_two_creates_at_once_cannot_both_take_the_last_room(
             checked.wait(timeout=10)
         try:
             do_create_endpoint(
-                organization=org, actor_role=Role.OWNER, created_by=None, name=name,
+                organization=org if name == "first" else second_organization,
+                actor_role=Role.OWNER, created_by=None, name=name,
                 model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
                 policy=EndpointPolicy(context_length=2048, concurrency=4))
             outcomes[name] = "created"
@@ -435,7 +477,7 @@ def test_two_creates_at_once_cannot_both_take_the_last_room(
         thread.join(timeout=30)
 
     assert outcomes["first"] == "created"
-    assert RAISE_IT in outcomes["second"]
+    assert RAISE_IT in outcomes["second"], outcomes
     assert list(Endpoint.objects.values_list("name", flat=True)) == ["first"]
 
 
