@@ -91,7 +91,9 @@ class Gateway:
             self.auth_failures = AuthFailures(
                 per_minute=settings.KVRUN_GATEWAY_FAILED_AUTHENTICATIONS_PER_MINUTE)
             self.idempotency = idempotency.Idempotency(
-                self.redis, ttl_seconds=settings.KVRUN_IDEMPOTENCY_HOURS * 3600)
+                self.redis, ttl_seconds=settings.KVRUN_IDEMPOTENCY_HOURS * 3600,
+                kept_bytes_per_organization=(
+                    settings.KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION * 2**20))
             self.sink = UsageSink(self.redis)
             self.sink.start()
             self.proxy = Proxy(self.sink)
@@ -228,8 +230,8 @@ class Gateway:
         if key:
             exchange.idempotency_key = idempotency.validate(key)
             exchange.idempotency = idempotency.Claim.of(
-                api_key_id=identity.id, endpoint_id=route.endpoint_id, key=key, body=body,
-                request_id=exchange.request_id)
+                organization_id=identity.organization_id, api_key_id=identity.id,
+                endpoint_id=route.endpoint_id, key=key, body=body, request_id=exchange.request_id)
             replay = await self._reserve(exchange.idempotency)
             if replay is not None:
                 await respond(send, exchange, 200, replay,

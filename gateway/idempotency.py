@@ -9,11 +9,18 @@ answer of up to MAX_KEPT_BYTES is kept for KVRUN_IDEMPOTENCY_HOURS and a repeat 
 again, marked with `x-kvrun-idempotent-replay`; a streamed or larger answer is not kept, so
 a repeat is a 409 naming the first request. When it fails, the key is released so that the
 client's retry runs.
+
+The answers kept share the Redis that carries the broker and the usage stream, so each
+organisation keeps at most KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION of them a window of
+KVRUN_IDEMPOTENCY_HOURS, counted in the same atomic step that keeps one: an answer past it
+is not kept (a repeat is a 409 that says so). A kept answer outlives its window by at most
+one more, so an organisation's kept answers never hold more than twice the budget.
 """
 
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,10 +40,21 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 # The outcome replaces the claim only while it is this request's: a request whose lease ran
-# out must not free (or answer for) the retry that took the key since.
+# out must not free (or answer for) the retry that took the key since. An answer (ARGV[4]
+# bytes) is kept only while its organisation's window (KEYS[2]) stays within its budget
+# (ARGV[5]); else the outcome without it (ARGV[6]) is.
 SETTLE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[2] == '' then return redis.call('DEL', KEYS[1]) end
+local size = tonumber(ARGV[4])
+if size > 0 then
+  local used = redis.call('INCRBY', KEYS[2], size)
+  if used == size then redis.call('EXPIRE', KEYS[2], 2 * tonumber(ARGV[3])) end
+  if used > tonumber(ARGV[5]) then
+    redis.call('DECRBY', KEYS[2], size)
+    return redis.call('SET', KEYS[1], ARGV[6], 'EX', ARGV[3])
+  end
+end
 return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
 """
 
@@ -53,15 +71,16 @@ class Claim:
     """One request's hold on an Idempotency-Key."""
 
     name: str
+    organization_id: str
     request_id: str
     body_digest: str
 
     @classmethod
-    def of(cls, *, api_key_id: object, endpoint_id: str, key: str, body: bytes,
-           request_id: str) -> Claim:
+    def of(cls, *, organization_id: object, api_key_id: object, endpoint_id: str, key: str,
+           body: bytes, request_id: str) -> Claim:
         scope = hashlib.sha256(f"{api_key_id}:{endpoint_id}:{key}".encode()).hexdigest()
-        return cls(name=f"kvrun:idem:{scope}", request_id=request_id,
-                   body_digest=hashlib.sha256(body).hexdigest())
+        return cls(name=f"kvrun:idem:{scope}", organization_id=str(organization_id),
+                   request_id=request_id, body_digest=hashlib.sha256(body).hexdigest())
 
     def running(self) -> bytes:
         return orjson.dumps({"state": "running", "request_id": self.request_id,
@@ -74,9 +93,11 @@ class Claim:
 
 
 class Idempotency:
-    def __init__(self, redis: Redis, *, ttl_seconds: int) -> None:
+    def __init__(self, redis: Redis, *, ttl_seconds: int, kept_bytes_per_organization: int
+                 ) -> None:
         self._redis = redis
         self._ttl_seconds = ttl_seconds
+        self._kept_bytes_per_organization = kept_bytes_per_organization
         self._settle = redis.register_script(SETTLE)
 
     async def reserve(self, claim: Claim) -> bytes | None:
@@ -100,6 +121,9 @@ class Idempotency:
             doing = "is still running"
         elif first["streamed"]:
             doing = "was streamed, and a stream cannot be replayed"
+        elif first.get("past_budget"):
+            doing = ("succeeded, but its answer was not kept: this organisation's kept answers "
+                     "were at their budget")
         else:
             doing = f"answered more than {MAX_KEPT_BYTES // 1024} KiB, which is not kept"
         raise GatewayError(409, f"A request with this Idempotency-Key ({first['request_id']}) "
@@ -110,12 +134,18 @@ class Idempotency:
     async def settle(self, claim: Claim, *, succeeded: bool, answer: bytes | None) -> None:
         """Keep what a repeat will get: the answer of a successful request (None when it
         was streamed), or the key freed when the request failed or never ran."""
-        outcome = b""
+        outcome = without = b""
+        kept = None
         if succeeded:
             kept = (answer.decode() if answer is not None and len(answer) <= MAX_KEPT_BYTES
                     else None)
-            outcome = orjson.dumps({"state": "done", "request_id": claim.request_id,
-                                    "body_digest": claim.body_digest, "body": kept,
-                                    "streamed": answer is None})
-        await self._settle(keys=[claim.name],
-                           args=[claim.running(), outcome, self._ttl_seconds])
+            done = {"state": "done", "request_id": claim.request_id,
+                    "body_digest": claim.body_digest, "streamed": answer is None}
+            outcome = orjson.dumps({**done, "body": kept})
+            without = orjson.dumps({**done, "body": None, "past_budget": True})
+        window = int(time.time()) // self._ttl_seconds
+        await self._settle(
+            keys=[claim.name, f"kvrun:idem-kept:{claim.organization_id}:{window}"],
+            args=[claim.running(), outcome, self._ttl_seconds,
+                  len(answer) if kept is not None and answer is not None else 0,
+                  self._kept_bytes_per_organization, without])

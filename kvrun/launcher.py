@@ -160,6 +160,11 @@ class Services:
                 "--dir", str(data_dir),
                 "--appendonly", "yes",
                 "--save", "",
+                # Bounded, and what may go is only what expires anyway (kept idempotent
+                # answers, limits' windows, caches): the broker's queues, the usage stream
+                # and the traces of running requests have no expiry, so are never evicted.
+                "--maxmemory", os.environ.get("KVRUN_REDIS_MAXMEMORY", "1gb"),
+                "--maxmemory-policy", "volatile-lru",
                 "--logfile", str(data_dir / "redis.log"),
             ],
             stdin=subprocess.PIPE,

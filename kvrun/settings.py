@@ -231,6 +231,10 @@ KVRUN_GATEWAY_HOLD_SECONDS = env.float("KVRUN_GATEWAY_HOLD_SECONDS", default=300
 KVRUN_GATEWAY_HOLD_MAX_REQUESTS = env.int("KVRUN_GATEWAY_HOLD_MAX_REQUESTS", default=256)
 # An Idempotency-Key is remembered this long; a repeat within it does not run again.
 KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
+# Answers kept for repeats, per organisation and window of KVRUN_IDEMPOTENCY_HOURS: they share
+# Redis with the broker and the usage stream.
+KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION = env.int(
+    "KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION", default=64)
 # What a web process holds for a request (its in-flight slot, its trace for the usage ledger)
 # lasts this long unless renewed: a process killed outright frees it, and has its requests
 # recorded as interrupted, this long after.

@@ -2,11 +2,11 @@
 (dashboard and gateway), PostgreSQL, Redis, the control worker, a node agent and a real vLLM
 CPU engine.
 
-sign up → confirm the address from the mail → create an endpoint in the wizard → the progress bar reaches ready → the playground
-streams an answer → the charts show the request → create an API key → the copied Python
-snippet, run as a script, gets an answer → a budget below the month's cost stops the endpoint
-and the gateway refuses the snippet with the budget's message → revoke the key → the snippet
-is refused.
+sign up → confirm the address from the mail → create an endpoint in the wizard → the progress
+bar reaches ready → the playground streams an answer → the charts show the request → create an
+API key → the copied Python snippet, run as a script, gets an answer → a budget below the
+month's cost stops the endpoint and the gateway refuses the snippet with the budget's message →
+revoke the key → the snippet is refused.
 """
 
 import subprocess

@@ -30,6 +30,8 @@ from tests.gateway.helpers import (
 )
 from tests.helpers import wait_until
 
+ORGANIZATION = uuid4()  # an organisation of this module's own: the claims outlive it in Redis
+
 # e2e: the stand-in engines are processes of their own.
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
@@ -152,8 +154,9 @@ def test_the_idempotency_key_of_a_request_whose_gateway_died_is_free_once_its_le
     key = APIKey.objects.get(organization=org)
     body = orjson.dumps({"model": "chat", "prompt": "hello"})
     # What a gateway killed in the middle of the request left behind, its lease running.
-    claim = Claim.of(api_key_id=key.id, endpoint_id=str(stub_endpoint.id), key="order-1",
-                     body=body, request_id="req_dead")
+    claim = Claim.of(organization_id=ORGANIZATION, api_key_id=key.id,
+                     endpoint_id=str(stub_endpoint.id), key="order-1", body=body,
+                     request_id="req_dead")
     redis_client().set(claim.name, claim.running(), px=lease_ms())
 
     clash = gateway.post(secret, body, **{"Idempotency-Key": "order-1"})
@@ -167,13 +170,13 @@ def test_the_idempotency_key_of_a_request_whose_gateway_died_is_free_once_its_le
 
 def test_a_request_whose_lease_lapsed_does_not_settle_the_retry_s_key() -> None:
     api_key_id = uuid4()  # a key of this test's own: the claims outlive it in Redis
-    first = Claim.of(api_key_id=api_key_id, endpoint_id="e", key="order-1", body=b"{}",
-                     request_id="req_first")
-    retry = Claim.of(api_key_id=api_key_id, endpoint_id="e", key="order-1", body=b"{}",
-                     request_id="req_retry")
+    first = Claim.of(organization_id=ORGANIZATION, api_key_id=api_key_id, endpoint_id="e",
+                     key="order-1", body=b"{}", request_id="req_first")
+    retry = Claim.of(organization_id=ORGANIZATION, api_key_id=api_key_id, endpoint_id="e",
+                     key="order-1", body=b"{}", request_id="req_retry")
 
     async def lapse_then_settle(redis: Redis) -> bytes | None:
-        store = Idempotency(redis, ttl_seconds=60)
+        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=2**20)
         assert await store.reserve(first) is None
         await redis.delete(first.name)  # its lease ran out while it ran
         assert await store.reserve(retry) is None
@@ -184,11 +187,11 @@ def test_a_request_whose_lease_lapsed_does_not_settle_the_retry_s_key() -> None:
 
 
 def test_an_answer_too_large_to_keep_is_not_replayed() -> None:
-    claim = Claim.of(api_key_id=uuid4(), endpoint_id="e", key="order-1", body=b"{}",
-                     request_id="req_large")
+    claim = Claim.of(organization_id=ORGANIZATION, api_key_id=uuid4(), endpoint_id="e",
+                     key="order-1", body=b"{}", request_id="req_large")
 
     async def settle_then_repeat(redis: Redis) -> str:
-        store = Idempotency(redis, ttl_seconds=60)
+        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=2**20)
         assert await store.reserve(claim) is None
         await store.settle(claim, succeeded=True, answer=b"x" * (MAX_KEPT_BYTES + 1))
         with pytest.raises(GatewayError) as repeat:
@@ -198,3 +201,33 @@ def test_an_answer_too_large_to_keep_is_not_replayed() -> None:
     assert asyncio.run(with_redis(settle_then_repeat)).startswith("409 A request with this "
                                                         "Idempotency-Key (req_large) answered "
                                                         "more than 64 KiB")
+
+
+def test_an_organisation_keeps_answers_up_to_its_budget_and_past_it_a_repeat_is_a_409() -> None:
+    organization, answer = uuid4(), b"x" * 1000
+    claims = [Claim.of(organization_id=organization, api_key_id=uuid4(), endpoint_id="e",
+                       key=f"order-{n}", body=b"{}", request_id=f"req_{n}") for n in range(4)]
+    elsewhere = Claim.of(organization_id=uuid4(), api_key_id=uuid4(), endpoint_id="e",
+                         key="order-0", body=b"{}", request_id="req_elsewhere")
+
+    async def fill_then_repeat(redis: Redis) -> list[str]:
+        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=3000)
+        for claim in [*claims, elsewhere]:
+            assert await store.reserve(claim) is None
+            await store.settle(claim, succeeded=True, answer=answer)
+        outcomes = []
+        for claim in [*claims, elsewhere]:
+            try:
+                outcomes.append((await store.reserve(claim) or b"").decode()[:3])
+            except GatewayError as refused:
+                outcomes.append(f"{refused.status} {refused.message}")
+        return outcomes
+
+    outcomes = asyncio.run(with_redis(fill_then_repeat))
+
+    assert outcomes[:3] == ["xxx"] * 3  # 3,000 bytes: the budget, kept and replayed
+    assert outcomes[3] == ("409 A request with this Idempotency-Key (req_3) succeeded, but "
+                           "its answer was not kept: this organisation's kept answers were at "
+                           "their budget; it runs only once. Send a new Idempotency-Key to run "
+                           "another request.")
+    assert outcomes[4] == "xxx"  # another organisation's budget is its own

@@ -107,3 +107,11 @@ def test_the_node_s_engines_listen_where_the_web_service_reaches_them(compose: d
     assert node["networks"]["default"]["ipv4_address"] == address
     [subnet] = compose["networks"]["default"]["ipam"]["config"]
     assert ipaddress.ip_address(address) in ipaddress.ip_network(subnet["subnet"])
+
+
+def test_redis_is_bounded_and_evicts_only_what_expires_anyway(compose: dict) -> None:
+    redis = compose["services"]["redis"]
+
+    assert '--maxmemory "$$REDIS_MAXMEMORY" --maxmemory-policy volatile-lru' in " ".join(
+        command_of(redis))
+    assert redis["environment"]["REDIS_MAXMEMORY"] == "${REDIS_MAXMEMORY:-2gb}"

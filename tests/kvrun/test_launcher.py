@@ -408,3 +408,17 @@ def test_a_command_under_the_launcher_finishes_its_teardown_after_ctrl_c(tmp_pat
     finally:
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+def test_the_embedded_redis_is_bounded_and_evicts_only_what_expires_anyway(
+        tmp_path: Path) -> None:
+    """Under volatile-lru only keys with an expiry go, least recently used first; the
+    broker's queues, the usage stream and the running requests' traces have none."""
+    services = launcher.Services()
+    url = services._start_redis("a-password", tmp_path / "redis")
+    try:
+        client = redis.Redis.from_url(url)
+        assert client.config_get("maxmemory") == {"maxmemory": str(2**30)}
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "volatile-lru"}
+    finally:
+        services.stop()
