@@ -33,7 +33,10 @@ CLAIM_IDLE_MS = 60_000
 def do_record_usage(*, payloads: Iterable[bytes]) -> list[tuple[bytes, str]]:
     """Insert usage records as gateways encode them (usage_stream.UsageReport). A request
     already recorded is skipped (unique request_id), so a batch may be delivered any number
-    of times.
+    of times; but for a request recorded as interrupted (usage_stream.INTERRUPTED_CODE: its
+    gateway stopped renewing its trace), which its own later record replaces when that one is
+    final, or interrupted with more tokens (its gateway was cut off from Redis for longer
+    than the lease, not dead). A replaced record's hour is rolled up again.
 
     Returns the payloads that cannot be stored, each with why: malformed, naming rows that do
     not exist, or holding a value no column takes. Every other record is committed when this
@@ -66,7 +69,32 @@ def do_record_usage(*, payloads: Iterable[bytes]) -> list[tuple[bytes, str]]:
 
 def _insert(rows: list[UsageRecord]) -> None:
     UsageRecord.objects.bulk_create(rows, ignore_conflicts=True)
+    _replace_interrupted(rows)
     mark_stale_hours(records=((row.endpoint_id, row.started_at) for row in rows))
+
+
+# Every column a gateway reports; the row's id and when it was first ingested stay.
+_REPORTED = [field.attname for field in UsageRecord._meta.concrete_fields
+             if field.name not in ("id", "request_id", "ingested_at")]
+
+
+def _replace_interrupted(rows: list[UsageRecord]) -> None:
+    """The one change the ledger takes: a record stored as interrupted is provisional, the
+    usage its trace held when its gateway last renewed it. A conditional update, so that of
+    two deliveries at once, the one with more of the request wins."""
+    interrupted = set(UsageRecord.objects.filter(
+        request_id__in=[row.request_id for row in rows],
+        error_code=usage_stream.INTERRUPTED_CODE).values_list("request_id", flat=True))
+    for row in rows:
+        if row.request_id not in interrupted:
+            continue
+        replaceable = UsageRecord.objects.filter(request_id=row.request_id,
+                                                 error_code=usage_stream.INTERRUPTED_CODE)
+        if row.error_code == usage_stream.INTERRUPTED_CODE:
+            replaceable = replaceable.filter(completion_tokens__lt=row.completion_tokens)
+        if replaceable.update(**{name: getattr(row, name) for name in _REPORTED}):
+            logger.info("usage record %s, stored as interrupted, replaced by its gateway's",
+                        row.request_id)
 
 
 def _touch_keys(records: Iterable[UsageRecord]) -> None:

@@ -11,8 +11,10 @@ from endpoints.models import BilledPhase
 class UsageRecord(models.Model):
     """One request that the gateway admitted to an engine: what it consumed and how it went.
 
-    Part of the billing ledger: rows are written once by the ingester and never updated.
-    `request_id` is unique, so a batch delivered twice inserts each request once.
+    Part of the billing ledger: rows are written once by the ingester and never updated, but
+    for a record stored as interrupted, which its request's later record replaces
+    (billing.ingestion.do_record_usage). `request_id` is unique, so a batch delivered twice
+    inserts each request once.
     """
 
     request_id = models.CharField(max_length=40, unique=True)

@@ -2,17 +2,17 @@
 
     python -m uvicorn tests.stub_upstream:app --port P
 
-It keeps every completion request it was sent (GET /_requests), with the gateway's request
-id; counts a prompt's words as its tokens (POST /tokenize); and behaves by the prompt (or the
-last chat message): "context" answers vLLM's context-length 400, "crash" the 500 of an
-engine core that failed, "slow" takes its time
-(a second, or a chunk every 0.2 s), "steady" streams 200 chunks, one every 10 ms (answered
-at once when not streamed), "drop" dies after two chunks of a stream, "huge"
-answers 1 MiB of text (in pieces, with no declared length), "long" streams one event of
-640 KiB, past aiohttp's line limit (twice its read buffer: 512 KiB in aiohttp 3.14), "lie"
-reports impossible usage (a negative prompt, 10**12 completion tokens, more cached tokens
-than prompt tokens), "garbled" answers a JSON list, or streams one such event; anything else is
-answered at once with usage. Streams carry running usage when asked, as vLLM's do.
+It keeps every completion request it was sent (GET /_requests), with the gateway's request id;
+counts a prompt's words as its tokens (POST /tokenize); and behaves by the prompt (or the last
+chat message): "context" answers vLLM's context-length 400, "crash" the 500 of an engine core
+that failed, "slow" takes its time (a second, or a chunk every 0.2 s), "steady" streams 200
+chunks, one every 10 ms (answered at once when not streamed), "lasting" streams 150 chunks, one
+every 0.1 s, "drop" dies after two chunks of a stream, "huge" answers 1 MiB of text (in pieces,
+with no declared length), "long" streams one event of 640 KiB, past aiohttp's line limit (twice
+its read buffer: 512 KiB in aiohttp 3.14), "lie" reports impossible usage (a negative prompt,
+10**12 completion tokens, more cached tokens than prompt tokens), "garbled" answers a JSON
+list, or streams one such event; anything else is answered at once with usage. Streams carry
+running usage when asked, as vLLM's do.
 """
 
 import asyncio
@@ -86,8 +86,8 @@ async def app(scope: dict, receive: object, send: object) -> None:
     if prompt == "crash":
         await _respond(send, 500, ENGINE_ERROR)
         return
-    slow, steady = prompt == "slow", prompt == "steady"
-    chunks = 20 if slow else 200 if steady else 4
+    slow, steady, lasting = prompt == "slow", prompt == "steady", prompt == "lasting"
+    chunks = 20 if slow else 200 if steady else 150 if lasting else 4
     if not request.get("stream"):
         if slow:
             await asyncio.sleep(1.0)
@@ -122,8 +122,8 @@ async def app(scope: dict, receive: object, send: object) -> None:
         await send({"type": "http.response.body",
                     "body": _chunk(index, usage, text, last=index == chunks - 1),
                     "more_body": True})
-        if slow or steady:
-            await asyncio.sleep(0.2 if slow else 0.01)
+        if slow or steady or lasting:
+            await asyncio.sleep(0.2 if slow else 0.1 if lasting else 0.01)
     tail = b""
     if options.get("include_usage"):
         tail = b"data: " + orjson.dumps({

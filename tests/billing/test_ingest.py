@@ -11,7 +11,8 @@ import pytest
 from accounts.models import APIKey, Organization
 from billing import usage_stream
 from billing.ingestion import do_ingest_usage, do_record_usage
-from billing.models import UsageRecord
+from billing.models import StaleUsageHour, TokenHour, UsageRecord
+from billing.rollup import do_roll_up_usage
 from billing.usage_stream import UsageReport
 from endpoints.models import Endpoint
 from kvrun.common.redis import redis_client
@@ -209,3 +210,44 @@ def test_a_request_already_recorded_is_not_recorded_again_as_interrupted(
 
     assert UsageRecord.objects.get().status_code == 200
     assert redis_client().hlen(usage_stream.ADMITTED) == 0
+
+
+def interrupted(report: UsageReport, completion_tokens: int) -> UsageReport:
+    """The trace of `report`'s request as ingestion stores it once its lease ran out."""
+    return dataclasses.replace(report, status_code=usage_stream.INTERRUPTED_STATUS,
+                               error_code=usage_stream.INTERRUPTED_CODE,
+                               completion_tokens=completion_tokens)
+
+
+def stored(report: UsageReport) -> tuple[int, str, int]:
+    row = UsageRecord.objects.get(request_id=report.request_id)
+    return row.status_code, row.error_code, row.completion_tokens
+
+
+def test_a_final_record_replaces_its_request_s_interrupted_one_and_its_hour_is_rolled_up_again(
+        ready_chat: Endpoint, key: APIKey) -> None:
+    final = record(ready_chat, key, completion_tokens=40)
+    do_record_usage(payloads=[interrupted(final, 10).encode()])
+    do_roll_up_usage(now=STARTED + timedelta(hours=2))
+    assert TokenHour.objects.get(endpoint=ready_chat).completion_tokens == 10
+
+    assert do_record_usage(payloads=[final.encode()]) == []
+
+    assert stored(final) == (200, "", 40)
+    assert UsageRecord.objects.count() == 1
+    assert StaleUsageHour.objects.filter(endpoint=ready_chat).exists()
+    do_roll_up_usage(now=STARTED + timedelta(hours=2))
+    assert TokenHour.objects.get(endpoint=ready_chat).completion_tokens == 40
+
+
+def test_an_interrupted_record_gives_way_only_to_more_of_its_request(
+        ready_chat: Endpoint, key: APIKey) -> None:
+    final, other = record(ready_chat, key, completion_tokens=40), record(ready_chat, key)
+    do_record_usage(payloads=[final.encode(), interrupted(other, 10).encode()])
+
+    # A late trace never replaces a final record; a trace with fewer tokens never replaces
+    # one with more; a trace with more does.
+    do_record_usage(payloads=[interrupted(final, 10).encode(), interrupted(other, 5).encode()])
+    assert (stored(final), stored(other)) == ((200, "", 40), (502, "gateway_interrupted", 10))
+    do_record_usage(payloads=[interrupted(other, 30).encode()])
+    assert stored(other) == (502, "gateway_interrupted", 30)

@@ -40,6 +40,9 @@ LEASE_SECONDS = 3
 LAG_TOKENS = 2
 STUB_STEADY_TOKENS, STUB_TOKENS = 200, 4  # the stand-in engine's streams, steady and at once
 KILLS = 5
+# Streams of STUB_LASTING_TOKENS, one every 0.1 s: they run on past a Redis outage of the
+# lease and a second more, however slowly this machine starts it.
+OUTLASTING_STREAMS, STUB_LASTING_TOKENS = 4, 150
 
 
 class Load:
@@ -230,6 +233,76 @@ def test_a_restart_of_redis_under_load_fails_no_request_and_loses_no_record(
 
     assert load.transport_errors == 0
     assert set(load.statuses) == {200}
+
+
+def test_streams_that_outlast_a_redis_outage_past_the_lease_are_billed_what_they_sent(
+    stub_endpoint: Endpoint, secret: str, stubs: list[httpx.Client], own_redis: RestartableRedis,
+    figures: Callable[..., None]
+) -> None:
+    """Redis stays away longer than the lease while streams run. Ingestion reaches Redis
+    first when it returns (the web process is held still, SIGSTOP, until it has), takes the
+    streams' traces for a dead gateway's and stores them as interrupted; the gateway lives
+    on, and each stream's own record then replaces its interrupted one."""
+    port = free_port()
+    web = start_web(port, REDIS_URL=own_redis.url,
+                    KVRUN_GATEWAY_LEASE_SECONDS=str(LEASE_SECONDS))
+    body = orjson.dumps({"model": "chat", "prompt": "lasting", "stream": True})
+    ended: dict[str, tuple[int, int]] = {}  # request id: status, tokens received
+
+    def stream() -> None:
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", content=body,
+                          headers={"Authorization": f"Bearer {secret}"},
+                          timeout=60) as response:
+            tokens = sum(is_token(line) for line in response.iter_lines())
+            ended[response.headers["x-request-id"]] = (response.status_code, tokens)
+
+    served_before = served(stubs[0])
+    clients = [threading.Thread(target=stream) for _ in range(OUTLASTING_STREAMS)]
+    try:
+        for client in clients:
+            client.start()
+        assert wait_until(lambda: served(stubs[0]) == served_before + OUTLASTING_STREAMS, 30)
+        own_redis.stop()
+        time.sleep(LEASE_SECONDS + 1)  # no renewal can reach Redis for longer than the lease
+        running_at_the_outage_end = OUTLASTING_STREAMS - len(ended)
+        web.send_signal(signal.SIGSTOP)
+        try:
+            own_redis.start()
+            with override_settings(REDIS_URL=own_redis.url,
+                                   KVRUN_GATEWAY_LEASE_SECONDS=LEASE_SECONDS):
+                redis_client.cache_clear()
+                do_ingest_usage()
+            taken_for_interrupted = UsageRecord.objects.filter(
+                request_id__in=received_ids(stubs[0], served_before),
+                error_code=INTERRUPTED_CODE).count()
+        finally:
+            web.send_signal(signal.SIGCONT)
+        for client in clients:
+            client.join(60)
+        web.send_signal(signal.SIGTERM)
+        web.wait(30)
+    finally:
+        stop(web)
+
+    with override_settings(REDIS_URL=own_redis.url, KVRUN_GATEWAY_LEASE_SECONDS=LEASE_SECONDS):
+        try:
+            assert wait_until(lambda: do_ingest_usage() == 0 and not UsageRecord.objects.filter(
+                request_id__in=ended, error_code=INTERRUPTED_CODE).exists(), 30, interval=0.5)
+        finally:
+            redis_client.cache_clear()
+    billed = {row.request_id: (row.status_code, row.error_code, row.completion_tokens)
+              for row in UsageRecord.objects.filter(request_id__in=ended)}
+    figures(streams=OUTLASTING_STREAMS, taken_for_interrupted=taken_for_interrupted,
+            billed_as_received=sum(billed[request_id] == (200, "", tokens)
+                                   for request_id, (_, tokens) in ended.items()))
+    assert running_at_the_outage_end == taken_for_interrupted == OUTLASTING_STREAMS
+    assert set(ended.values()) == {(200, STUB_LASTING_TOKENS)}
+    assert billed == {request_id: (200, "", STUB_LASTING_TOKENS) for request_id in ended}
+
+
+def received_ids(stub: httpx.Client, after: int) -> list[str]:
+    """The gateway's request ids of what the stand-in engine was sent after its `after`th."""
+    return [request["request_id"] for request in received(stub)[after:]]
 
 
 def test_a_restart_of_postgresql_under_load_fails_no_request_and_loses_no_record(
