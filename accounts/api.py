@@ -1,9 +1,7 @@
 """REST views for accounts. Thin: they parse input, call a service or selector, render."""
 
-from typing import Any
 
 from django.db.models import QuerySet
-from django.utils.cache import add_never_cache_headers
 from django_filters import rest_framework as filters
 from drf_spectacular.utils import PolymorphicProxySerializer, extend_schema
 from rest_framework import mixins, status, viewsets
@@ -17,7 +15,7 @@ from accounts.models import APIKey, Invite, Membership, Organization, User
 from accounts.permissions import SignedInUser
 from accounts.principals import KeyPrincipal
 from accounts.scoping import OrganizationScoped
-from kvrun.common.api import AddressRateThrottle, BooleanFilter, validated
+from kvrun.common.api import AddressRateThrottle, BooleanFilter, secret_response, validated
 
 
 def _creator(request: Request) -> User | None:
@@ -156,7 +154,7 @@ class InviteViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
         )
         invite.token = token
         invite.url = services.invite_url(token)
-        return _secret(serializers.CreatedInviteSerializer(invite).data)
+        return secret_response(serializers.CreatedInviteSerializer(invite).data)
 
     def destroy(self, request: Request, **kwargs: str) -> Response:
         services.do_revoke_invite(invite=self.get_object(), actor_role=self.actor_role)
@@ -190,17 +188,9 @@ class APIKeyViewSet(OrganizationScoped, mixins.ListModelMixin, mixins.RetrieveMo
             created_by=_creator(request), **data,
         )
         key.secret = secret
-        return _secret(serializers.CreatedAPIKeySerializer(key).data)
+        return secret_response(serializers.CreatedAPIKeySerializer(key).data)
 
     def destroy(self, request: Request, **kwargs: str) -> Response:
         """Revoke the key at once; the row stays for the audit trail."""
         services.do_revoke_api_key(key=self.get_object(), actor_role=self.actor_role)
         return Response(status=status.HTTP_204_NO_CONTENT)
-
-
-def _secret(data: dict[str, Any]) -> Response:
-    """A 201 that carries a secret shown once: no cache, shared or the client's own, may
-    keep it."""
-    response = Response(data, status=status.HTTP_201_CREATED)
-    add_never_cache_headers(response)
-    return response

@@ -8,6 +8,9 @@ Side by side in one run, with wrk as the load generator (one thread):
   real engine       a vLLM CPU engine serving the demo model, direct and through the gateway:
                     the ratio gateway / direct, and the metered tokens against the engine's own
                     counters.
+  held at zero      the minimal upstream's plain c=1 run again, beside HELD_REQUESTS requests
+                    held for cold starts of endpoints at zero, spread over HELD_ORGANIZATIONS
+                    other organisations: what they cost another tenant's request.
 Keys, limits (set high enough not to refuse) and metering are on throughout. At the end the
 web process gets SIGTERM, the usage stream is ingested, and the records are counted against
 the requests the gateway admitted. Writes bench/results/gateway.json.
@@ -17,12 +20,14 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import django
+import httpx
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "kvrun.settings")
 django.setup()
@@ -36,7 +41,7 @@ from bench import seed  # noqa: E402
 from bench.record import ROOT, Figure, Goal, print_goals, write  # noqa: E402
 from billing.ingestion import do_ingest_usage  # noqa: E402
 from billing.models import UsageRecord  # noqa: E402
-from endpoints.models import Replica  # noqa: E402
+from endpoints.models import Replica, State  # noqa: E402
 from endpoints.services import do_load_catalogs  # noqa: E402
 from engine import demo_model, processes, supervisor  # noqa: E402
 from engine.metrics import engine_token_totals  # noqa: E402
@@ -54,11 +59,15 @@ GOALS = [
     Goal("stream_added_p50_ms", "added p50, streamed, c=1", at_most=1, unit="ms"),
     Goal("stream_added_p99_ms", "added p99, streamed, c=1", at_most=5, unit="ms"),
     Goal("records_lost", "usage records lost", at_most=0),
+    Goal("held_added_p50_ms", "added p50 beside 200 held requests of 50 organisations, c=1",
+         at_most=1, unit="ms"),
     Goal("rps_minimal_upstream", "requests a second through the gateway, c=32",
          at_least=2000, unit="req/s", required=False),
 ]
 SHOWN = [
     Figure("rps_minimal_upstream_direct", "requests a second direct, c=32", "req/s"),
+    Figure("held_added_p99_ms", "added p99 beside 200 held requests, c=1", "ms"),
+    Figure("requests_held_at_the_end", "requests still held when that run ended"),
     Figure("gateway_cpu_share_c32", "share of the cores the gateway used, c=32"),
     Figure("engine_direct_p50_ms", "real engine, 16 tokens, c=1, p50 direct", "ms"),
     Figure("engine_gateway_p50_ms", "real engine, 16 tokens, c=1, p50 through kvrun", "ms"),
@@ -71,6 +80,46 @@ SHOWN = [
     Figure("engine_generation_tokens", "generated tokens the engine counted"),
 ]
 COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "ignore_eos": True}
+HELD_ORGANIZATIONS, HELD_PER_ORGANIZATION = 50, 4
+HELD_REQUESTS = HELD_ORGANIZATIONS * HELD_PER_ORGANIZATION
+METRICS_TOKEN = "bench-metrics"
+
+
+class HeldRequests:
+    """Requests to endpoints at zero that never start (no worker places their replica), one
+    connection each, held by the gateway until closed."""
+
+    def __init__(self, port: int, secrets: list[str]) -> None:
+        self._port, self._secrets = port, secrets
+        self._connections: list[socket.socket] = []
+
+    def __enter__(self) -> "HeldRequests":
+        body = json.dumps({"model": "sleepy", "prompt": "Hello"}).encode()
+        for secret in self._secrets:
+            for _ in range(HELD_PER_ORGANIZATION):
+                connection = socket.create_connection(("127.0.0.1", self._port))
+                connection.sendall(
+                    f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    f"Authorization: Bearer {secret}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                self._connections.append(connection)
+        deadline = time.monotonic() + 60
+        while held(self._port) < HELD_REQUESTS:
+            assert time.monotonic() < deadline, f"only {held(self._port)} requests held"
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for connection in self._connections:
+            connection.close()
+
+
+def held(port: int) -> int:
+    """What the web process's gauge says it holds."""
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics",
+                        headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
+    found = re.search(r"^kvrun_gateway_requests_held (\S+)$", metrics, re.MULTILINE)
+    return int(float(found.group(1))) if found else 0
 
 
 def serve(app: str, port: int, log: Path, env: dict[str, str] | None = None,
@@ -148,8 +197,15 @@ def main() -> int:
                      args=("--ssl-keyfile", str(minimal_key),
                            "--ssl-certfile", str(minimal_certificate)))
     web_log = logs / "gateway-web.log"
+    held_secrets = []
+    for number in range(HELD_ORGANIZATIONS):
+        tenant = seed.organization(f"held-{number}")
+        seed.ready_endpoint(tenant, "sleepy", [], state=State.IDLE, min_replicas=0,
+                            desired_replicas=0)
+        held_secrets.append(seed.key(tenant)[1])
     web = serve("kvrun.asgi:application", web_port, web_log,
-                {"DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "INFO"})
+                {"DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "INFO",
+                 "KVRUN_METRICS_TOKEN": METRICS_TOKEN, "KVRUN_GATEWAY_HOLD_SECONDS": "600"})
     gateway = f"http://127.0.0.1:{web_port}/v1/completions"
     direct_minimal = f"https://127.0.0.1:{upstream_port}/v1/completions"
     runs: dict[str, dict] = {}
@@ -165,6 +221,10 @@ def main() -> int:
             runs[f"minimal_gateway_{label}_c1"] = wrk(gateway, body, secret, connections=1,
                                                       watch=web.pid)
         body = body_for("minimal", stream=False)
+        with HeldRequests(web_port, held_secrets):
+            runs["minimal_gateway_plain_c1_beside_held"] = wrk(gateway, body, secret,
+                                                               connections=1)
+            still_held = held(web_port)
         runs["minimal_direct_plain_c32"] = wrk(direct_minimal, body, "", connections=32)
         runs["minimal_gateway_plain_c32"] = wrk(gateway, body, secret, connections=32,
                                                 watch=web.pid)
@@ -200,7 +260,7 @@ def main() -> int:
         prompt=Sum("prompt_tokens"), generation=Sum("completion_tokens"))
     completed = sum(run["requests"] for name, run in runs.items() if "gateway" in name
                     or name.startswith("warm_up"))
-    result = summarise(runs, peak_rss_mb=peak_rss_mb, completed=completed,
+    result = summarise(runs, peak_rss_mb=peak_rss_mb, completed=completed, still_held=still_held,
                        admitted=admitted_by_gateway(web_log.read_text()),
                        records=UsageRecord.objects.count(), metered=metered, engine_grew=grew)
     met = write("gateway", result, goals=GOALS, shown=SHOWN)
@@ -227,8 +287,8 @@ def ms(us: float) -> float:
     return round(us / 1000, 3)
 
 
-def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, admitted: int,
-              records: int, metered: dict, engine_grew: dict) -> dict:
+def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, still_held: int,
+              admitted: int, records: int, metered: dict, engine_grew: dict) -> dict:
     def added(label: str, pct: str) -> float:
         return ms(runs[f"minimal_gateway_{label}_c1"][pct]
                   - runs[f"minimal_direct_{label}_c1"][pct])
@@ -240,6 +300,11 @@ def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, admi
         "added_p99_ms": added("plain", "p99_us"),
         "stream_added_p50_ms": added("stream", "p50_us"),
         "stream_added_p99_ms": added("stream", "p99_us"),
+        "held_added_p50_ms": ms(runs["minimal_gateway_plain_c1_beside_held"]["p50_us"]
+                                - runs["minimal_gateway_plain_c1"]["p50_us"]),
+        "held_added_p99_ms": ms(runs["minimal_gateway_plain_c1_beside_held"]["p99_us"]
+                                - runs["minimal_gateway_plain_c1"]["p99_us"]),
+        "requests_held_at_the_end": still_held,
         "rps_minimal_upstream": round(gateway_c32["rps"]),
         "rps_minimal_upstream_direct": round(runs["minimal_direct_plain_c32"]["rps"]),
         "gateway_cpu_share_c32": round(gateway_c32["watched_cpu_share"], 3),
@@ -275,6 +340,11 @@ def report(result: dict) -> None:
         print(f"  {'minimal upstream, ' + label + ', c=1':<36}{ms(direct['p50_us']):>11.3f}"
               f"{ms(through['p50_us']):>12.3f}{result[prefix + 'added_p50_ms']:>10.3f}"
               f"{result[prefix + 'added_p99_ms']:>10.3f}   (goal p50 ≤ 1, p99 ≤ 5)")
+    beside = runs["minimal_gateway_plain_c1_beside_held"]
+    print(f"  {'plain, beside 200 held (+ vs above)':<36}{'':>11}{ms(beside['p50_us']):>12.3f}"
+          f"{result['held_added_p50_ms']:>10.3f}{result['held_added_p99_ms']:>10.3f}   "
+          f"(goal p50 ≤ 1; {result['requests_held_at_the_end']} of {HELD_REQUESTS} held "
+          "throughout, from 50 organisations)")
     print(f"  {'minimal upstream, c=32, req/s':<36}{result['rps_minimal_upstream_direct']:>11,}"
           f"{result['rps_minimal_upstream']:>12,}   (goal ≥ 2,000; gateway used "
           f"{result['gateway_cpu_share_c32']:.0%} of the cores, wrk "

@@ -158,6 +158,11 @@ def free_devices(node: Node, held: Iterable[Replica] | None = None) -> list[int]
     return [device["index"] for device in node.devices if device["index"] not in used]
 
 
+# A pending replica's stage once no node could take it (and why): the gateway fails the
+# requests held for its endpoint at once rather than at the end of the hold.
+UNPLACED_STAGE = "waiting for a node"
+
+
 def do_place_replica(*, replica_id: UUID) -> Node | None:
     """Assign a pending replica to a node and its devices (pending → scheduling).
 
@@ -201,7 +206,7 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
                      + (f" in {endpoint.region.slug}" if endpoint.region_id is not None else ""))
             tiers = " and KV room" if needs.host_bytes or needs.disk_bytes else ""
             Replica.objects.filter(id=replica_id, state=State.PENDING).update(
-                stage=f"waiting for a node{where} with {endpoint.gpu_count} free "
+                stage=f"{UNPLACED_STAGE}{where} with {endpoint.gpu_count} free "
                       f"{endpoint.gpu_type.name}{tiers}"[:80])
             return None
         placed = do_transition_replica(

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
-from django.db.models import F, Prefetch, Q, QuerySet, Sum
+from django.db.models import Count, F, Max, Prefetch, Q, QuerySet, Sum
 
 from accounts.models import Organization
 from accounts.selectors import Quota
@@ -23,7 +23,7 @@ from endpoints.models import (
     ReplicaInterval,
     State,
 )
-from endpoints.scheduling import free_devices, held_on
+from endpoints.scheduling import UNPLACED_STAGE, free_devices, held_on
 from engine.sizing import CPU
 from kvrun.common.sealing import unseal
 
@@ -137,6 +137,34 @@ def quota_used_by(*, organization_ids: Iterable[UUID], excluding: UUID | None = 
         replicas=Sum("max_replicas", default=0),
         gpus=Sum(F("gpu_count") * F("max_replicas"), default=0, filter=~Q(gpu_type__slug=CPU)))
     return Quota(endpoints=kept.count(), gpus=held["gpus"], replicas=held["replicas"])
+
+
+@dataclass(frozen=True)
+class HoldState:
+    """What the requests held for an endpoint's cold start wait on (gateway.hold)."""
+
+    changed: tuple[object, ...]  # differs whenever what a held request reads may have
+    unplaced: str  # its replica's stage when it waits for a node and none is placed
+
+
+def hold_states(*, endpoint_ids: Iterable[str]) -> dict[str, HoldState]:
+    """Each endpoint's HoldState, in one query however many there are; an endpoint that is
+    gone is absent."""
+    replicas = ~Q(replicas__state__in=[State.STOPPED, State.FAILED])
+    rows = (Endpoint.objects.filter(id__in=list(endpoint_ids))
+            .values("id", "state", "desired_state", "desired_replicas", "deleted_at")
+            .annotate(ready=Count("replicas", filter=Q(replicas__state=State.READY)),
+                      placed=Count("replicas", filter=replicas & ~Q(
+                          replicas__state=State.PENDING)),
+                      stage=Max("replicas__stage", filter=replicas),
+                      percent=Max("replicas__progress_percent", filter=replicas),
+                      unplaced=Max("replicas__stage", filter=Q(
+                          replicas__state=State.PENDING,
+                          replicas__stage__startswith=UNPLACED_STAGE))))
+    return {str(row["id"]): HoldState(
+        changed=tuple(value for name, value in row.items() if name != "id"),
+        unplaced=row["unplaced"] if row["unplaced"] and not row["placed"] else "")
+        for row in rows}
 
 
 def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str, object]:

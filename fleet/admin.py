@@ -14,27 +14,20 @@ from endpoints.admin import ReadOnlyAdmin
 from fleet.enrolment import (
     JOIN_TOKEN_LIFETIME,
     JOIN_TOKEN_LONGEST_LIFETIME,
-    NODE_NAME,
-    ZONE_NAME,
     do_ask_rotation,
     do_create_join_token,
     do_revoke_node,
     owner_refusal,
 )
+from fleet.forms import NodeTokenFields, as_sentence
 from fleet.models import JoinToken, NodeCredential
 
 
-class JoinTokenForm(forms.ModelForm):
-    node_name = forms.RegexField(
-        regex=rf"\A{NODE_NAME.pattern}\Z", max_length=100,
-        help_text="The name the node will have: letters, digits, '.', '_' or '-'.")
+class JoinTokenForm(NodeTokenFields, forms.ModelForm):
     minutes = forms.IntegerField(
         min_value=1, max_value=int(JOIN_TOKEN_LONGEST_LIFETIME.total_seconds() // 60),
         initial=int(JOIN_TOKEN_LIFETIME.total_seconds() // 60),
         help_text="How long the token may be used; once used, it is spent.")
-    zone = forms.RegexField(regex=rf"\A{ZONE_NAME.pattern}\Z", max_length=40, required=False,
-                            help_text="Its zone within the region, if any.")
-
     class Meta:
         model = JoinToken
         fields = ["node_name", "region", "organization"]
@@ -44,12 +37,10 @@ class JoinTokenForm(forms.ModelForm):
                                       "endpoints run there. Empty: a shared node."}
 
     def clean(self) -> dict[str, Any]:
-        cleaned = super().clean() or {}
-        if cleaned.get("zone") and not cleaned.get("region"):
-            self.add_error("zone", "A zone is within a region: choose the region too.")
+        cleaned = super().clean()
         if cleaned.get("node_name") and (refusal := owner_refusal(
                 node_name=cleaned["node_name"], organization=cleaned.get("organization"))):
-            self.add_error("node_name", f"{refusal[0].upper()}{refusal[1:]}.")
+            self.add_error("node_name", as_sentence(refusal))
         return cleaned
 
 

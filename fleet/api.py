@@ -35,7 +35,7 @@ from fleet.reports import (
     do_register_node,
 )
 from fleet.selectors import NotNow
-from kvrun.common.api import AddressRateThrottle, validated
+from kvrun.common.api import AddressRateThrottle, secret_response, validated
 from kvrun.common.clients import client_address
 
 
@@ -85,8 +85,8 @@ class Enrol(APIView):
             node, credential = do_enrol_node(**data)
         except EnrolmentRefused as exc:  # not HTTP authentication: the token is the body's
             raise exceptions.PermissionDenied(str(exc)) from exc
-        return Response({"node": serializers.NodeOutput(node).data, "credential": credential,
-                         "timings": selectors.node_timings()}, status=status.HTTP_201_CREATED)
+        return secret_response({"node": serializers.NodeOutput(node).data,
+                                "credential": credential, "timings": selectors.node_timings()})
 
 
 class NodeRateThrottle(SimpleRateThrottle):
@@ -169,7 +169,7 @@ class Credential(NodeView):
             secret = do_rotate_node_credential(node=self.node)
         except TooManyWaiting as exc:
             raise RotationRefused(str(exc)) from exc
-        return Response({"credential": secret}, status=status.HTTP_201_CREATED)
+        return secret_response({"credential": secret})
 
 
 class ModelCache(NodeView):

@@ -39,7 +39,7 @@ from endpoints.models import (
 from endpoints.scheduling import Placement
 from endpoints.selectors import models_visible_to, regions_online
 from endpoints.services import idle_time_refusal
-from fleet.enrolment import NODE_NAME, ZONE_NAME
+from fleet.forms import NodeTokenFields
 
 
 class APIKeyForm(forms.Form):
@@ -92,25 +92,13 @@ class InviteForm(forms.Form):
     role = forms.ChoiceField(choices=Role.choices, initial=Role.MEMBER)
 
 
-class OwnNodeForm(forms.Form):
+class OwnNodeForm(NodeTokenFields):
     """A join token for a node of the organisation's own."""
 
-    node_name = forms.RegexField(
-        regex=rf"\A{NODE_NAME.pattern}\Z", max_length=100, label="Node name",
-        help_text="The host's name: letters, digits, '.', '_' or '-'.",
-        error_messages={"invalid": "Use up to 100 letters, digits, '.', '_' or '-', starting "
-                                   "with a letter or digit."})
     region = forms.ModelChoiceField(queryset=Region.objects.all(), to_field_name="slug",
                                     required=False, empty_label="No region",
                                     help_text="Where the host is; the node cannot change it.")
-    zone = forms.RegexField(regex=rf"\A{ZONE_NAME.pattern}\Z", max_length=40, required=False,
-                            help_text="Its zone within the region, if any.")
-
-    def clean(self) -> dict[str, Any]:
-        cleaned = super().clean() or {}
-        if cleaned.get("zone") and not cleaned.get("region"):
-            self.add_error("zone", "A zone is within a region: choose the region too.")
-        return cleaned
+    field_order = ["node_name", "region", "zone"]
 
 
 class HubModelForm(forms.Form):

@@ -116,6 +116,7 @@ class Gateway:
         self._background.clear()
         await self.sink.close()
         await self.proxy.close()
+        await self.cold_starts.close()
         observed.IN_FLIGHT.directories.discard(self.directory)
         await self.redis.aclose()
         self._started = False
@@ -243,7 +244,7 @@ class Gateway:
             exchange.admission = await self._admit(exchange, payload)
         except BaseException:
             if not route.upstreams:
-                self.cold_starts.give_room(route)
+                self.cold_starts.give_room(route, organization_id=identity.organization_id)
             raise
         self.sink.track(exchange)
         answer = None
@@ -277,9 +278,10 @@ class Gateway:
     async def _take_cold_start_room(self, exchange: Exchange) -> None:
         """The request's room among those held for its endpoint's cold start; a 429 frees
         its Idempotency-Key."""
-        assert exchange.route is not None
+        assert exchange.route is not None and exchange.identity is not None
         try:
-            self.cold_starts.take_room(exchange.route)
+            self.cold_starts.take_room(exchange.route,
+                                       organization_id=exchange.identity.organization_id)
         except GatewayError as refusal:
             exchange.status = refusal.status
             await self._settle(exchange, answer=None)

@@ -111,9 +111,12 @@ class _ReplicaRow:
     adapters: tuple[str, ...] = ()
 
 
-def _read_endpoints(organization_id: UUID) -> list[tuple[Route, tuple[_ReplicaRow, ...]]]:
-    """Each endpoint as a route still without upstreams, and its ready replicas."""
-    close_old_connections()  # this thread serves no Django request that would do it
+def read_endpoints(organization_id: UUID, *, fresh_connection: bool = True
+                   ) -> list[tuple[Route, tuple[_ReplicaRow, ...]]]:
+    """Each endpoint as a route still without upstreams, and its ready replicas. On a fresh
+    connection unless the caller's thread keeps one (gateway.hold's watch)."""
+    if fresh_connection:
+        close_old_connections()  # this thread serves no Django request that would do it
     rows = []
     authority = None  # read once, where a replica serves TLS
     for endpoint in endpoints_for_gateway(organization_id=organization_id):
@@ -201,18 +204,20 @@ class Directory:
     def forget_key(self, digest: str) -> None:
         self._keys.pop(digest, None)
 
-    async def routes(self, organization_id: UUID, *, max_age: float | None = None
-                     ) -> dict[str, Route]:
+    async def routes(self, organization_id: UUID, *, max_age: float | None = None,
+                     run: Callable[..., Awaitable[Any]] | None = None) -> dict[str, Route]:
         """The organisation's endpoints by name, read at most `max_age` seconds ago (by
-        default, the route cache's time)."""
+        default, the route cache's time). Read on Django's thread, or by `run` (it runs
+        read_endpoints and its arguments where its caller wants)."""
         entry = self._routes.get(organization_id)
         oldest = time.monotonic() + self._route_seconds - (
             self._route_seconds if max_age is None else max_age)
         if entry is not None and entry[0] > oldest:
             return entry[1]
         try:
-            rows = await self._once(("routes", organization_id),
-                                    lambda: sync_to_async(_read_endpoints)(organization_id))
+            rows = await self._once(("routes", organization_id), (
+                (lambda: run(read_endpoints, organization_id, fresh_connection=False)) if run
+                else lambda: sync_to_async(read_endpoints)(organization_id)))
         except (OperationalError, InterfaceError) as exc:
             routes = _stale(entry, exc)
             self._routes[organization_id] = (time.monotonic() + STALE_RETRY_SECONDS, routes)

@@ -3,10 +3,12 @@ replica instead of being refused.
 
 A held stream gets its response headers at once and, every few seconds, an SSE comment line
 with the start's stage and ETA (clients ignore comments); a request not streamed just waits.
-Holds are bounded in time (KVRUN_GATEWAY_HOLD_SECONDS) and in count per endpoint in this
-process (KVRUN_GATEWAY_HOLD_MAX_REQUESTS): past either the answer is a 503 or a 429 with
-Retry-After from the ETA. The ETA is the median time this model's recent starts took on this
-kind of node (endpoints.selectors.median_start_seconds), less what this start has taken.
+Holds are bounded in time (KVRUN_GATEWAY_HOLD_SECONDS) and in count in this process, per
+endpoint, per organisation and in all (KVRUN_GATEWAY_HOLD_MAX_REQUESTS…): past either the
+answer is a 503 or a 429 with Retry-After from the ETA. A replica that no node can take fails
+its endpoint's held requests at once (a 503 saying why). What they wait on is read by one watch
+for the whole process (Watch). The ETA is the median time this model's recent starts took on
+this kind of node (endpoints.selectors.median_start_seconds), less what this start has taken.
 """
 
 from __future__ import annotations
@@ -15,21 +17,31 @@ import asyncio
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, TypeVar
 from uuid import UUID
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
-from django.db import InterfaceError, OperationalError, close_old_connections
+from django.db import InterfaceError, OperationalError, connection
 
 from endpoints.models import State
+from endpoints.selectors import HoldState, hold_states
 from endpoints.services import do_wake_endpoint
+from gateway import observed
 from gateway.asgi import ClientGone, Receive, Send, response_headers
 from gateway.directory import Directory, Route
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 
-# How often a held request asks whether a replica is ready: a small share of a cold start.
+# How often the watch asks whether held requests' endpoints changed: a small share of a cold
+# start.
 POLL_SECONDS = 0.25
+T = TypeVar("T")
+# Retry-After of a request whose endpoint's replica no node can take now.
+UNPLACED_RETRY_SECONDS = 60
 # How often a held stream is told how the start is going.
 COMMENT_SECONDS = 2.0
 # Retry-After where no start of this model on this kind of node is known yet.
@@ -59,47 +71,157 @@ def _progress(route: Route) -> str:
     return f"{stage} ({route.progress.get('percent', 0)}%), {when}"
 
 
-def _wake(endpoint_id: str) -> bool:
-    close_old_connections()  # this thread serves no Django request that would do it
-    return do_wake_endpoint(endpoint_id=UUID(endpoint_id))
+class Watch:
+    """One watch, per process, of every endpoint that has requests held: every POLL_SECONDS
+    one query for all of them (endpoints.selectors.hold_states), however many requests or
+    organisations wait; an organisation's routes are read again only when one of its
+    endpoints changed. The watch, those reads and the wakes run on a thread of their own,
+    over a connection it keeps: never on the thread that serves every tenant's keys and
+    routes, nor on a fresh connection each."""
+
+    def __init__(self, directory: Directory) -> None:
+        self._directory = directory
+        self._watched: dict[str, _Watched] = {}
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="kvrun-hold-watch")
+        self._task: asyncio.Task[None] | None = None
+
+    def add(self, *, endpoint_id: str, organization_id: UUID) -> _Watched:
+        """Watch the endpoint for one more request; `discard` when it stops waiting."""
+        watched = self._watched.get(endpoint_id)
+        if watched is None:
+            watched = self._watched[endpoint_id] = _Watched(organization_id=organization_id)
+        watched.waiting += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.ensure_future(self._run())
+        return watched
+
+    async def close(self) -> None:
+        """Stop watching, and close the watch's connection."""
+        if self._task is not None:
+            self._task.cancel()
+        await asyncio.get_running_loop().run_in_executor(self._thread, _close_connection)
+        self._thread.shutdown()
+
+    def discard(self, endpoint_id: str) -> None:
+        watched = self._watched[endpoint_id]
+        watched.waiting -= 1
+        if not watched.waiting:
+            del self._watched[endpoint_id]
+
+    async def run(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """function(*args, **kwargs) on the watch's thread; a connection that failed is
+        dropped there, to be made again next time."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, partial(_on_kept_connection, function, *args, **kwargs))
+
+    async def _run(self) -> None:
+        while self._watched:
+            watched = dict(self._watched)
+            try:
+                states: dict[str, HoldState] | None = await self.run(
+                    hold_states, endpoint_ids=list(watched))
+            except (OperationalError, InterfaceError):
+                states = None  # the database is away: what was read stands
+            for endpoint_id, one in watched.items():
+                state = None if states is None else states.get(endpoint_id, GONE)
+                if state is None or state.changed == one.seen:
+                    continue
+                one.seen, one.unplaced = state.changed, state.unplaced
+                await self._directory.routes(one.organization_id, max_age=0, run=self.run)
+                one.changed.set()
+                one.changed = asyncio.Event()
+            await asyncio.sleep(POLL_SECONDS)
+
+
+@dataclass(eq=False)
+class _Watched:
+    organization_id: UUID
+    waiting: int = 0
+    seen: tuple[object, ...] | None = None
+    unplaced: str = ""
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+# What the watch reads for an endpoint that is gone: a change, once.
+GONE = HoldState(changed=("gone",), unplaced="")
+
+
+def _on_kept_connection(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    try:
+        return function(*args, **kwargs)
+    except (OperationalError, InterfaceError):
+        connection.close()  # this thread's
+        raise
+
+
+def _close_connection() -> None:
+    connection.close()  # this thread's: `connection` is looked up where it is called
 
 
 class ColdStarts:
     def __init__(self, directory: Directory) -> None:
         self._directory = directory
-        self._held: Counter[str] = Counter()
+        self._watch = Watch(directory)
+        self._held: Counter[str] = Counter()  # by endpoint
+        self._held_by_organization: Counter[UUID] = Counter()
         self._waking: dict[str, asyncio.Future[bool]] = {}
 
-    def take_room(self, route: Route) -> None:
-        """Count a request as held for the endpoint, or refuse it with a 429 past the bound.
-        Counted at once, with no await between the check and the count, so that a burst
-        cannot pass the bound; wait_for_replica gives the room back, and give_room where
-        the request is refused before it waits."""
-        held, most = self._held[route.endpoint_id], settings.KVRUN_GATEWAY_HOLD_MAX_REQUESTS
-        if held >= most:
-            wait = retry_after(route)
-            raise GatewayError(
-                429, f"Endpoint {route.name!r} is starting from zero and {held} requests already "
-                f"wait for it, the most that may; retry in {wait.decode()} s.",
-                code="cold_start_queue_full", kind="requests",
-                headers=[(b"retry-after", wait)])
-        self._held[route.endpoint_id] += 1
+    @property
+    def held(self) -> int:
+        """Requests held in this process."""
+        return sum(self._held.values())
 
-    def give_room(self, route: Route) -> None:
+    async def close(self) -> None:
+        await self._watch.close()
+
+    def take_room(self, route: Route, *, organization_id: UUID) -> None:
+        """Count a request as held for the endpoint, or refuse it with a 429 past a bound:
+        KVRUN_GATEWAY_HOLD_MAX_REQUESTS for the endpoint, and _PER_ORGANIZATION and
+        _PER_PROCESS. Counted at once, with no await between the check and the count, so that
+        a burst cannot pass a bound; wait_for_replica gives the room back, and give_room where
+        the request is refused before it waits."""
+        held = self._held[route.endpoint_id]
+        for waiting, most, who in (
+                (held, settings.KVRUN_GATEWAY_HOLD_MAX_REQUESTS, "requests already wait for it"),
+                (self._held_by_organization[organization_id],
+                 settings.KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_ORGANIZATION,
+                 "of this organisation's requests already wait for its endpoints"),
+                (self.held, settings.KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_PROCESS,
+                 "requests already wait for endpoints to start here")):
+            if waiting >= most:
+                wait = retry_after(route)
+                raise GatewayError(
+                    429, f"Endpoint {route.name!r} is starting from zero and {waiting} {who}, "
+                    f"the most that may; retry in {wait.decode()} s.",
+                    code="cold_start_queue_full", kind="requests",
+                    headers=[(b"retry-after", wait)])
+        self._held[route.endpoint_id] += 1
+        self._held_by_organization[organization_id] += 1
+        observed.HELD.inc()
+
+    def give_room(self, route: Route, *, organization_id: UUID) -> None:
         self._held[route.endpoint_id] -= 1
         if not self._held[route.endpoint_id]:
             del self._held[route.endpoint_id]
+        self._held_by_organization[organization_id] -= 1
+        if not self._held_by_organization[organization_id]:
+            del self._held_by_organization[organization_id]
+        observed.HELD.dec()
 
     async def wait_for_replica(self, exchange: Exchange, receive: Receive, send: Send) -> Route:
         """Wake the exchange's endpoint if it is at zero and wait until it has a ready
         replica; returns the route with it. The request has taken its room (take_room),
-        which this gives back. Raises GatewayError past the hold's time, or if the endpoint
-        is stopped or deleted meanwhile, and ClientGone if the client leaves."""
+        which this gives back. Raises GatewayError past the hold's time, at once if the
+        endpoint's replica cannot be placed, or if the endpoint is stopped or deleted
+        meanwhile, and ClientGone if the client leaves."""
         route = exchange.route
         assert route is not None and exchange.identity is not None
+        organization_id = exchange.identity.organization_id
         started = time.perf_counter()
         deadline = started + settings.KVRUN_GATEWAY_HOLD_SECONDS
         left = asyncio.ensure_future(_client_left(receive))
+        watched = self._watch.add(endpoint_id=route.endpoint_id,
+                                  organization_id=organization_id)
         try:
             await self._wake(route)
             if exchange.stream:
@@ -111,9 +233,10 @@ class ColdStarts:
                 exchange.response_started = True
             told = 0.0
             while True:
-                # Read at most once a poll for every request held for the organisation.
-                routes = await self._directory.routes(exchange.identity.organization_id,
-                                                      max_age=POLL_SECONDS)
+                # The watch reads the organisation's routes again when the endpoint changes;
+                # until then they are served from memory.
+                routes = await self._directory.routes(
+                    organization_id, max_age=settings.KVRUN_GATEWAY_HOLD_SECONDS)
                 route = routes.get(route.name, route)
                 if route.upstreams:
                     if exchange.stream:
@@ -125,6 +248,12 @@ class ColdStarts:
                            if route.state == State.FAILED else "stopped")
                     raise GatewayError(503, f"Endpoint {route.name!r} was {why} while this "
                                        "request waited for it.", code="endpoint_not_ready")
+                if watched.unplaced:
+                    raise GatewayError(
+                        503, f"Endpoint {route.name!r} cannot start now: its replica is "
+                        f"{watched.unplaced}, and none is. Retry later, or choose other "
+                        "hardware for it.", code="cold_start_unplaceable",
+                        headers=[(b"retry-after", str(UNPLACED_RETRY_SECONDS).encode())])
                 if route.desired_replicas == 0:  # scaled to zero again since it was woken
                     await self._wake(route)
                 now = time.perf_counter()
@@ -137,20 +266,27 @@ class ColdStarts:
                 if exchange.stream and now - told >= COMMENT_SECONDS:
                     await _comment(send, f"starting from zero: {_progress(route)}")
                     told = now
-                done, _ = await asyncio.wait([left], timeout=POLL_SECONDS)
-                if done:
+                changed = asyncio.ensure_future(watched.changed.wait())
+                try:
+                    done, _ = await asyncio.wait([left, changed], timeout=min(
+                        COMMENT_SECONDS, deadline - now), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    changed.cancel()
+                if left in done:
                     exchange.disconnected = True
                     raise ClientGone
         finally:
             left.cancel()
-            self.give_room(route)
+            self._watch.discard(route.endpoint_id)
+            self.give_room(route, organization_id=organization_id)
             exchange.held_seconds = time.perf_counter() - started
 
     async def _wake(self, route: Route) -> None:
         """One wake at a time per endpoint from this process, however many requests wait."""
         pending = self._waking.get(route.endpoint_id)
         if pending is None:
-            pending = asyncio.ensure_future(sync_to_async(_wake)(route.endpoint_id))
+            pending = asyncio.ensure_future(self._watch.run(
+                do_wake_endpoint, endpoint_id=UUID(route.endpoint_id)))
             self._waking[route.endpoint_id] = pending
             pending.add_done_callback(lambda _: self._waking.pop(route.endpoint_id, None))
         try:

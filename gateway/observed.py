@@ -1,7 +1,8 @@
 """The gateway's own Prometheus metrics, kept in this process (kvrun's /metrics exposes them
 beside the engines' figures): its overhead and the time to first token per endpoint,
-requests by status, the requests in flight to each replica and the requests prefix affinity
-spilled past their replica. Observing costs about a microsecond a request.
+requests by status, the requests in flight to each replica, the requests held for a cold
+start and the requests prefix affinity spilled past their replica. Observing costs about a
+microsecond a request.
 
 Each web process counts its own: a scrape of several sums them (`sum by (endpoint, replica)`
 of the in-flight gauge; `rate` of the counters, summed). Routing, and so its load bound, is
@@ -10,7 +11,7 @@ per process too.
 
 from collections.abc import Iterator
 
-from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gateway.directory import Directory
@@ -28,6 +29,8 @@ TIME_TO_FIRST_TOKEN = Histogram(
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0))
 REQUESTS = Counter("kvrun_gateway_requests", "Finished requests by status.",
                    ["organization", "endpoint", "status"])
+HELD = Gauge("kvrun_gateway_requests_held",
+             "Requests this web process holds for endpoints starting from zero.")
 SPILLS = Counter("kvrun_gateway_affinity_spills",
                  "Requests that prefix affinity sent past their prefix's replica, which was at "
                  "its load bound.", ["organization", "endpoint"])

@@ -225,10 +225,14 @@ KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS = env.float("KVRUN_GATEWAY_UPSTREAM_TIMEO
 KVRUN_GATEWAY_MAX_ANSWER_BYTES = env.int("KVRUN_GATEWAY_MAX_ANSWER_BYTES",
                                          default=16 * 1024 * 1024)
 # A request to an endpoint scaled to zero waits for its cold start this long at most, and at
-# most this many such requests wait per endpoint in one web process; past either the answer is
-# a 503 or a 429 with Retry-After.
+# most this many such requests wait in one web process per endpoint, per organisation and in
+# all; past either the answer is a 503 or a 429 with Retry-After.
 KVRUN_GATEWAY_HOLD_SECONDS = env.float("KVRUN_GATEWAY_HOLD_SECONDS", default=300.0)
 KVRUN_GATEWAY_HOLD_MAX_REQUESTS = env.int("KVRUN_GATEWAY_HOLD_MAX_REQUESTS", default=256)
+KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_ORGANIZATION = env.int(
+    "KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_ORGANIZATION", default=256)
+KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_PROCESS = env.int(
+    "KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_PROCESS", default=2048)
 # An Idempotency-Key is remembered this long; a repeat within it does not run again.
 KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
 # Answers kept for repeats, per organisation and window of KVRUN_IDEMPOTENCY_HOURS: they share

@@ -4,7 +4,9 @@ workers deciding at once make one change and one event."""
 
 import math
 from datetime import datetime, timedelta
+from functools import partial
 from statistics import fmean
+from uuid import UUID
 
 from django.db.models import Max
 from django.db.models.functions import Greatest
@@ -139,7 +141,15 @@ def do_scale_idle_endpoints_to_zero(*, now: datetime) -> int:
         reason = (f"no request for {duration_text(idle)} and none in flight (its idle time is "
                   f"{duration_text(wanted)}); stopping its {endpoint.desired_replicas} "
                   "replica(s). The next request wakes it.")
-        scaled += do_scale_endpoint_to_zero(endpoint_id=endpoint.id,
-                                            replicas=endpoint.desired_replicas, reason=reason)
+        scaled += do_scale_endpoint_to_zero(
+            endpoint_id=endpoint.id, replicas=endpoint.desired_replicas, reason=reason,
+            still_idle=partial(_still_idle, endpoint.id, since=since, now=now))
     return scaled
+
+
+def _still_idle(endpoint_id: UUID, *, since: datetime, now: datetime) -> bool:
+    """No request in flight at `now`, and none since `since`: read again."""
+    seen = activity_of(endpoint_ids=[endpoint_id], now=now)[endpoint_id]
+    return not seen.in_flight and (seen.last_request_at is None
+                                   or seen.last_request_at <= since)
 

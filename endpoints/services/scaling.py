@@ -1,7 +1,7 @@
 """How an endpoint scales: its settings, and the moves the autoscaler and the gateway ask
 for (up, down, to zero, woken)."""
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from uuid import UUID
 
@@ -115,15 +115,23 @@ def do_wake_endpoint(*, endpoint_id: UUID) -> bool:
         to_replicas=1, message="woken by a request: starting one replica")
 
 
-def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str) -> bool:
+def do_scale_endpoint_to_zero(*, endpoint_id: UUID, replicas: int, reason: str,
+                              still_idle: Callable[[], bool]) -> bool:
     """Stop every replica of an idle endpoint that may scale to zero, with `reason` (the
     numbers behind the decision) as its event; `replicas` is the count the decision was
     made at. A conditional update: a request that woke the endpoint or a scaling change
-    made since, or a second autoscaler deciding the same, changes nothing. Returns whether
-    this call scaled it."""
-    return _move_desired_replicas(
-        endpoint_id=endpoint_id, where=Q(min_replicas=0, desired_replicas=replicas),
-        to_replicas=0, message=f"scaling to zero: {reason}")
+    made since, or a second autoscaler deciding the same, changes nothing. Activity lives
+    outside the database, so `still_idle` asks again once the endpoint's row is held by the
+    update: a request admitted since the decision read it undoes it. Returns whether this
+    call scaled it."""
+    with transaction.atomic():
+        moved = _move_desired_replicas(
+            endpoint_id=endpoint_id, where=Q(min_replicas=0, desired_replicas=replicas),
+            to_replicas=0, message=f"scaling to zero: {reason}")
+        if moved and not still_idle():
+            transaction.set_rollback(True)
+            return False
+    return moved
 
 
 def do_autoscale_endpoint(*, endpoint_id: UUID, replicas: int, to_replicas: int, reason: str,

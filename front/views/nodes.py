@@ -13,6 +13,7 @@ from django.views.decorators.http import require_POST
 from accounts.models import Role
 from endpoints.selectors import gpu_catalog, own_nodes_of
 from fleet.enrolment import do_create_own_node_token
+from fleet.forms import as_sentence
 from front.forms import OwnNodeForm
 from front.scoping import membership
 
@@ -47,6 +48,6 @@ def create_own_node_token(request: HttpRequest, org_slug: str) -> HttpResponse:
         messages.error(request, str(exc))
         return redirect("own-nodes", org_slug=org_slug)
     except ValueError as exc:
-        form.add_error("node_name", f"{str(exc)[0].upper()}{str(exc)[1:]}.")
+        form.add_error("node_name", as_sentence(exc))
         return own_nodes(request, org_slug, form=form, status=400)
     return own_nodes(request, org_slug, created={"token": token, "secret": secret})

@@ -8,6 +8,7 @@ from django.conf import settings
 from django.core.exceptions import PermissionDenied, RequestDataTooBig
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.http import Http404, HttpRequest, HttpResponse
+from django.utils.cache import add_never_cache_headers
 from django.views.defaults import page_not_found
 from rest_framework import exceptions, serializers, status
 from rest_framework.pagination import PageNumberPagination
@@ -223,3 +224,11 @@ class TrueOrFalse(forms.Field):
 
 class BooleanFilter(django_filters.BooleanFilter):
     field_class = TrueOrFalse
+
+
+def secret_response(data: dict[str, Any]) -> Response:
+    """A 201 that carries a secret shown once: no cache, shared or the client's own, may
+    keep it."""
+    response = Response(data, status=status.HTTP_201_CREATED)
+    add_never_cache_headers(response)
+    return response

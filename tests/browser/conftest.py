@@ -76,8 +76,10 @@ def sign_up(page: Page, base: str, organization: str = "Engines",
     confirm_email(page, base, "ada@example.com", mail_dir)
 
 
-def confirm_email(page: Page, base: str, address: str, mail_dir: Path | None) -> None:
-    """Open the last confirmation link mailed to `address`, as its owner does."""
+def confirm_email(page: Page, base: str, address: str, mail_dir: Path | None,
+                  shot: Callable[[str], None] | None = None) -> None:
+    """Open the last confirmation link mailed to `address`, as its owner does (`shot`: with
+    a screenshot of the page it opens)."""
     mails = ([path.read_text() for path in sorted(
         mail_dir.iterdir(), key=lambda path: path.stat().st_mtime_ns)] if mail_dir
              else [message.message().as_string() for message in mail.outbox])
@@ -86,6 +88,8 @@ def confirm_email(page: Page, base: str, address: str, mail_dir: Path | None) ->
     assert links, f"no confirmation mail to {address}"
     page.goto(f"{base}{links[-1]}")
     expect(page.get_by_role("heading", level=1)).to_have_text("Email address confirmed")
+    if shot:
+        shot("email-confirmed")
     page.goto(f"{base}/")
 
 

@@ -50,7 +50,7 @@ def test_a_newcomer_goes_from_sign_up_to_a_working_snippet(
     page.get_by_role("button", name="Sign up").click()
     expect(page.get_by_test_id("unconfirmed-email")).to_contain_text("newcomer@example.com")
     shot("journey-02-no-endpoints")
-    confirm_email(page, web, "newcomer@example.com", web_mail)
+    confirm_email(page, web, "newcomer@example.com", web_mail, shot)
     expect(page.get_by_test_id("unconfirmed-email")).to_have_count(0)
 
     choose_the_demo_model(page)

@@ -85,6 +85,7 @@ def test_a_stopped_endpoint_or_one_with_a_minimum_is_never_woken_or_scaled_to_ze
     kept = ready_endpoint(org, "kept", [41003], min_replicas=1, desired_replicas=1)
 
     assert not do_wake_endpoint(endpoint_id=stopped.id)
-    assert not do_scale_endpoint_to_zero(endpoint_id=kept.id, replicas=1, reason="idle")
+    assert not do_scale_endpoint_to_zero(endpoint_id=kept.id, replicas=1, reason="idle",
+                                         still_idle=lambda: True)
     assert Endpoint.objects.get(id=stopped.id).desired_replicas == 0
     assert Endpoint.objects.get(id=kept.id).desired_replicas == 1

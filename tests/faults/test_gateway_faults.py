@@ -5,10 +5,13 @@ The stand-in engine keeps the gateway's request id of every request it was sent,
 the set of requests that were admitted and reached an engine."""
 
 import os
+import re
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import orjson
@@ -22,7 +25,7 @@ from accounts.models import Organization
 from billing.ingestion import do_ingest_usage
 from billing.models import UsageRecord
 from billing.usage_stream import INTERRUPTED_CODE
-from endpoints.models import Endpoint
+from endpoints.models import Endpoint, Node, Replica, State
 from engine.processes import free_port
 from kvrun.common.redis import redis_client
 from tests.factories import endpoint_at_zero
@@ -40,6 +43,8 @@ LEASE_SECONDS = 3
 LAG_TOKENS = 2
 STUB_STEADY_TOKENS, STUB_TOKENS = 200, 4  # the stand-in engine's streams, steady and at once
 KILLS = 5
+HELD = 8
+METRICS_TOKEN = "faults-metrics"
 # Streams of STUB_LASTING_TOKENS, one every 0.1 s: they run on past a Redis outage of the
 # lease and a second more, however slowly this machine starts it.
 OUTLASTING_STREAMS, STUB_LASTING_TOKENS = 4, 150
@@ -334,10 +339,11 @@ def test_a_restart_of_postgresql_under_load_fails_no_request_and_loses_no_record
 
 
 def test_a_request_to_an_endpoint_at_zero_while_postgresql_is_down_is_told_to_retry(
-        org: Organization, secret: str) -> None:
+        org: Organization, secret: str, celery_worker: subprocess.Popen) -> None:
     endpoint = endpoint_at_zero(org, "sleepy", start_seconds=40)
+    no_node_takes_replicas()
     port = free_port()
-    web = start_web(port, KVRUN_GATEWAY_HOLD_SECONDS="1")
+    web = start_web(port)
     base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {secret}"}
     request = {"model": "sleepy", "prompt": "hi"}
     try:
@@ -349,8 +355,9 @@ def test_a_request_to_an_endpoint_at_zero_while_postgresql_is_down_is_told_to_re
                                  timeout=30)
         finally:
             postgres.start()
-        # Once the database answers again, a request wakes it (and waits past its 1 s hold).
-        waited = httpx.post(f"{base}/v1/completions", json=request, headers=auth, timeout=30)
+        # Once the database answers again, a request wakes it; the reconciler finds no node
+        # for its replica, and the request is told so.
+        waited = httpx.post(f"{base}/v1/completions", json=request, headers=auth, timeout=60)
     finally:
         stop(web)
 
@@ -358,8 +365,55 @@ def test_a_request_to_an_endpoint_at_zero_while_postgresql_is_down_is_told_to_re
     assert refused.json()["error"]["code"] == "cold_start_unavailable"
     assert "could not start it just now (its database did not answer)" in (
         refused.json()["error"]["message"])
-    assert waited.json()["error"]["code"] == "cold_start_timeout"
+    assert waited.json()["error"]["code"] == "cold_start_unplaceable"
     assert Endpoint.objects.get(id=endpoint.id).desired_replicas == 1
+
+
+def test_requests_held_for_a_replica_no_node_can_take_end_at_once_saying_why(
+        org: Organization, secret: str, celery_worker: subprocess.Popen,
+        figures: Callable[..., None]) -> None:
+    endpoint = endpoint_at_zero(org, "sleepy", start_seconds=40)
+    no_node_takes_replicas()
+    port = free_port()
+    web = start_web(port, KVRUN_METRICS_TOKEN=METRICS_TOKEN)
+    base, auth = f"http://127.0.0.1:{port}", {"Authorization": f"Bearer {secret}"}
+    try:
+        with ThreadPoolExecutor(HELD) as pool:
+            answers = [pool.submit(httpx.post, f"{base}/v1/completions", timeout=60,
+                                   json={"model": "sleepy", "prompt": "hi"}, headers=auth)
+                       for _ in range(HELD)]
+            assert wait_until(lambda: held_by(base) == HELD, 30)
+            # The first woke it; the worker's reconciler finds no node for its replica.
+            assert wait_until(lambda: Replica.objects.filter(
+                endpoint=endpoint, state=State.PENDING, stage__startswith="waiting for a node"
+            ).exists(), 30, interval=0.05)
+            placing_failed = time.monotonic()
+            responses = [answer.result(30) for answer in answers]
+            answered_within = time.monotonic() - placing_failed
+    finally:
+        stop(web)
+
+    figures(held=HELD, refused_with_the_reason=sum(
+        response.json()["error"]["code"] == "cold_start_unplaceable" for response in responses),
+        seconds_from_the_reconciler_to_the_last_answer=round(answered_within, 2))
+    assert {response.status_code for response in responses} == {503}
+    assert {response.json()["error"]["code"] for response in responses} == {
+        "cold_start_unplaceable"}
+    assert "cannot start now: its replica is waiting for a node with 1 free CPU" in responses[
+        0].json()["error"]["message"]
+
+
+def no_node_takes_replicas() -> None:
+    """Every node drains: the reconciler places no replica (the ETA's history stays)."""
+    Node.objects.update(draining=True)
+
+
+def held_by(base: str) -> int:
+    """What a web process's gauge says it holds for cold starts."""
+    metrics = httpx.get(f"{base}/metrics",
+                        headers={"Authorization": f"Bearer {METRICS_TOKEN}"}).text
+    found = re.search(r"^kvrun_gateway_requests_held (\S+)$", metrics, re.MULTILINE)
+    return int(float(found.group(1))) if found else 0
 
 
 class SuitePostgres:

@@ -28,6 +28,8 @@ pytestmark = pytest.mark.django_db
 def enrol(token: str, name: str = "gpu-1", **report: object) -> tuple[int, dict]:
     response = APIClient().post("/node/v1/enrol", {
         "join_token": token, "name": name, **host(), **report}, format="json")
+    if response.status_code == 201:
+        assert "no-store" in response["Cache-Control"]  # no cache may keep the credential
     return response.status_code, response.json()
 
 
@@ -155,6 +157,7 @@ def test_a_rotated_credential_replaces_the_old_one_once_it_is_used() -> None:
 
     rotated = as_node(old).post("/node/v1/credential")
     assert rotated.status_code == 201
+    assert "no-store" in rotated["Cache-Control"]
     new = rotated.json()["credential"]
     # The answer may be lost on the way: until the new one is used, the old one still works.
     assert beat(old) == 200

@@ -32,7 +32,7 @@ def test_concurrent_misses_read_the_database_once_and_share_what_it_said(
             return read(*args)
         return counted
 
-    for name in ("_read_key", "_read_endpoints"):
+    for name in ("_read_key", "read_endpoints"):
         monkeypatch.setattr(directory, name, counting(name))
     memory = directory.Directory(key_seconds=60, route_seconds=60)
 
@@ -44,7 +44,7 @@ def test_concurrent_misses_read_the_database_once_and_share_what_it_said(
 
     answers = asyncio.run(at_once())
 
-    assert reads == {"_read_key": 1, "_read_endpoints": 1}
+    assert reads == {"_read_key": 1, "read_endpoints": 1}
     identities, routes = answers[:20], answers[20:]
     assert {identity.organization_id for identity in identities} == {org.id}
     assert all(list(found) == ["chat"] for found in routes)
@@ -64,7 +64,7 @@ def test_a_start_that_downloads_its_weights_is_expected_after_the_download_and_a
     Replica.objects.create(endpoint=endpoint, node=cpu_node, state=State.DOWNLOADING,
                            download_done_at=now + timedelta(seconds=40))
 
-    [(route, _)] = directory._read_endpoints(org.id)
+    [(route, _)] = directory.read_endpoints(org.id)
 
     assert eta_seconds(route, now=now.timestamp()) == pytest.approx(70, abs=1)
 
@@ -82,14 +82,14 @@ def test_a_start_that_will_download_is_expected_after_that_download_before_it_be
                            ready_at=now - timedelta(seconds=900), download_seconds=70)
     Replica.objects.create(endpoint=endpoint, state=State.PENDING, created_at=now)
 
-    [(route, _)] = directory._read_endpoints(org.id)
+    [(route, _)] = directory.read_endpoints(org.id)
     assert eta_seconds(route, now=now.timestamp()) == pytest.approx(100, abs=1)
 
     # Once a node of its kind holds the weights, the start downloads nothing.
     model = ModelSpec.objects.get(id=endpoint.model_id)
     Node.objects.filter(id=cpu_node.id).update(
         model_cache=[{"repo_id": model.hf_repo, "commit": "c" * 40}])
-    [(route, _)] = directory._read_endpoints(org.id)
+    [(route, _)] = directory.read_endpoints(org.id)
     assert eta_seconds(route, now=now.timestamp()) == pytest.approx(30, abs=1)
 
 
@@ -101,7 +101,7 @@ def test_an_engine_off_loopback_is_reached_over_tls_or_not_at_all(org: Organizat
     Replica.objects.filter(id__in=[in_clear.id, certified.id]).update(node=remote)
     Replica.objects.filter(id=certified.id).update(tls=True)
 
-    [(route, replicas)] = directory._read_endpoints(org.id)
+    [(route, replicas)] = directory.read_endpoints(org.id)
 
     reached = {replica.replica_id: replica.address.base_url for replica in replicas}
     assert reached == {str(on_loopback.id): "http://127.0.0.1:8001",

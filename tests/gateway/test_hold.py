@@ -14,9 +14,10 @@ from django.utils import timezone
 from accounts.models import Organization
 from billing.models import UsageRecord
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
+from gateway import directory
 from kvrun.common.redis import redis_client
 from scaling.activity import in_flight_name
-from tests.factories import endpoint_at_zero, ready_endpoint
+from tests.factories import endpoint_at_zero, inference_key, organization_with_owner, ready_endpoint
 from tests.gateway.helpers import InProcessGateway, raw_client, stored
 from tests.helpers import wait_until
 
@@ -182,3 +183,85 @@ def test_a_held_stream_that_the_engine_refuses_ends_with_the_engine_s_error(
     assert streamed.rstrip().endswith("data: [DONE]")
     assert stored(1)
     assert UsageRecord.objects.get().status_code == 400
+
+
+@pytest.mark.parametrize("bound", ["organisation", "process"])
+def test_past_an_organisation_s_or_the_process_s_bound_a_request_gets_a_429(
+    gateway: InProcessGateway, org: Organization, other_org: Organization, secret: str,
+    bound: str
+) -> None:
+    for organization in (org, other_org):
+        endpoint_at_zero(organization, "sleepy", start_seconds=40)
+        endpoint_at_zero(organization, "dozy", start_seconds=40)
+    theirs = inference_key(other_org)[1]
+
+    with override_settings(KVRUN_GATEWAY_HOLD_SECONDS=3.0,
+                           KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_ORGANIZATION=1
+                           if bound == "organisation" else 10,
+                           KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_PROCESS=1 if bound == "process"
+                           else 10):
+        held = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
+        assert wait_until(lambda: gateway.app.cold_starts.held == 1, 10, interval=0.05)
+        ours = gateway.post(secret, {"model": "dozy", "prompt": "hi"})
+        other = gateway.post(theirs, {"model": "sleepy", "prompt": "hi"})
+        first = held.result(30)
+
+    assert ours.status_code == 429 and ours.json()["error"]["code"] == "cold_start_queue_full"
+    if bound == "organisation":
+        assert "1 of this organisation's requests already wait for its endpoints" in \
+            ours.json()["error"]["message"]
+        # Another organisation's request is held as ever, until the hold's end.
+        assert other.json()["error"]["code"] == "cold_start_timeout"
+    else:
+        assert "1 requests already wait for endpoints to start here" in \
+            ours.json()["error"]["message"]
+        assert other.status_code == 429
+    assert first.json()["error"]["code"] == "cold_start_timeout"
+
+
+def test_a_replica_no_node_can_take_fails_the_held_requests_at_once_saying_why(
+    gateway: InProcessGateway, org: Organization, secret: str
+) -> None:
+    endpoint = endpoint_at_zero(org, "sleepy", start_seconds=40)
+    held = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
+    assert wait_until(lambda: gateway.app.cold_starts.held == 1, 10, interval=0.05)
+
+    Replica.objects.create(endpoint=endpoint, state=State.PENDING,
+                           stage="waiting for a node with 1 free NVIDIA H100 80 GB")
+    response = held.result(10)  # the hold itself lasts 300 s
+
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "60"
+    assert response.json()["error"] == {
+        "type": "server_error", "code": "cold_start_unplaceable", "param": None,
+        "message": "Endpoint 'sleepy' cannot start now: its replica is waiting for a node "
+                   "with 1 free NVIDIA H100 80 GB, and none is. Retry later, or choose other "
+                   "hardware for it."}
+
+
+def test_held_requests_of_many_organisations_read_their_routes_only_when_they_change(
+    gateway: InProcessGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[object] = []
+    read = directory.read_endpoints
+    monkeypatch.setattr(directory, "read_endpoints",
+                        lambda organization_id: reads.append(organization_id) or
+                        read(organization_id))
+    secrets = []
+    for number in range(4):
+        organization = organization_with_owner(f"Tenant {number}")
+        endpoint_at_zero(organization, "sleepy", start_seconds=40)
+        secrets.append(inference_key(organization)[1])
+
+    with override_settings(KVRUN_GATEWAY_HOLD_SECONDS=8.0):
+        held = [gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
+                for secret in secrets for _ in range(2)]
+        assert wait_until(lambda: gateway.app.cold_starts.held == 8, 10, interval=0.05)
+        time.sleep(1)  # each endpoint has been woken, and read again once since
+        settled = len(reads)
+        time.sleep(2)  # eight polls of the one watch
+        quiet = len(reads) == settled
+        answers = [answer.result(30) for answer in held]
+
+    assert quiet, reads[settled:]
+    assert {answer.json()["error"]["code"] for answer in answers} == {"cold_start_timeout"}

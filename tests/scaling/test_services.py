@@ -2,6 +2,7 @@
 replicas added or removed from the engines' samples."""
 
 from datetime import datetime, timedelta
+from typing import Any
 
 import pytest
 from django.conf import settings
@@ -18,6 +19,7 @@ from endpoints.models import (
 )
 from endpoints.services import do_autoscale_endpoint, do_change_endpoint_policy, do_scale_endpoint
 from kvrun.common.redis import redis_client
+from scaling import services
 from scaling.activity import in_flight_name, last_request_name, readings_name, record_in_flight
 from scaling.selectors import replica_to_remove
 from scaling.services import do_scale_endpoints_on_signals, do_scale_idle_endpoints_to_zero
@@ -62,6 +64,23 @@ def test_it_counts_the_idle_time_from_the_last_request(idle: Endpoint) -> None:
 
     assert do_scale_idle_endpoints_to_zero(now=now) == 0
     assert do_scale_idle_endpoints_to_zero(now=now + timedelta(minutes=14, seconds=1)) == 1
+
+
+def test_a_request_admitted_while_it_decides_keeps_the_endpoint_running(
+        idle: Endpoint, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = timezone.now()
+    decide = services.do_scale_endpoint_to_zero
+
+    def admitted_meanwhile(**decision: Any) -> bool:
+        redis_client().zadd(in_flight_name(idle.id), {"req_late": int(now.timestamp() * 1000)})
+        return decide(**decision)
+    monkeypatch.setattr(services, "do_scale_endpoint_to_zero", admitted_meanwhile)
+
+    assert do_scale_idle_endpoints_to_zero(now=now) == 0
+
+    idle.refresh_from_db()
+    assert idle.desired_replicas == 1
+    assert zero_events(idle) == []
 
 
 def test_it_keeps_an_endpoint_with_a_request_in_flight(idle: Endpoint) -> None:
