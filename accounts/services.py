@@ -6,6 +6,7 @@ must change, and PermissionDenied when the caller's role does not allow the chan
 
 import logging
 import secrets
+import smtplib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -78,13 +79,21 @@ def do_sign_up(*, email: str, password: str, name: str = "", organization_name: 
 def do_send_email_verification(*, user: User) -> None:
     """Mail `user`, once the transaction commits, a link that confirms their address
     (do_verify_email). It is signed, names the address, and works for
-    KVRUN_EMAIL_VERIFICATION_DAYS; nothing is stored."""
+    KVRUN_EMAIL_VERIFICATION_DAYS; nothing is stored. A mail that cannot be sent is logged."""
     token = signing.dumps({"user": user.pk, "email": user.email}, salt=EMAIL_VERIFICATION_SALT)
     body = render_to_string("accounts/verify_email.txt", {
         "email": user.email, "days": settings.KVRUN_EMAIL_VERIFICATION_DAYS,
         "link": settings.KVRUN_BASE_URL.rstrip("/") + reverse("verify-email", args=[token])})
-    transaction.on_commit(lambda: send_mail(
-        "Confirm your email address for kvrun", body, None, [user.email]))
+    transaction.on_commit(lambda: _send_confirmation(body, user.email))
+
+
+def _send_confirmation(body: str, address: str) -> None:
+    # A mail server that fails must not fail the sign-up that was just committed: the
+    # dashboard's button sends the link again.
+    try:
+        send_mail("Confirm your email address for kvrun", body, None, [address])
+    except (smtplib.SMTPException, OSError):
+        logger.exception("the confirmation mail to %s could not be sent", address)
 
 
 def do_verify_email(*, token: str) -> User:

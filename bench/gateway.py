@@ -1,10 +1,12 @@
 """`make bench` target `gateway`: what kvrun's OpenAI-compatible gateway adds to a request.
 
 Side by side in one run, with wrk as the load generator (one thread):
-  minimal upstream  bench.minimal_upstream (a raw ASGI app answering at once), direct and
-                    through the gateway: added latency at concurrency 1, non-streamed and
-                    streamed, and requests per second at concurrency 32, which isolates the
-                    gateway's own cost;
+  minimal upstream  bench.minimal_upstream (a raw ASGI app answering at once), direct, through
+                    the gateway, and through the floor (bench.floor_forwarder: a bare
+                    forwarder with the gateway's server and HTTP client, nothing else):
+                    added latency at concurrency 1, non-streamed and streamed, and requests
+                    per second at concurrency 32, which isolates the gateway's own cost and
+                    sets it beside the least any gateway in Python adds here;
   real engine       a vLLM CPU engine serving the demo model, direct and through the gateway:
                     the ratio gateway / direct, and the metered tokens against the engine's own
                     counters.
@@ -63,8 +65,16 @@ GOALS = [
          at_most=1, unit="ms"),
     Goal("rps_minimal_upstream", "requests a second through the gateway, c=32",
          at_least=2000, unit="req/s", required=False),
+    Goal("added_p50_vs_floor", "added p50 / the floor's, c=1", at_most=1.3),
+    Goal("stream_added_p50_vs_floor", "added p50 / the floor's, streamed, c=1", at_most=1.3),
+    Goal("added_p99_vs_floor", "added p99 / the floor's, c=1", at_most=1.5),
+    Goal("rps_vs_floor", "requests a second / the floor's, c=32", at_least=0.7),
 ]
 SHOWN = [
+    Figure("floor_added_p50_ms", "the floor's added p50, c=1", "ms"),
+    Figure("floor_added_p99_ms", "the floor's added p99, c=1", "ms"),
+    Figure("floor_stream_added_p50_ms", "the floor's added p50, streamed, c=1", "ms"),
+    Figure("floor_rps", "requests a second through the floor, c=32", "req/s"),
     Figure("rps_minimal_upstream_direct", "requests a second direct, c=32", "req/s"),
     Figure("held_added_p99_ms", "added p99 beside 200 held requests, c=1", "ms"),
     Figure("requests_held_at_the_end", "requests still held when that run ended"),
@@ -175,7 +185,7 @@ def main() -> int:
     # Limits on, set high enough never to refuse: their cost is part of what is measured.
     _, secret = seed.key(organization, requests_per_minute=10**9, tokens_per_minute=10**9)
 
-    upstream_port, engine_port, web_port = (processes.free_port() for _ in range(3))
+    upstream_port, engine_port, web_port, floor_port = (processes.free_port() for _ in range(4))
     # Both upstreams serve TLS, as every engine an agent starts does: the gateway's cost of
     # reaching them is part of what is measured, and so are their own on the direct runs.
     minimal_replica = seed.ready_endpoint(organization, "minimal", [upstream_port]
@@ -196,6 +206,8 @@ def main() -> int:
     upstream = serve("bench.minimal_upstream:app", upstream_port, logs / "minimal-upstream.log",
                      args=("--ssl-keyfile", str(minimal_key),
                            "--ssl-certfile", str(minimal_certificate)))
+    floor = serve("bench.floor_forwarder:app", floor_port, logs / "floor-forwarder.log",
+                  {"FLOOR_UPSTREAM": f"https://127.0.0.1:{upstream_port}"})
     web_log = logs / "gateway-web.log"
     held_secrets = []
     for number in range(HELD_ORGANIZATIONS):
@@ -207,6 +219,7 @@ def main() -> int:
                 {"DEBUG": "0", "SECURE_SSL_REDIRECT": "0", "LOG_LEVEL": "INFO",
                  "KVRUN_METRICS_TOKEN": METRICS_TOKEN, "KVRUN_GATEWAY_HOLD_SECONDS": "600"})
     gateway = f"http://127.0.0.1:{web_port}/v1/completions"
+    through_floor = f"http://127.0.0.1:{floor_port}/v1/completions"
     direct_minimal = f"https://127.0.0.1:{upstream_port}/v1/completions"
     runs: dict[str, dict] = {}
     try:
@@ -215,9 +228,12 @@ def main() -> int:
         for name in ("minimal", "engine"):  # the gateway learns the key and the routes
             runs[f"warm_up_{name}"] = wrk(gateway, body_for(name, stream=False), secret,
                                           connections=1, seconds=2)
+        runs["warm_up_floor"] = wrk(through_floor, body_for("minimal", stream=False), "",
+                                    connections=1, seconds=2)
         for label, stream in (("plain", False), ("stream", True)):
             body = body_for("minimal", stream=stream)
             runs[f"minimal_direct_{label}_c1"] = wrk(direct_minimal, body, "", connections=1)
+            runs[f"minimal_floor_{label}_c1"] = wrk(through_floor, body, "", connections=1)
             runs[f"minimal_gateway_{label}_c1"] = wrk(gateway, body, secret, connections=1,
                                                       watch=web.pid)
         body = body_for("minimal", stream=False)
@@ -226,6 +242,7 @@ def main() -> int:
                                                                connections=1)
             still_held = held(web_port)
         runs["minimal_direct_plain_c32"] = wrk(direct_minimal, body, "", connections=32)
+        runs["minimal_floor_plain_c32"] = wrk(through_floor, body, "", connections=32)
         runs["minimal_gateway_plain_c32"] = wrk(gateway, body, secret, connections=32,
                                                 watch=web.pid)
         def engine_totals() -> dict[str, float]:
@@ -250,6 +267,8 @@ def main() -> int:
         web.wait(60)
         upstream.terminate()
         upstream.wait(30)
+        floor.terminate()
+        floor.wait(30)
         processes.stop_group(engine.pid, grace=15)
         engine.wait(30)
 
@@ -259,7 +278,7 @@ def main() -> int:
         endpoint=engine_endpoint, started_at__gte=counted_from).aggregate(
         prompt=Sum("prompt_tokens"), generation=Sum("completion_tokens"))
     completed = sum(run["requests"] for name, run in runs.items() if "gateway" in name
-                    or name.startswith("warm_up"))
+                    or name in ("warm_up_minimal", "warm_up_engine"))
     result = summarise(runs, peak_rss_mb=peak_rss_mb, completed=completed, still_held=still_held,
                        admitted=admitted_by_gateway(web_log.read_text()),
                        records=UsageRecord.objects.count(), metered=metered, engine_grew=grew)
@@ -289,9 +308,12 @@ def ms(us: float) -> float:
 
 def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, still_held: int,
               admitted: int, records: int, metered: dict, engine_grew: dict) -> dict:
-    def added(label: str, pct: str) -> float:
-        return ms(runs[f"minimal_gateway_{label}_c1"][pct]
+    def added(label: str, pct: str, through: str = "gateway") -> float:
+        return ms(runs[f"minimal_{through}_{label}_c1"][pct]
                   - runs[f"minimal_direct_{label}_c1"][pct])
+
+    def versus(ours: float, floor: float) -> float:
+        return round(ours / floor, 2) if floor > 0 else float("inf")
 
     gateway_c32 = runs["minimal_gateway_plain_c32"]
     return {
@@ -305,6 +327,15 @@ def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, stil
         "held_added_p99_ms": ms(runs["minimal_gateway_plain_c1_beside_held"]["p99_us"]
                                 - runs["minimal_gateway_plain_c1"]["p99_us"]),
         "requests_held_at_the_end": still_held,
+        "floor_added_p50_ms": added("plain", "p50_us", "floor"),
+        "floor_added_p99_ms": added("plain", "p99_us", "floor"),
+        "floor_stream_added_p50_ms": added("stream", "p50_us", "floor"),
+        "floor_rps": round(runs["minimal_floor_plain_c32"]["rps"]),
+        "added_p50_vs_floor": versus(added("plain", "p50_us"), added("plain", "p50_us", "floor")),
+        "stream_added_p50_vs_floor": versus(added("stream", "p50_us"),
+                                            added("stream", "p50_us", "floor")),
+        "added_p99_vs_floor": versus(added("plain", "p99_us"), added("plain", "p99_us", "floor")),
+        "rps_vs_floor": round(gateway_c32["rps"] / runs["minimal_floor_plain_c32"]["rps"], 3),
         "rps_minimal_upstream": round(gateway_c32["rps"]),
         "rps_minimal_upstream_direct": round(runs["minimal_direct_plain_c32"]["rps"]),
         "gateway_cpu_share_c32": round(gateway_c32["watched_cpu_share"], 3),
@@ -335,6 +366,12 @@ def report(result: dict) -> None:
           f"latencies in ms)")
     print(f"  {'':<36}{'direct p50':>11}{'gateway p50':>12}{'added p50':>10}{'added p99':>10}")
     for label in ("plain", "stream"):
+        direct, floor = runs[f"minimal_direct_{label}_c1"], runs[f"minimal_floor_{label}_c1"]
+        prefix = "stream_" if label == "stream" else ""
+        print(f"  {'the floor, ' + label + ', c=1':<36}{ms(direct['p50_us']):>11.3f}"
+              f"{ms(floor['p50_us']):>12.3f}{result['floor_' + prefix + 'added_p50_ms']:>10.3f}"
+              + (f"{result['floor_added_p99_ms']:>10.3f}" if label == "plain" else ""))
+    for label in ("plain", "stream"):
         direct, through = runs[f"minimal_direct_{label}_c1"], runs[f"minimal_gateway_{label}_c1"]
         prefix = "stream_" if label == "stream" else ""
         print(f"  {'minimal upstream, ' + label + ', c=1':<36}{ms(direct['p50_us']):>11.3f}"
@@ -348,7 +385,11 @@ def report(result: dict) -> None:
     print(f"  {'minimal upstream, c=32, req/s':<36}{result['rps_minimal_upstream_direct']:>11,}"
           f"{result['rps_minimal_upstream']:>12,}   (goal ≥ 2,000; gateway used "
           f"{result['gateway_cpu_share_c32']:.0%} of the cores, wrk "
-          f"{result['wrk_cpu_share_c32']:.0%})")
+          f"{result['wrk_cpu_share_c32']:.0%}; the floor {result['floor_rps']:,})")
+    print(f"  against the floor: added p50 {result['added_p50_vs_floor']} ×, streamed "
+          f"{result['stream_added_p50_vs_floor']} × (goal ≤ 1.3), p99 "
+          f"{result['added_p99_vs_floor']} × (goal ≤ 1.5), requests a second "
+          f"{result['rps_vs_floor']:.0%} (goal ≥ 70%)")
     for label in ("plain", "stream"):
         direct, through = runs[f"engine_direct_{label}_c1"], runs[f"engine_gateway_{label}_c1"]
         ratio = result["ratio_vs_direct" if label == "plain" else "stream_ratio_vs_direct"]

@@ -10,6 +10,7 @@ from typing import cast
 from uuid import UUID
 
 from django.db import DataError, IntegrityError, transaction
+from django.utils import timezone
 from redis import Redis
 from redis.exceptions import LockNotOwnedError, ResponseError
 from redis.lock import Lock
@@ -73,7 +74,7 @@ def _insert(rows: list[UsageRecord]) -> None:
     mark_stale_hours(records=((row.endpoint_id, row.started_at) for row in rows))
 
 
-# Every column a gateway reports; the row's id and when it was first ingested stay.
+# Every column a gateway reports; the row's id stays.
 _REPORTED = [field.attname for field in UsageRecord._meta.concrete_fields
              if field.name not in ("id", "request_id", "ingested_at")]
 
@@ -92,7 +93,9 @@ def _replace_interrupted(rows: list[UsageRecord]) -> None:
                                                  error_code=usage_stream.INTERRUPTED_CODE)
         if row.error_code == usage_stream.INTERRUPTED_CODE:
             replaceable = replaceable.filter(completion_tokens__lt=row.completion_tokens)
-        if replaceable.update(**{name: getattr(row, name) for name in _REPORTED}):
+        # Ingested now: a month invoiced since shows it behind its adjustment line.
+        if replaceable.update(**{name: getattr(row, name) for name in _REPORTED},
+                              ingested_at=timezone.now()):
             logger.info("usage record %s, stored as interrupted, replaced by its gateway's",
                         row.request_id)
 

@@ -158,9 +158,10 @@ def free_devices(node: Node, held: Iterable[Replica] | None = None) -> list[int]
     return [device["index"] for device in node.devices if device["index"] not in used]
 
 
-# A pending replica's stage once no node could take it (and why): the gateway fails the
-# requests held for its endpoint at once rather than at the end of the hold.
-UNPLACED_STAGE = "waiting for a node"
+# A pending replica's stage when no node online could take it even were the node idle (and
+# why): the gateway fails the requests held for its endpoint at once rather than at the end of
+# the hold. One that waits for a busy node to free its GPUs says "waiting for a node".
+UNPLACED_STAGE = "no node"
 
 
 def do_place_replica(*, replica_id: UUID) -> Node | None:
@@ -205,9 +206,14 @@ def do_place_replica(*, replica_id: UUID) -> Node | None:
             where = ((" of its own" if endpoint.own_nodes_only else "")
                      + (f" in {endpoint.region.slug}" if endpoint.region_id is not None else ""))
             tiers = " and KV room" if needs.host_bytes or needs.disk_bytes else ""
-            Replica.objects.filter(id=replica_id, state=State.PENDING).update(
-                stage=f"{UNPLACED_STAGE}{where} with {endpoint.gpu_count} free "
-                      f"{endpoint.gpu_type.name}{tiers}"[:80])
+            capable = [node for node in candidates
+                       if share_of(node, gpu_count=endpoint.gpu_count).holds(needs)
+                       and (not node.devices or len(node.devices) >= endpoint.gpu_count)]
+            stage = (f"waiting for a node{where} with {endpoint.gpu_count} free "
+                     f"{endpoint.gpu_type.name}{tiers}" if capable else
+                     f"{UNPLACED_STAGE}{where} online fits {endpoint.gpu_count} × "
+                     f"{endpoint.gpu_type.name}{tiers}")
+            Replica.objects.filter(id=replica_id, state=State.PENDING).update(stage=stage[:80])
             return None
         placed = do_transition_replica(
             replica_id=replica_id, from_states=[State.PENDING], to_state=State.SCHEDULING,

@@ -5,7 +5,9 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from uuid import UUID
 
-from django.db.models import Count, F, Max, Prefetch, Q, QuerySet, Sum
+from django.contrib.postgres.aggregates import StringAgg
+from django.db.models import Count, F, FilteredRelation, Max, Prefetch, Q, QuerySet, Sum, TextField
+from django.db.models.functions import Cast
 
 from accounts.models import Organization
 from accounts.selectors import Quota
@@ -150,17 +152,18 @@ class HoldState:
 def hold_states(*, endpoint_ids: Iterable[str]) -> dict[str, HoldState]:
     """Each endpoint's HoldState, in one query however many there are; an endpoint that is
     gone is absent."""
-    replicas = ~Q(replicas__state__in=[State.STOPPED, State.FAILED])
     rows = (Endpoint.objects.filter(id__in=list(endpoint_ids))
+            # Its live replicas alone: stopped ones pile up, one a wake.
+            .annotate(live=FilteredRelation("replicas", condition=~Q(
+                replicas__state__in=[State.STOPPED, State.FAILED])))
             .values("id", "state", "desired_state", "desired_replicas", "deleted_at")
-            .annotate(ready=Count("replicas", filter=Q(replicas__state=State.READY)),
-                      placed=Count("replicas", filter=replicas & ~Q(
-                          replicas__state=State.PENDING)),
-                      stage=Max("replicas__stage", filter=replicas),
-                      percent=Max("replicas__progress_percent", filter=replicas),
-                      unplaced=Max("replicas__stage", filter=Q(
-                          replicas__state=State.PENDING,
-                          replicas__stage__startswith=UNPLACED_STAGE))))
+            .annotate(ready=Count("live", filter=Q(live__state=State.READY)),
+                      placed=Count("live", filter=~Q(live__state=State.PENDING)),
+                      stage=Max("live__stage"), percent=Max("live__progress_percent"),
+                      served_adapters=StringAgg(Cast("live__adapters", TextField()), ";",
+                                         filter=Q(live__state=State.READY), default=""),
+                      unplaced=Max("live__stage", filter=Q(
+                          live__state=State.PENDING, live__stage__startswith=UNPLACED_STAGE))))
     return {str(row["id"]): HoldState(
         changed=tuple(value for name, value in row.items() if name != "id"),
         unplaced=row["unplaced"] if row["unplaced"] and not row["placed"] else "")

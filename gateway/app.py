@@ -93,7 +93,8 @@ class Gateway:
             self.idempotency = idempotency.Idempotency(
                 self.redis, ttl_seconds=settings.KVRUN_IDEMPOTENCY_HOURS * 3600,
                 kept_bytes_per_organization=(
-                    settings.KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION * 2**20))
+                    settings.KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION * 2**20),
+                kept_bytes_in_all=settings.KVRUN_IDEMPOTENCY_KEPT_MIB * 2**20)
             self.sink = UsageSink(self.redis)
             self.sink.start()
             self.proxy = Proxy(self.sink)
@@ -244,7 +245,8 @@ class Gateway:
             exchange.admission = await self._admit(exchange, payload)
         except BaseException:
             if not route.upstreams:
-                self.cold_starts.give_room(route, organization_id=identity.organization_id)
+                self.cold_starts.give_room(route.endpoint_id,
+                                           organization_id=identity.organization_id)
             raise
         self.sink.track(exchange)
         answer = None

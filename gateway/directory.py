@@ -204,20 +204,18 @@ class Directory:
     def forget_key(self, digest: str) -> None:
         self._keys.pop(digest, None)
 
-    async def routes(self, organization_id: UUID, *, max_age: float | None = None,
-                     run: Callable[..., Awaitable[Any]] | None = None) -> dict[str, Route]:
+    async def routes(self, organization_id: UUID, *, max_age: float | None = None
+                     ) -> dict[str, Route]:
         """The organisation's endpoints by name, read at most `max_age` seconds ago (by
-        default, the route cache's time). Read on Django's thread, or by `run` (it runs
-        read_endpoints and its arguments where its caller wants)."""
+        default, the route cache's time)."""
         entry = self._routes.get(organization_id)
         oldest = time.monotonic() + self._route_seconds - (
             self._route_seconds if max_age is None else max_age)
         if entry is not None and entry[0] > oldest:
             return entry[1]
         try:
-            rows = await self._once(("routes", organization_id), (
-                (lambda: run(read_endpoints, organization_id, fresh_connection=False)) if run
-                else lambda: sync_to_async(read_endpoints)(organization_id)))
+            rows = await self._once(("routes", organization_id),
+                                    lambda: sync_to_async(read_endpoints)(organization_id))
         except (OperationalError, InterfaceError) as exc:
             routes = _stale(entry, exc)
             self._routes[organization_id] = (time.monotonic() + STALE_RETRY_SECONDS, routes)
@@ -225,6 +223,19 @@ class Directory:
         routes = {route.name: self._with_upstreams(route, replicas) for route, replicas in rows}
         self._routes[organization_id] = (time.monotonic() + self._route_seconds, routes)
         return routes
+
+    async def refresh_routes(self, organization_id: UUID, *,
+                             run: Callable[..., Awaitable[Any]]) -> bool:
+        """Read the organisation's endpoints afresh through `run` (it runs read_endpoints and
+        its arguments on a thread that keeps its connection), joining no read begun earlier;
+        returns whether the read was made (False while the database cannot be reached)."""
+        try:
+            rows = await run(read_endpoints, organization_id, fresh_connection=False)
+        except (OperationalError, InterfaceError):
+            return False
+        self._routes[organization_id] = (time.monotonic() + self._route_seconds, {
+            route.name: self._with_upstreams(route, replicas) for route, replicas in rows})
+        return True
 
     def known_routes(self) -> list[Route]:
         """Every route this process has read and still keeps."""

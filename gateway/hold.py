@@ -14,6 +14,7 @@ this kind of node (endpoints.selectors.median_start_seconds), less what this sta
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections import Counter
@@ -39,7 +40,11 @@ from gateway.exchange import Exchange
 # How often the watch asks whether held requests' endpoints changed: a small share of a cold
 # start.
 POLL_SECONDS = 0.25
+# An organisation's routes are read again this often while its requests are held, changed or
+# not: what a change the watch cannot see (a route's own fields) leaves stale, it mends.
+SAFETY_REFRESH_SECONDS = 30.0
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 # Retry-After of a request whose endpoint's replica no node can take now.
 UNPLACED_RETRY_SECONDS = 60
 # How often a held stream is told how the start is going.
@@ -116,21 +121,36 @@ class Watch:
 
     async def _run(self) -> None:
         while self._watched:
-            watched = dict(self._watched)
             try:
-                states: dict[str, HoldState] | None = await self.run(
-                    hold_states, endpoint_ids=list(watched))
-            except (OperationalError, InterfaceError):
-                states = None  # the database is away: what was read stands
-            for endpoint_id, one in watched.items():
-                state = None if states is None else states.get(endpoint_id, GONE)
-                if state is None or state.changed == one.seen:
-                    continue
-                one.seen, one.unplaced = state.changed, state.unplaced
-                await self._directory.routes(one.organization_id, max_age=0, run=self.run)
-                one.changed.set()
-                one.changed = asyncio.Event()
+                await self._look()
+            except Exception:  # the next look may fare better; the waiters wait on
+                logger.exception("the watch of requests held at zero failed a look")
             await asyncio.sleep(POLL_SECONDS)
+
+    async def _look(self) -> None:
+        """Read what changed; for every organisation of an endpoint that changed (or whose
+        routes were last read SAFETY_REFRESH_SECONDS ago), its routes afresh; then tell the
+        endpoint's waiters. A change counts as seen only once its routes were read."""
+        watched = dict(self._watched)
+        try:
+            states = await self.run(hold_states, endpoint_ids=list(watched))
+        except (OperationalError, InterfaceError):
+            return  # the database is away: what was read stands
+        now = time.monotonic()
+        changed = {endpoint_id: states.get(endpoint_id, GONE)
+                   for endpoint_id, one in watched.items()
+                   if states.get(endpoint_id, GONE).changed != one.seen
+                   or now - one.read_at >= SAFETY_REFRESH_SECONDS}
+        read = {}
+        for organization_id in {watched[endpoint_id].organization_id for endpoint_id in changed}:
+            read[organization_id] = await self._directory.refresh_routes(organization_id,
+                                                                         run=self.run)
+        for endpoint_id, state in changed.items():
+            one = watched[endpoint_id]
+            one.unplaced = state.unplaced
+            if read[one.organization_id]:
+                one.seen, one.read_at = state.changed, now
+            await one.tell()
 
 
 @dataclass(eq=False)
@@ -138,8 +158,21 @@ class _Watched:
     organization_id: UUID
     waiting: int = 0
     seen: tuple[object, ...] | None = None
+    read_at: float = -math.inf
     unplaced: str = ""
-    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Told of each look that found it changed: a waiter waits for a generation past the one
+    # it last read at, so no telling between its read and its wait is missed.
+    generation: int = 0
+    _told: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+    async def tell(self) -> None:
+        async with self._told:
+            self.generation += 1
+            self._told.notify_all()
+
+    async def told_since(self, generation: int) -> None:
+        async with self._told:
+            await self._told.wait_for(lambda: self.generation != generation)
 
 
 # What the watch reads for an endpoint that is gone: a change, once.
@@ -199,10 +232,10 @@ class ColdStarts:
         self._held_by_organization[organization_id] += 1
         observed.HELD.inc()
 
-    def give_room(self, route: Route, *, organization_id: UUID) -> None:
-        self._held[route.endpoint_id] -= 1
-        if not self._held[route.endpoint_id]:
-            del self._held[route.endpoint_id]
+    def give_room(self, endpoint_id: str, *, organization_id: UUID) -> None:
+        self._held[endpoint_id] -= 1
+        if not self._held[endpoint_id]:
+            del self._held[endpoint_id]
         self._held_by_organization[organization_id] -= 1
         if not self._held_by_organization[organization_id]:
             del self._held_by_organization[organization_id]
@@ -216,12 +249,12 @@ class ColdStarts:
         meanwhile, and ClientGone if the client leaves."""
         route = exchange.route
         assert route is not None and exchange.identity is not None
-        organization_id = exchange.identity.organization_id
+        organization_id, endpoint_id, name = (exchange.identity.organization_id,
+                                               route.endpoint_id, route.name)
         started = time.perf_counter()
         deadline = started + settings.KVRUN_GATEWAY_HOLD_SECONDS
         left = asyncio.ensure_future(_client_left(receive))
-        watched = self._watch.add(endpoint_id=route.endpoint_id,
-                                  organization_id=organization_id)
+        watched = self._watch.add(endpoint_id=endpoint_id, organization_id=organization_id)
         try:
             await self._wake(route)
             if exchange.stream:
@@ -233,26 +266,30 @@ class ColdStarts:
                 exchange.response_started = True
             told = 0.0
             while True:
+                generation = watched.generation
                 # The watch reads the organisation's routes again when the endpoint changes;
                 # until then they are served from memory.
                 routes = await self._directory.routes(
                     organization_id, max_age=settings.KVRUN_GATEWAY_HOLD_SECONDS)
-                route = routes.get(route.name, route)
+                found = routes.get(name)
+                if found is None or found.endpoint_id != endpoint_id:
+                    raise GatewayError(503, f"Endpoint {name!r} was deleted while this "
+                                       "request waited for it.", code="endpoint_not_ready")
+                route = found
                 if route.upstreams:
                     if exchange.stream:
                         await _comment(send, f"ready after {time.perf_counter() - started:.1f} s")
                     return route
-                if route.name not in routes or not route.scales_to_zero:
-                    why = ("deleted" if route.name not in routes else
-                           "failed to start; its events in the dashboard say why"
+                if not route.scales_to_zero:
+                    why = ("failed to start; its events in the dashboard say why"
                            if route.state == State.FAILED else "stopped")
-                    raise GatewayError(503, f"Endpoint {route.name!r} was {why} while this "
+                    raise GatewayError(503, f"Endpoint {name!r} was {why} while this "
                                        "request waited for it.", code="endpoint_not_ready")
                 if watched.unplaced:
                     raise GatewayError(
-                        503, f"Endpoint {route.name!r} cannot start now: its replica is "
-                        f"{watched.unplaced}, and none is. Retry later, or choose other "
-                        "hardware for it.", code="cold_start_unplaceable",
+                        503, f"Endpoint {name!r} cannot start now: {watched.unplaced}. Retry "
+                        "later, or choose other hardware for it.",
+                        code="cold_start_unplaceable",
                         headers=[(b"retry-after", str(UNPLACED_RETRY_SECONDS).encode())])
                 if route.desired_replicas == 0:  # scaled to zero again since it was woken
                     await self._wake(route)
@@ -266,7 +303,7 @@ class ColdStarts:
                 if exchange.stream and now - told >= COMMENT_SECONDS:
                     await _comment(send, f"starting from zero: {_progress(route)}")
                     told = now
-                changed = asyncio.ensure_future(watched.changed.wait())
+                changed = asyncio.ensure_future(watched.told_since(generation))
                 try:
                     done, _ = await asyncio.wait([left, changed], timeout=min(
                         COMMENT_SECONDS, deadline - now), return_when=asyncio.FIRST_COMPLETED)
@@ -277,8 +314,8 @@ class ColdStarts:
                     raise ClientGone
         finally:
             left.cancel()
-            self._watch.discard(route.endpoint_id)
-            self.give_room(route, organization_id=organization_id)
+            self._watch.discard(endpoint_id)
+            self.give_room(endpoint_id, organization_id=organization_id)
             exchange.held_seconds = time.perf_counter() - started
 
     async def _wake(self, route: Route) -> None:

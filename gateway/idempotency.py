@@ -12,9 +12,10 @@ client's retry runs.
 
 The answers kept share the Redis that carries the broker and the usage stream, so each
 organisation keeps at most KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION of them a window of
-KVRUN_IDEMPOTENCY_HOURS, counted in the same atomic step that keeps one: an answer past it
-is not kept (a repeat is a 409 that says so). A kept answer outlives its window by at most
-one more, so an organisation's kept answers never hold more than twice the budget.
+KVRUN_IDEMPOTENCY_HOURS, and all of them together KVRUN_IDEMPOTENCY_KEPT_MIB, counted in the
+same atomic step that keeps one: an answer past either is not kept (a repeat is a 409 that
+says so). A kept answer outlives its window by at most one more, so kept answers never hold
+more than twice a budget.
 """
 
 from __future__ import annotations
@@ -41,17 +42,23 @@ return 0
 """
 # The outcome replaces the claim only while it is this request's: a request whose lease ran
 # out must not free (or answer for) the retry that took the key since. An answer (ARGV[4]
-# bytes) is kept only while its organisation's window (KEYS[2]) stays within its budget
-# (ARGV[5]); else the outcome without it (ARGV[6]) is.
+# bytes) is kept only while its organisation's window (KEYS[2]) and every organisation's
+# together (KEYS[3]) stay within their budgets (ARGV[5], ARGV[7]); else the outcome without
+# it (ARGV[6]) is.
 SETTLE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 if ARGV[2] == '' then return redis.call('DEL', KEYS[1]) end
 local size = tonumber(ARGV[4])
 if size > 0 then
-  local used = redis.call('INCRBY', KEYS[2], size)
-  if used == size then redis.call('EXPIRE', KEYS[2], 2 * tonumber(ARGV[3])) end
-  if used > tonumber(ARGV[5]) then
+  local over = false
+  for index, budget in ipairs({ARGV[5], ARGV[7]}) do
+    local used = redis.call('INCRBY', KEYS[index + 1], size)
+    if used == size then redis.call('EXPIRE', KEYS[index + 1], 2 * tonumber(ARGV[3])) end
+    if used > tonumber(budget) then over = true end
+  end
+  if over then
     redis.call('DECRBY', KEYS[2], size)
+    redis.call('DECRBY', KEYS[3], size)
     return redis.call('SET', KEYS[1], ARGV[6], 'EX', ARGV[3])
   end
 end
@@ -93,11 +100,12 @@ class Claim:
 
 
 class Idempotency:
-    def __init__(self, redis: Redis, *, ttl_seconds: int, kept_bytes_per_organization: int
-                 ) -> None:
+    def __init__(self, redis: Redis, *, ttl_seconds: int, kept_bytes_per_organization: int,
+                 kept_bytes_in_all: int) -> None:
         self._redis = redis
         self._ttl_seconds = ttl_seconds
         self._kept_bytes_per_organization = kept_bytes_per_organization
+        self._kept_bytes_in_all = kept_bytes_in_all
         self._settle = redis.register_script(SETTLE)
 
     async def reserve(self, claim: Claim) -> bytes | None:
@@ -122,8 +130,8 @@ class Idempotency:
         elif first["streamed"]:
             doing = "was streamed, and a stream cannot be replayed"
         elif first.get("past_budget"):
-            doing = ("succeeded, but its answer was not kept: this organisation's kept answers "
-                     "were at their budget")
+            doing = ("succeeded, but its answer was not kept: kept answers (this "
+                     "organisation's, or every one's) were at their budget")
         else:
             doing = f"answered more than {MAX_KEPT_BYTES // 1024} KiB, which is not kept"
         raise GatewayError(409, f"A request with this Idempotency-Key ({first['request_id']}) "
@@ -145,7 +153,8 @@ class Idempotency:
             without = orjson.dumps({**done, "body": None, "past_budget": True})
         window = int(time.time()) // self._ttl_seconds
         await self._settle(
-            keys=[claim.name, f"kvrun:idem-kept:{claim.organization_id}:{window}"],
+            keys=[claim.name, f"kvrun:idem-kept:{claim.organization_id}:{window}",
+                  f"kvrun:idem-kept:all:{window}"],
             args=[claim.running(), outcome, self._ttl_seconds,
                   len(answer) if kept is not None and answer is not None else 0,
-                  self._kept_bytes_per_organization, without])
+                  self._kept_bytes_per_organization, without, self._kept_bytes_in_all])

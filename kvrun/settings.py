@@ -239,6 +239,9 @@ KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
 # Redis with the broker and the usage stream.
 KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION = env.int(
     "KVRUN_IDEMPOTENCY_KEPT_MIB_PER_ORGANIZATION", default=64)
+# ... and every organisation's together: twice this stays well under Redis's memory bound
+# (1 GB embedded, 2 GB under Compose), so kept answers are not evicted.
+KVRUN_IDEMPOTENCY_KEPT_MIB = env.int("KVRUN_IDEMPOTENCY_KEPT_MIB", default=256)
 # What a web process holds for a request (its in-flight slot, its trace for the usage ledger)
 # lasts this long unless renewed: a process killed outright frees it, and has its requests
 # recorded as interrupted, this long after.

@@ -14,7 +14,9 @@ from bench import seed
 from bench.seed import ready_endpoint  # the shape the tests share with bench/
 from billing.usage_stream import UsageReport
 from endpoints.lifecycle import do_transition_replica
-from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
+from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Region, Replica, State
+from engine.devices import Device, HostResources
+from fleet.enrolment import do_create_join_token, do_enrol_node
 
 PASSWORD = "correct horse battery"
 
@@ -115,3 +117,21 @@ def usage_report(endpoint: Endpoint, key: APIKey, **fields: object) -> UsageRepo
         "started_at": USAGE_STARTED,
         "time_to_first_token_ms": None, "duration_ms": 12,
         "gateway_overhead_ms": Decimal("0.412"), **fields})
+
+
+H100 = "NVIDIA H100 80GB HBM3"
+
+
+def gpu_host(count: int, device: str = H100) -> HostResources:
+    """What a host with `count` GPUs of `device` reports."""
+    return HostResources(devices=[Device(index=i, name=device, memory_bytes=81559 * 2**20)
+                                  for i in range(count)], cpu_count=64, memory_bytes=2**40)
+
+
+def enrolled_node(name: str, *, owner: Organization | None = None, count: int = 8,
+                  device: str = H100, region: Region | None = None) -> Node:
+    """A node enrolled by a join token of `owner` (None: the operator's, a shared node)."""
+    _, secret = do_create_join_token(node_name=name, organization=owner, region=region)
+    enrolled, _ = do_enrol_node(join_token=secret, name=name, resources=gpu_host(count, device),
+                                address="127.0.0.1", model_cache_bytes=0)
+    return enrolled

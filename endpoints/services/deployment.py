@@ -28,7 +28,7 @@ from endpoints.models import (
 from endpoints.planning import check_tiers, lora_refusal, plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.scheduling import Placement
-from endpoints.services.quota import hold_quota
+from endpoints.services.quota import hold_quota, lock_organization
 from endpoints.services.scaling import scaling_errors
 from endpoints.states import ASKED_FOR
 
@@ -113,7 +113,7 @@ def do_create_endpoint(
         with transaction.atomic():
             hold_quota(organization_id=organization.id, new_endpoint=True,
                         gpu_type=decided.gpu_type, gpu_count=decided.gpu_count,
-                        replicas=scaling.max_replicas)
+                        replicas=scaling.max_replicas, own_nodes_only=own_nodes_only)
             endpoint = Endpoint.objects.create(
                 organization=organization, name=name, model=model,
                 gpu_type=decided.gpu_type, gpu_count=decided.gpu_count, region=region,
@@ -173,7 +173,7 @@ def do_start_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> Endpoint
     with transaction.atomic():
         hold_quota(organization_id=endpoint.organization_id, excluding=endpoint.id,
                     gpu_type=endpoint.gpu_type, gpu_count=endpoint.gpu_count,
-                    replicas=endpoint.max_replicas)
+                    replicas=endpoint.max_replicas, own_nodes_only=endpoint.own_nodes_only)
         Endpoint.objects.filter(id=endpoint.id).update(desired_state=DesiredState.RUNNING,
                                                        state=State.PENDING, failure_reason="")
         Replica.objects.filter(endpoint=endpoint, state=State.FAILED).update(
@@ -194,6 +194,7 @@ def do_restart_endpoint(*, endpoint: Endpoint, actor_role: str | None) -> int:
     """
     require_manager(actor_role, "restart endpoints")
     with transaction.atomic():
+        lock_organization(endpoint.organization_id)  # before the endpoint, as starting does
         # Held like a reconciler pass holds it, so no pass adds a replica this would miss.
         locked = Endpoint.objects.select_for_update().filter(
             id=endpoint.id, deleted_at=None).first()

@@ -26,7 +26,7 @@ from endpoints.models import (
     State,
 )
 from endpoints.policies import EndpointScaling
-from endpoints.services.quota import hold_quota
+from endpoints.services.quota import hold_quota, lock_organization
 
 
 def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
@@ -39,6 +39,7 @@ def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
     into the new range at once; the autoscaler takes it from there."""
     require_manager(actor_role, "change endpoints")
     with transaction.atomic():
+        lock_organization(endpoint.organization_id)  # before the endpoint, as hold_quota needs
         locked = Endpoint.objects.select_for_update().get(id=endpoint.id)
         new = EndpointScaling.of(locked).changed(changes)
         errors = scaling_errors(new)
@@ -48,7 +49,7 @@ def do_change_endpoint_scaling(*, endpoint: Endpoint, actor_role: str | None,
                 locked.desired_state == DesiredState.RUNNING):
             hold_quota(organization_id=locked.organization_id, excluding=locked.id,
                         gpu_type=locked.gpu_type, gpu_count=locked.gpu_count,
-                        replicas=new.max_replicas)
+                        replicas=new.max_replicas, own_nodes_only=locked.own_nodes_only)
         # At zero it stays there while zero is allowed; a minimum of one or more starts them.
         desired = min(new.max_replicas, max(new.min_replicas, locked.desired_replicas))
         fields = new.as_fields()

@@ -1,12 +1,15 @@
 """Where kvrun takes payment, GPU endpoints wait for a payment method or an operator's
 approval; CPU endpoints, bounded by the quotas, need neither."""
 
+from decimal import Decimal
+
 import pytest
 from rest_framework.test import APIClient
 
 from accounts.models import Organization
 from billing.payments import do_attach_card
-from endpoints.models import Endpoint, Node
+from endpoints.models import Endpoint, GPUType, Node
+from tests.factories import enrolled_node
 
 pytestmark = pytest.mark.usefixtures("stripe_on", "cpu_node")  # cpu_node: the catalogs
 
@@ -59,3 +62,16 @@ def test_a_stopped_gpu_endpoint_does_not_start_again_without_a_payment_method(
     assert response.status_code == 400
     assert NO_CARD in response.json()["error"]["message"]
     assert Endpoint.objects.get().desired_state == "stopped"
+
+
+def test_a_gpu_endpoint_on_the_organisation_s_own_nodes_needs_no_card_while_they_cost_nothing(
+        owner_api: APIClient, org: Organization) -> None:
+    enrolled_node("acme-gpu", owner=org)
+    own = {**GPU, "own_nodes_only": True}
+
+    response = owner_api.post(url(org), own, format="json")
+    assert response.status_code == 201, response.json()
+    GPUType.objects.filter(slug="h100-80gb").update(own_node_price_usd=Decimal("1.2000"))
+    refused = owner_api.post(url(org), {**own, "name": "priced"}, format="json")
+    assert refused.status_code == 400
+    assert NO_CARD in refused.json()["error"]["message"]

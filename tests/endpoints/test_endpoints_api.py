@@ -396,9 +396,9 @@ def test_a_person_s_organisations_share_the_default_quotas_and_an_operator_s_own
     refused = owner_api.post(url(third), DEMO, format="json")
 
     assert refused.status_code == 400
-    assert ("The organisations that owner@acme.test own on the deployment's default quotas "
-            "(this one and 2 more) may have 2 endpoint(s) and have 2; delete one, or "
-            f"{RAISE_IT}.") == refused.json()["error"]["message"]
+    assert ("Its owners' organisations on the deployment's default quotas (this one and 2 "
+            f"more) may have 2 endpoint(s) and have 2; delete one, or {RAISE_IT}.") == \
+        refused.json()["error"]["message"]
     assert not Endpoint.objects.filter(organization=third).exists()
     Organization.objects.filter(id=third.id).update(max_endpoints=1)
     assert owner_api.post(url(third), DEMO, format="json").status_code == 201

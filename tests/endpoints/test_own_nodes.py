@@ -14,7 +14,6 @@ from endpoints.reconciler import reconcile_endpoint
 from endpoints.scheduling import Placement
 from endpoints.selectors import engines_online, own_nodes_of, regions_online
 from endpoints.services import do_create_endpoint, do_load_catalogs, do_scale_endpoint
-from engine.devices import Device, HostResources
 from fleet.enrolment import (
     EnrolmentRefused,
     do_create_join_token,
@@ -24,32 +23,18 @@ from fleet.enrolment import (
 )
 from fleet.models import JoinToken, NodeCredential
 from fleet.reports import do_register_node
-from tests.factories import UserFactory
+from tests.factories import UserFactory, gpu_host
+from tests.factories import enrolled_node as node
 from tests.helpers import at_once
 
 pytestmark = pytest.mark.django_db
 
-H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-80GB"
 
 
 @pytest.fixture(autouse=True)
 def catalogs(db: None) -> None:
     do_load_catalogs()
-
-
-def resources(count: int, device: str = H100) -> HostResources:
-    return HostResources(devices=[Device(index=i, name=device, memory_bytes=81559 * 2**20)
-                                  for i in range(count)], cpu_count=64, memory_bytes=2**40)
-
-
-def node(name: str, *, owner: Organization | None = None, count: int = 8,
-         device: str = H100, region: Region | None = None) -> Node:
-    """A node enrolled by a join token of `owner` (None: the operator's, a shared node)."""
-    _, secret = do_create_join_token(node_name=name, organization=owner, region=region)
-    enrolled, _ = do_enrol_node(join_token=secret, name=name, resources=resources(count, device),
-                                address="127.0.0.1", model_cache_bytes=0)
-    return enrolled
 
 
 def create(org: Organization, *, name: str = "chat", own_nodes_only: bool = False,
@@ -82,7 +67,7 @@ def test_an_own_node_never_takes_another_organisation_s_replica(
     theirs = create(other_org)
 
     assert placed(theirs) == []
-    assert theirs.replicas.get().stage.startswith("waiting for a node with 1 free")
+    assert theirs.replicas.get().stage.startswith("no node online fits 1 × ")
     mine = create(org)
     assert placed(mine) == ["acme-gpu"]
 
@@ -200,9 +185,9 @@ def test_a_join_token_cannot_take_over_a_node_of_another_owner(
             do_create_join_token(node_name=name, organization=owner)
     # A token made before the name was taken is refused at enrolment, and stays unspent.
     _, early = do_create_join_token(node_name="later", organization=org)
-    do_register_node(name="later", resources=resources(1))  # a shared node took the name
+    do_register_node(name="later", resources=gpu_host(1))  # a shared node took the name
     with pytest.raises(EnrolmentRefused, match="a node named later exists and is not Acme's"):
-        do_enrol_node(join_token=early, name="later", resources=resources(1),
+        do_enrol_node(join_token=early, name="later", resources=gpu_host(1),
                       address="127.0.0.1", model_cache_bytes=0)
     assert Node.objects.get(name="later").organization is None
 
@@ -212,7 +197,7 @@ def test_a_node_re_enrolled_by_its_own_organisation_stays_its_own(org: Organizat
     again = node("acme-gpu", owner=org, count=4)
 
     assert (again.organization, len(again.devices)) == (org, 4)
-    registered = do_register_node(name="acme-gpu", resources=resources(4))
+    registered = do_register_node(name="acme-gpu", resources=gpu_host(4))
     assert registered.organization == org  # the agent's own reports never change it
 
 
@@ -256,7 +241,7 @@ def test_two_owners_tokens_for_one_name_enrolled_at_once_make_one_owner_s_node(
 
     def enrol(secret: str) -> str:
         try:
-            do_enrol_node(join_token=secret, name="box", resources=resources(1),
+            do_enrol_node(join_token=secret, name="box", resources=gpu_host(1),
                           address="127.0.0.1", model_cache_bytes=0)
         except EnrolmentRefused as refused:
             return str(refused)

@@ -97,7 +97,7 @@ def test_a_lost_node_s_replica_is_replaced_in_its_region_or_waits_for_one(
 
     waiting = endpoint.replicas.get(state=State.PENDING)
     assert waiting.node is None
-    assert waiting.stage.startswith("waiting for a node in eu-west with 1 free")
+    assert waiting.stage.startswith("no node in eu-west online fits 1 × ")
     node_in(eu, "eu-2")
     assert placed(endpoint) == ["eu-2"]
 

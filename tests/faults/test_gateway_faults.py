@@ -383,9 +383,9 @@ def test_requests_held_for_a_replica_no_node_can_take_end_at_once_saying_why(
                                    json={"model": "sleepy", "prompt": "hi"}, headers=auth)
                        for _ in range(HELD)]
             assert wait_until(lambda: held_by(base) == HELD, 30)
-            # The first woke it; the worker's reconciler finds no node for its replica.
+            # The first woke it; the worker's reconciler finds no node that fits its replica.
             assert wait_until(lambda: Replica.objects.filter(
-                endpoint=endpoint, state=State.PENDING, stage__startswith="waiting for a node"
+                endpoint=endpoint, state=State.PENDING, stage__startswith="no node"
             ).exists(), 30, interval=0.05)
             placing_failed = time.monotonic()
             responses = [answer.result(30) for answer in answers]
@@ -399,8 +399,8 @@ def test_requests_held_for_a_replica_no_node_can_take_end_at_once_saying_why(
     assert {response.status_code for response in responses} == {503}
     assert {response.json()["error"]["code"] for response in responses} == {
         "cold_start_unplaceable"}
-    assert "cannot start now: its replica is waiting for a node with 1 free CPU" in responses[
-        0].json()["error"]["message"]
+    assert "cannot start now: no node online fits 1 × CPU only" in responses[0].json()[
+        "error"]["message"]
 
 
 def no_node_takes_replicas() -> None:

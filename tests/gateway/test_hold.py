@@ -226,32 +226,40 @@ def test_a_replica_no_node_can_take_fails_the_held_requests_at_once_saying_why(
     held = gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
     assert wait_until(lambda: gateway.app.cold_starts.held == 1, 10, interval=0.05)
 
-    Replica.objects.create(endpoint=endpoint, state=State.PENDING,
-                           stage="waiting for a node with 1 free NVIDIA H100 80 GB")
+    # Nodes that fit it are busy: it waits for one to free its GPUs.
+    replica = Replica.objects.create(endpoint=endpoint, state=State.PENDING,
+                                     stage="waiting for a node with 1 free NVIDIA H100 80 GB")
+    time.sleep(1)  # four looks of the watch
+    assert not held.done()
+    # None fits: nothing is worth the wait.
+    Replica.objects.filter(id=replica.id).update(
+        stage="no node online fits 1 × NVIDIA H100 80 GB")
     response = held.result(10)  # the hold itself lasts 300 s
 
     assert response.status_code == 503
     assert response.headers["retry-after"] == "60"
     assert response.json()["error"] == {
         "type": "server_error", "code": "cold_start_unplaceable", "param": None,
-        "message": "Endpoint 'sleepy' cannot start now: its replica is waiting for a node "
-                   "with 1 free NVIDIA H100 80 GB, and none is. Retry later, or choose other "
-                   "hardware for it."}
+        "message": "Endpoint 'sleepy' cannot start now: no node online fits 1 × NVIDIA H100 "
+                   "80 GB. Retry later, or choose other hardware for it."}
 
 
 def test_held_requests_of_many_organisations_read_their_routes_only_when_they_change(
     gateway: InProcessGateway, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    reads: list[object] = []
+    reads: list[tuple[object, bool]] = []  # organisation, by the watch
     read = directory.read_endpoints
-    monkeypatch.setattr(directory, "read_endpoints",
-                        lambda organization_id: reads.append(organization_id) or
-                        read(organization_id))
-    secrets = []
+
+    def counted(organization_id: object, **how: bool) -> object:
+        reads.append((organization_id, how.get("fresh_connection") is False))
+        return read(organization_id, **how)
+    monkeypatch.setattr(directory, "read_endpoints", counted)
+    secrets, organizations = [], []
     for number in range(4):
         organization = organization_with_owner(f"Tenant {number}")
         endpoint_at_zero(organization, "sleepy", start_seconds=40)
         secrets.append(inference_key(organization)[1])
+        organizations.append(organization.id)
 
     with override_settings(KVRUN_GATEWAY_HOLD_SECONDS=8.0):
         held = [gateway.submit(gateway.send(secret, {"model": "sleepy", "prompt": "hi"}))
@@ -264,4 +272,6 @@ def test_held_requests_of_many_organisations_read_their_routes_only_when_they_ch
         answers = [answer.result(30) for answer in held]
 
     assert quiet, reads[settled:]
+    assert {organization for organization, by_the_watch in reads if by_the_watch} == set(
+        organizations)
     assert {answer.json()["error"]["code"] for answer in answers} == {"cold_start_timeout"}

@@ -5,11 +5,14 @@ The gateway's ASGI app driven in this process, in front of scripted stand-in eng
 (tests.stub_upstream); the same against a real vLLM engine is in tests/e2e."""
 
 import asyncio
+import time
+from datetime import UTC, datetime
 from uuid import uuid4
 
 import httpx
 import orjson
 import pytest
+import time_machine
 from redis.asyncio import Redis
 
 from accounts.models import APIKey, Organization
@@ -176,7 +179,8 @@ def test_a_request_whose_lease_lapsed_does_not_settle_the_retry_s_key() -> None:
                      key="order-1", body=b"{}", request_id="req_retry")
 
     async def lapse_then_settle(redis: Redis) -> bytes | None:
-        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=2**20)
+        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=2**20,
+                            kept_bytes_in_all=2**30)
         assert await store.reserve(first) is None
         await redis.delete(first.name)  # its lease ran out while it ran
         assert await store.reserve(retry) is None
@@ -191,7 +195,8 @@ def test_an_answer_too_large_to_keep_is_not_replayed() -> None:
                      key="order-1", body=b"{}", request_id="req_large")
 
     async def settle_then_repeat(redis: Redis) -> str:
-        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=2**20)
+        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=2**20,
+                            kept_bytes_in_all=2**30)
         assert await store.reserve(claim) is None
         await store.settle(claim, succeeded=True, answer=b"x" * (MAX_KEPT_BYTES + 1))
         with pytest.raises(GatewayError) as repeat:
@@ -203,7 +208,8 @@ def test_an_answer_too_large_to_keep_is_not_replayed() -> None:
                                                         "more than 64 KiB")
 
 
-def test_an_organisation_keeps_answers_up_to_its_budget_and_past_it_a_repeat_is_a_409() -> None:
+@pytest.mark.parametrize("budget", ["organisation", "all"])
+def test_answers_are_kept_up_to_a_budget_and_past_it_a_repeat_is_a_409(budget: str) -> None:
     organization, answer = uuid4(), b"x" * 1000
     claims = [Claim.of(organization_id=organization, api_key_id=uuid4(), endpoint_id="e",
                        key=f"order-{n}", body=b"{}", request_id=f"req_{n}") for n in range(4)]
@@ -211,7 +217,11 @@ def test_an_organisation_keeps_answers_up_to_its_budget_and_past_it_a_repeat_is_
                          key="order-0", body=b"{}", request_id="req_elsewhere")
 
     async def fill_then_repeat(redis: Redis) -> list[str]:
-        store = Idempotency(redis, ttl_seconds=60, kept_bytes_per_organization=3000)
+        await redis.delete(f"kvrun:idem-kept:all:{int(time.time()) // 60}")  # an earlier run's
+        # Both budgets are 3,000 bytes in turn: this organisation's, or all of them together.
+        store = Idempotency(redis, ttl_seconds=60,
+                            kept_bytes_per_organization=3000 if budget == "organisation"
+                            else 10**9, kept_bytes_in_all=3000 if budget == "all" else 10**9)
         for claim in [*claims, elsewhere]:
             assert await store.reserve(claim) is None
             await store.settle(claim, succeeded=True, answer=answer)
@@ -223,11 +233,19 @@ def test_an_organisation_keeps_answers_up_to_its_budget_and_past_it_a_repeat_is_
                 outcomes.append(f"{refused.status} {refused.message}")
         return outcomes
 
-    outcomes = asyncio.run(with_redis(fill_then_repeat))
+    # A window of every organisation's answers that no other test keeps any in.
+    with time_machine.travel(datetime(2020, 1, 1, 0, 10 if budget == "all" else 0,
+                                      tzinfo=UTC), tick=False):
+        outcomes = asyncio.run(with_redis(fill_then_repeat))
 
     assert outcomes[:3] == ["xxx"] * 3  # 3,000 bytes: the budget, kept and replayed
     assert outcomes[3] == ("409 A request with this Idempotency-Key (req_3) succeeded, but "
-                           "its answer was not kept: this organisation's kept answers were at "
-                           "their budget; it runs only once. Send a new Idempotency-Key to run "
-                           "another request.")
-    assert outcomes[4] == "xxx"  # another organisation's budget is its own
+                           "its answer was not kept: kept answers (this organisation's, or "
+                           "every one's) were at their budget; it runs only once. Send a new "
+                           "Idempotency-Key to run another request.")
+    # Another organisation's budget is its own; every organisation's is shared.
+    assert outcomes[4] == ("xxx" if budget == "organisation" else
+                           "409 A request with this Idempotency-Key (req_elsewhere) succeeded, "
+                           "but its answer was not kept: kept answers (this organisation's, or "
+                           "every one's) were at their budget; it runs only once. Send a new "
+                           "Idempotency-Key to run another request.")
