@@ -37,9 +37,6 @@ from gateway.directory import Directory, Route
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 
-# How often the watch asks whether held requests' endpoints changed: a small share of a cold
-# start.
-POLL_SECONDS = 0.25
 # An organisation's routes are read again this often while its requests are held, changed or
 # not: what a change the watch cannot see (a route's own fields) leaves stale, it mends.
 SAFETY_REFRESH_SECONDS = 30.0
@@ -77,9 +74,10 @@ def _progress(route: Route) -> str:
 
 
 class Watch:
-    """One watch, per process, of every endpoint that has requests held: every POLL_SECONDS
-    one query for all of them (endpoints.selectors.hold_states), however many requests or
-    organisations wait; an organisation's routes are read again only when one of its
+    """One watch, per process, of every endpoint that has requests held: every
+    KVRUN_GATEWAY_HOLD_WATCH_SECONDS one query for all of them
+    (endpoints.selectors.hold_states), however many requests or organisations wait; an
+    organisation's routes are read again only when one of its
     endpoints changed. The watch, those reads and the wakes run on a thread of their own,
     over a connection it keeps: never on the thread that serves every tenant's keys and
     routes, nor on a fresh connection each."""
@@ -125,7 +123,7 @@ class Watch:
                 await self._look()
             except Exception:  # the next look may fare better; the waiters wait on
                 logger.exception("the watch of requests held at zero failed a look")
-            await asyncio.sleep(POLL_SECONDS)
+            await asyncio.sleep(settings.KVRUN_GATEWAY_HOLD_WATCH_SECONDS)
 
     async def _look(self) -> None:
         """Read what changed; for every organisation of an endpoint that changed (or whose

@@ -233,6 +233,11 @@ KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_ORGANIZATION = env.int(
     "KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_ORGANIZATION", default=256)
 KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_PROCESS = env.int(
     "KVRUN_GATEWAY_HOLD_MAX_REQUESTS_PER_PROCESS", default=2048)
+# How often a web process asks whether the endpoints its requests wait for have changed: at
+# the route cache's age by default, a small share of a cold start. Each look's Python shares
+# the process with every tenant's requests, so looking more often costs them.
+KVRUN_GATEWAY_HOLD_WATCH_SECONDS = env.float("KVRUN_GATEWAY_HOLD_WATCH_SECONDS",
+                                             default=KVRUN_GATEWAY_ROUTE_CACHE_SECONDS)
 # An Idempotency-Key is remembered this long; a repeat within it does not run again.
 KVRUN_IDEMPOTENCY_HOURS = env.int("KVRUN_IDEMPOTENCY_HOURS", default=24)
 # Answers kept for repeats, per organisation and window of KVRUN_IDEMPOTENCY_HOURS: they share

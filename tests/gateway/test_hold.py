@@ -24,6 +24,12 @@ from tests.helpers import wait_until
 pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 
 
+@pytest.fixture(autouse=True)
+def _a_quick_watch(settings: object) -> None:
+    """The watch looks four times a second here: the waits below count its looks."""
+    settings.KVRUN_GATEWAY_HOLD_WATCH_SECONDS = 0.25  # type: ignore[attr-defined]
+
+
 def waking(org: Organization, port: int) -> tuple[Endpoint, Replica]:
     """An endpoint a request has woken: its replica is loading on `port`."""
     endpoint = ready_endpoint(org, "sleepy", [port], state=State.LOADING, min_replicas=0,
