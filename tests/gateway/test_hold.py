@@ -14,6 +14,7 @@ from django.utils import timezone
 from accounts.models import Organization
 from billing.models import UsageRecord
 from endpoints.models import DesiredState, Endpoint, EndpointEvent, Replica, State
+from endpoints.services import scaling as scaling_services
 from gateway import directory
 from kvrun.common.redis import redis_client
 from scaling.activity import in_flight_name
@@ -28,6 +29,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.django_db(transaction=True)]
 def _a_quick_watch(settings: object) -> None:
     """The watch looks four times a second here: the waits below count its looks."""
     settings.KVRUN_GATEWAY_HOLD_WATCH_SECONDS = 0.25  # type: ignore[attr-defined]
+
+
+@pytest.fixture(autouse=True)
+def _no_reconciler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wake asks for a replica and nothing more: the test plays the reconciler, and a
+    control worker running for other tests of the session must not play it too."""
+    monkeypatch.setattr(scaling_services, "reconcile_after_commit", lambda endpoint: None)
 
 
 def waking(org: Organization, port: int) -> tuple[Endpoint, Replica]:
