@@ -5,10 +5,11 @@ A held stream gets its response headers at once and, every few seconds, an SSE c
 with the start's stage and ETA (clients ignore comments); a request not streamed just waits.
 Holds are bounded in time (KVRUN_GATEWAY_HOLD_SECONDS) and in count in this process, per
 endpoint, per organisation and in all (KVRUN_GATEWAY_HOLD_MAX_REQUESTS…): past either the
-answer is a 503 or a 429 with Retry-After from the ETA. A replica that no node can take fails
-its endpoint's held requests at once (a 503 saying why). What they wait on is read by one watch
-for the whole process (Watch). The ETA is the median time this model's recent starts took on
-this kind of node (endpoints.selectors.median_start_seconds), less what this start has taken.
+answer is a 503 or a 429 with Retry-After from the ETA. A replica that no node online fits
+fails its endpoint's held requests at the watch's next look (a 503 saying why). What they wait
+on is read by one watch for the whole process (Watch). The ETA is the median time this model's
+recent starts took on this kind of node (endpoints.selectors.median_start_seconds), less what
+this start has taken.
 """
 
 from __future__ import annotations

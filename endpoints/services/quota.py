@@ -85,11 +85,11 @@ def _past(quota: str, *, scope: QuotaScope, used: Quota, needs: Quota, gpus: int
     if others:
         whose, has = ("its owners' organisations on the deployment's default quotas (this one "
                       f"and {others} more)"), "have"
-    change = "stop or delete an endpoint, or ask an operator to raise the organisation's quota"
+    raise_it = "ask an operator to raise the organisation's quota"
+    change = f"stop or delete an endpoint, or {raise_it}"
     if quota == "endpoints":
         return (f"{whose[0].upper()}{whose[1:]} may have {scope.most} endpoint(s) and {has} "
-                f"{used.endpoints}; delete one, or ask an operator to raise the organisation's "
-                f"quota.")
+                f"{used.endpoints}; delete one, or {raise_it}.")
     if quota == "replicas":
         return (f"The running endpoints of {whose} may have {scope.most} replica(s) at most, "
                 f"all together; they have {used.replicas} and this needs {needs.replicas}. "
