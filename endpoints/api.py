@@ -30,7 +30,7 @@ from endpoints.serializers import (
     EndpointSerializer,
     EventSerializer,
     GPUTypeSerializer,
-    HubModelInput,
+    ModelFromHubInput,
     ModelSpecSerializer,
     OwnModelSerializer,
     OwnNodeSerializer,
@@ -290,15 +290,17 @@ class OrganizationModelViewSet(OrganizationScoped, mixins.ListModelMixin,
             return ModelSpec.objects.none()
         return selectors.models_of(organization=self.organization)
 
-    @extend_schema(request=HubModelInput, responses={201: OwnModelSerializer})
+    @extend_schema(request=ModelFromHubInput, responses={201: OwnModelSerializer})
     def create(self, request: Request, **kwargs: str) -> Response:
         """Add a model by its hub id, pinned to the commit its revision resolves to now. The
         answer's `sizing` is what it would hold at its default context, before anything
         downloads; a repository kvrun cannot serve is a 400 saying why."""
-        data = validated(HubModelInput, request)
+        data = validated(ModelFromHubInput, request)
         model = services.do_add_model_from_hub(
             organization=self.organization, actor_role=self.actor_role,
             added_by=request.user if isinstance(request.user, User) else None,
-            repo_id=data["hf_repo"], revision=data["hf_revision"], token=data["hf_token"])
+            repo_id=data["hf_repo"], revision=data["hf_revision"], token=data["hf_token"],
+            tool_call_parser=data.get("tool_call_parser"),
+            reasoning_parser=data.get("reasoning_parser"))
         return Response({**self.get_serializer(model).data, "sizing": sizing_preview(model)},
                         status=status.HTTP_201_CREATED)

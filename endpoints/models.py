@@ -113,6 +113,13 @@ class ModelSpec(models.Model):
     trust_remote_code = models.BooleanField(
         default=False, help_text="Its engines run code from its repository (an operator allowed "
         "it for this model).")
+    # engine.parsers: without a tool-call parser an engine takes no tools at all.
+    tool_call_parser = models.CharField(
+        max_length=40, blank=True, help_text="vLLM's --tool-call-parser for its engines; empty: "
+        "they take no tools.")
+    reasoning_parser = models.CharField(
+        max_length=40, blank=True, help_text="vLLM's --reasoning-parser for its engines; empty: "
+        "any thinking stays in the answer's text.")
     # The access token for a gated or private repository, sealed (kvrun.common.sealing) with a
     # key kept outside the database; read only by the step that downloads the weights.
     hf_token_sealed = models.TextField(blank=True)
@@ -226,6 +233,10 @@ class Node(models.Model):
     vllm_version = models.CharField(max_length=40, blank=True)
     architectures = ArrayField(models.CharField(max_length=100), default=list, blank=True,
                                help_text="The model architectures its vLLM build runs.")
+    tool_parsers = ArrayField(models.CharField(max_length=40), default=list, blank=True,
+                              help_text="The tool-call parsers its vLLM build offers.")
+    reasoning_parsers = ArrayField(models.CharField(max_length=40), default=list, blank=True,
+                                   help_text="The reasoning parsers its vLLM build offers.")
     model_cache_bytes = models.BigIntegerField(
         default=0, help_text="The disk its agent keeps for downloaded weights.")
     model_cache = models.JSONField(

@@ -60,22 +60,34 @@ def models_of(*, organization: Organization) -> QuerySet[ModelSpec]:
     return ModelSpec.objects.filter(organization=organization).order_by("-added_at", "-id")
 
 
-def engines_online(*, organization_id: UUID | None) -> tuple[set[str], set[str], int]:
-    """What the nodes that take the organisation's replicas run (the shared fleet and its
-    own nodes; None: the shared fleet): the model architectures their vLLM builds support,
-    those builds' versions, and the largest model cache among them (bytes)."""
-    architectures: set[str] = set()
-    versions: set[str] = set()
-    largest_cache = 0
-    for found, version, cache in Node.objects.filter(
+@dataclass
+class EnginesOnline:
+    """What the nodes that take an organisation's replicas run (engines_online)."""
+
+    architectures: set[str]  # the model architectures their vLLM builds support
+    versions: set[str]  # those builds' versions
+    largest_cache: int  # the largest model cache among them, bytes
+    tool_parsers: set[str]  # engine.parsers: what their builds offer
+    reasoning_parsers: set[str]
+
+
+def engines_online(*, organization_id: UUID | None) -> EnginesOnline:
+    """What the nodes that take the organisation's replicas run: the shared fleet and its
+    own nodes (None: the shared fleet)."""
+    found = EnginesOnline(architectures=set(), versions=set(), largest_cache=0,
+                          tool_parsers=set(), reasoning_parsers=set())
+    for architectures, version, cache, tool_parsers, reasoning_parsers in Node.objects.filter(
             Q(organization=None) | Q(organization_id=organization_id),
             state=NodeState.ONLINE, draining=False).values_list(
-            "architectures", "vllm_version", "model_cache_bytes"):
-        architectures.update(found)
+            "architectures", "vllm_version", "model_cache_bytes", "tool_parsers",
+            "reasoning_parsers"):
+        found.architectures.update(architectures)
         if version:
-            versions.add(version)
-        largest_cache = max(largest_cache, cache)
-    return architectures, versions, largest_cache
+            found.versions.add(version)
+        found.largest_cache = max(found.largest_cache, cache)
+        found.tool_parsers.update(tool_parsers)
+        found.reasoning_parsers.update(reasoning_parsers)
+    return found
 
 
 def node_takes_replicas(*, name: str) -> bool:

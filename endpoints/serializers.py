@@ -33,7 +33,8 @@ MODEL_FIELDS = ["slug", "name", "hf_repo", "hf_revision", "hf_commit", "family",
                 "parameters", "active_parameters", "weights_bytes", "layers", "hidden_size",
                 "attention_heads", "kv_heads", "head_dim", "vocab_size", "max_context",
                 "attention_kind", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
-                "sliding_window_layers", "default_dtype", "licence", "chat_template"]
+                "sliding_window_layers", "default_dtype", "licence", "chat_template",
+                "tool_call_parser", "reasoning_parser"]
 
 
 # What clients send as "model": the catalog's slugs hold dots (llama-3.2-3b-instruct), which
@@ -78,6 +79,16 @@ class HubModelInput(StrictSerializer):
     hf_token = serializers.CharField(
         max_length=400, required=False, allow_blank=True, default="", write_only=True,
         help_text="For a gated or private repository: a read token. Kept sealed, never shown.")
+
+
+class ModelFromHubInput(HubModelInput):
+    tool_call_parser = serializers.CharField(
+        max_length=40, required=False, allow_blank=True,
+        help_text="vLLM's tool-call parser for its engines (one the nodes' vLLM offers); \"\": "
+        "none; left out: its family's, where its tokenizer has the parser's markers.")
+    reasoning_parser = serializers.CharField(
+        max_length=40, required=False, allow_blank=True,
+        help_text="vLLM's reasoning parser, chosen the same way.")
 
 
 class AdapterNameInput(StrictSerializer):

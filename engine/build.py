@@ -1,10 +1,13 @@
-"""The vLLM build beside a node agent: its version and the model architectures it runs.
+"""The vLLM build beside a node agent: its version, the model architectures it runs and the
+tool-call and reasoning parsers it offers (engine.parsers).
 
-A node reports both when it registers, so that adding a model is judged against the
+A node reports them when it registers, so that adding a model is judged against the
 engines actually online rather than a list kept by hand. Reading the architectures imports
 vLLM's model registry (torch with it: seconds of CPU), so it runs in a child process once
 per build, and the answer is kept in a file named by the build's version.
 """
+
+from __future__ import annotations
 
 import json
 import subprocess
@@ -14,8 +17,13 @@ from pathlib import Path
 
 from engine.kv_policy import installed_version
 
-REGISTRY_QUERY = ("import json; from vllm.model_executor.models.registry import ModelRegistry; "
-                  "print(json.dumps(sorted(ModelRegistry.get_supported_archs())))")
+REGISTRY_QUERY = (
+    "import json; from vllm.model_executor.models.registry import ModelRegistry; "
+    "from vllm.tool_parsers import ToolParserManager; "
+    "from vllm.reasoning import ReasoningParserManager; "
+    "print(json.dumps({'architectures': sorted(ModelRegistry.get_supported_archs()), "
+    "'tool_parsers': ToolParserManager.list_registered(), "
+    "'reasoning_parsers': ReasoningParserManager.list_registered()}))")
 QUERY_TIMEOUT_SECONDS = 300
 
 
@@ -23,6 +31,14 @@ QUERY_TIMEOUT_SECONDS = 300
 class EngineBuild:
     version: str  # empty where no vLLM is installed
     architectures: tuple[str, ...]
+    tool_parsers: tuple[str, ...] = ()
+    reasoning_parsers: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, version: str, read: dict[str, list[str]]) -> EngineBuild:
+        return cls(version=version, architectures=tuple(read["architectures"]),
+                   tool_parsers=tuple(read["tool_parsers"]),
+                   reasoning_parsers=tuple(read["reasoning_parsers"]))
 
 
 def detect(*, device: str, cache_dir: Path, python: str = sys.executable) -> EngineBuild:
@@ -30,14 +46,14 @@ def detect(*, device: str, cache_dir: Path, python: str = sys.executable) -> Eng
     version = installed_version(device)
     if version is None:
         return EngineBuild(version="", architectures=())
-    kept = Path(cache_dir) / f"vllm-{version}-architectures.json"
+    kept = Path(cache_dir) / f"vllm-{version}-build.json"
     if kept.exists():
-        return EngineBuild(version=version, architectures=tuple(json.loads(kept.read_text())))
+        return EngineBuild.of(version, json.loads(kept.read_text()))
     answer = subprocess.run([python, "-c", REGISTRY_QUERY], capture_output=True, text=True,
                             timeout=QUERY_TIMEOUT_SECONDS, check=True)
-    architectures = json.loads(answer.stdout.strip().splitlines()[-1])
+    read = json.loads(answer.stdout.strip().splitlines()[-1])
     kept.parent.mkdir(parents=True, exist_ok=True)
     written = kept.with_suffix(".tmp")
-    written.write_text(json.dumps(architectures))
+    written.write_text(json.dumps(read))
     written.replace(kept)
-    return EngineBuild(version=version, architectures=tuple(architectures))
+    return EngineBuild.of(version, read)

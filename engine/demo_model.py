@@ -65,6 +65,14 @@ CORPUS = [
     "Hello, world! How are you today? Tell me a story about a cache that never forgot.",
     "0123456789 + - * / = ( ) [ ] { } < > ! ? . , ; : ' \" @ # $ % ^ & _ | ~ `",
 ]
+# The token Llama 3's tool-call parser (vLLM's llama3_json) looks for: an engine refuses to
+# start with a parser whose tokens its tokenizer lacks, and the demo serves tools like a Llama.
+TOOL_CALL_TOKEN = "<|python_tag|>"
+CHAT_TEMPLATE = (
+    "{% if tools %}<s>tools: {{ tools | tojson }}</s>{% endif %}"
+    "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>"
+    "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
 MARKER = "kvrun-demo.json"
 
 
@@ -74,7 +82,8 @@ def build(directory: Path, shape: Shape = TINY) -> Path:
     lock, which also keeps transformers' lazy imports out of each other's way) and the others
     wait for it and find its build."""
     directory = Path(directory)
-    recipe = {"seed": SEED, "config": shape.config(), "corpus": CORPUS}
+    recipe = {"seed": SEED, "config": shape.config(), "corpus": CORPUS,
+              "special_tokens": [TOOL_CALL_TOKEN], "chat_template": CHAT_TEMPLATE}
     marker = directory / MARKER
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory.parent / f".{directory.name}.lock", "w") as lock:
@@ -95,7 +104,8 @@ def _build_tokenizer(directory: Path, max_context: int) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>", "<unk>"], show_progress=False,
+        vocab_size=VOCAB_SIZE, special_tokens=["<s>", "</s>", "<unk>", TOOL_CALL_TOKEN],
+        show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tokenizer.train_from_iterator(CORPUS * 4, trainer=trainer)
@@ -107,10 +117,7 @@ def _build_tokenizer(directory: Path, max_context: int) -> None:
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         model_max_length=max_context,
     )
-    fast.chat_template = (
-        "{% for message in messages %}<s>{{ message['role'] }}: {{ message['content'] }}</s>"
-        "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"
-    )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
 
 

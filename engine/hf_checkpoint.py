@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import parsers
+
 HEADER_LENGTH_BYTES = 8
 
 
@@ -64,6 +66,11 @@ def describe(directory: Path) -> dict[str, Any]:
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     fields = describe_config(config, tensors_in(directory))
+    tokens = parsers.special_tokens(*(
+        json.loads((directory / name).read_text()) if (directory / name).exists() else {}
+        for name in ("tokenizer_config.json", "tokenizer.json")))
+    fields["tool_call_parser"], fields["reasoning_parser"] = parsers.fitting(
+        architecture=fields["architecture"], tokens=tokens)
     return {"slug": directory.name.lower().replace("_", "-"), "name": directory.name, **fields}
 
 

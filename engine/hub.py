@@ -29,7 +29,7 @@ from huggingface_hub.errors import (
     SafetensorsParsingError,
 )
 
-from engine import lora
+from engine import lora, parsers
 from engine.hf_checkpoint import Tensors, describe_config
 
 DEFAULT_REVISION = "main"
@@ -70,6 +70,7 @@ class HubCheckpoint:
     chat_template: bool
     remote_code: bool
     licence: str = "unknown"
+    special_tokens: frozenset[str] = frozenset()  # engine.parsers reads its markers here
 
     @property
     def architecture(self) -> str:
@@ -83,7 +84,10 @@ class HubCheckpoint:
     def describe(self) -> dict[str, Any]:
         """The catalog's sizing fields, as `hf_checkpoint.describe` gives them for the same
         checkpoint on disk."""
-        return describe_config(self.config, self.tensors)
+        fields = describe_config(self.config, self.tensors)
+        fields["tool_call_parser"], fields["reasoning_parser"] = parsers.fitting(
+            architecture=self.architecture, tokens=self.special_tokens)
+        return fields
 
 
 def engine_files(files: tuple[HubFile, ...], *, remote_code: bool) -> tuple[HubFile, ...]:
@@ -121,6 +125,8 @@ def inspect(*, endpoint: str, repo_id: str, revision: str | None = None,
             config = read("config.json")
             tokenizer = read("tokenizer_config.json") if "tokenizer_config.json" in names \
                 else {}
+            added = read("tokenizer.json") if parsers.needs_tokenizer_json(tokenizer) and (
+                "tokenizer.json" in names) else {}
         try:
             metadata = api.get_safetensors_metadata(repo_id, revision=commit, token=secret)
         except (NotASafetensorsRepoError, SafetensorsParsingError) as exc:
@@ -136,7 +142,8 @@ def inspect(*, endpoint: str, repo_id: str, revision: str | None = None,
         repo_id=repo_id, commit=commit, files=files, config=config, tensors=tensors,
         chat_template=bool(tokenizer.get("chat_template")) or bool(
             names & {"chat_template.jinja", "chat_template.json"}),
-        remote_code=bool(config.get("auto_map")), licence=licence[:40])
+        remote_code=bool(config.get("auto_map")), licence=licence[:40],
+        special_tokens=frozenset(parsers.special_tokens(tokenizer, added)))
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ class EngineSpec:
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
     replica: str = ""
     trust_remote_code: bool = False  # an operator allowed the model's own code to run
+    tool_call_parser: str = ""  # engine.parsers; "": the engine takes no tools
+    reasoning_parser: str = ""
     # LoRA adapters held on the device at once (0: the engine serves none), their largest
     # rank, and how many it keeps in host memory (0: as many as on the device).
     lora_adapters: int = 0
@@ -92,6 +94,12 @@ def build_command(spec: EngineSpec,
     argv += kv.argv + list(spec.extra_args)
     if spec.trust_remote_code:
         argv.append("--trust-remote-code")
+    if spec.tool_call_parser:
+        # Without the first flag vLLM parses named and required tool choices but refuses
+        # "auto", which agent frameworks send.
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
+    if spec.reasoning_parser:
+        argv += ["--reasoning-parser", spec.reasoning_parser]
     if spec.lora_adapters:
         argv += ["--enable-lora", "--max-loras", str(spec.lora_adapters),
                  "--max-lora-rank", str(spec.lora_max_rank),

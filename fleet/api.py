@@ -139,8 +139,7 @@ class Build(NodeView):
     def post(self, request: Request) -> Response:
         """The node's vLLM build, once its agent has read it."""
         data = validated(serializers.BuildInput, request)
-        do_record_node_build(name=self.node.name, build=EngineBuild(
-            version=data["version"], architectures=tuple(data["architectures"])))
+        do_record_node_build(name=self.node.name, build=EngineBuild.of(data["version"], data))
         return Response(status=status.HTTP_204_NO_CONTENT)
 
 

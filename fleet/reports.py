@@ -18,6 +18,9 @@ class NodeRevoked(Exception):
     """The node's credential was revoked: it reports nothing until it is enrolled anew."""
 
 
+BUILD_FIELDS = ["vllm_version", "architectures", "tool_parsers", "reasoning_parsers"]
+
+
 def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1",
                      build: EngineBuild | None = None, model_cache_bytes: int = 0) -> Node:
     """Insert or refresh the node `name` with what its agent detected; it is online again.
@@ -48,6 +51,8 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
                     memory_bytes=resources.memory_bytes, disk_bytes=resources.disk_bytes,
                     registered_at=now, last_heartbeat_at=now,
                     vllm_version=reported.version, architectures=list(reported.architectures),
+                    tool_parsers=list(reported.tool_parsers),
+                    reasoning_parsers=list(reported.reasoning_parsers),
                     model_cache_bytes=model_cache_bytes,
                 )
             ],
@@ -55,7 +60,7 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
             unique_fields=["name"],
             update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
                            "disk_bytes", "last_heartbeat_at", "model_cache_bytes",
-                           *(["vllm_version", "architectures"] if build else [])],
+                           *(BUILD_FIELDS if build else [])],
         )
     return Node.objects.get(name=name)
 
@@ -63,8 +68,9 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
 def do_record_node_build(*, name: str, build: EngineBuild) -> None:
     """The node's vLLM build as its agent read it (after registering: reading it takes
     seconds, and the node takes replicas meanwhile)."""
-    Node.objects.filter(name=name).update(vllm_version=build.version,
-                                          architectures=list(build.architectures))
+    Node.objects.filter(name=name).update(
+        vllm_version=build.version, architectures=list(build.architectures),
+        tool_parsers=list(build.tool_parsers), reasoning_parsers=list(build.reasoning_parsers))
 
 
 def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str] | None:

@@ -81,6 +81,11 @@ class BuildInput(StrictSerializer):
     version = serializers.CharField(max_length=40, allow_blank=True)
     architectures = serializers.ListField(child=serializers.CharField(max_length=100),
                                           max_length=2000)
+    # Agents older than the parsers' report send none.
+    tool_parsers = serializers.ListField(child=serializers.CharField(max_length=40),
+                                         max_length=500, default=list)
+    reasoning_parsers = serializers.ListField(child=serializers.CharField(max_length=40),
+                                              max_length=500, default=list)
 
 
 class HeartbeatInput(StrictSerializer):

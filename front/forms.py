@@ -37,7 +37,7 @@ from endpoints.models import (
     ScalingMetric,
 )
 from endpoints.scheduling import Placement
-from endpoints.selectors import models_visible_to, regions_online
+from endpoints.selectors import engines_online, models_visible_to, regions_online
 from endpoints.services import idle_time_refusal
 from fleet.forms import NodeTokenFields
 
@@ -115,6 +115,37 @@ class HubModelForm(forms.Form):
                                widget=forms.PasswordInput(render_value=False),
                                help_text="For a gated or private repository: a read token. "
                                          "Kept sealed; only its last four characters show.")
+
+
+# The parser choices' first two values: the family's (the service's None) and none ("").
+FAMILY_PARSER, NO_PARSER = "", "none"
+
+
+class ModelFromHubForm(HubModelForm):
+    """A model by its hub id, with the parsers its engines start with: those the nodes that
+    would run it offer."""
+
+    tool_call_parser = forms.ChoiceField(
+        required=False, label="Tool-call parser",
+        help_text="Needed for tools: without one its engines take no tools.")
+    reasoning_parser = forms.ChoiceField(
+        required=False, label="Reasoning parser",
+        help_text="Splits a reasoning model's thinking into each answer's reasoning field.")
+
+    def __init__(self, *args: Any, organization: Organization, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        online = engines_online(organization_id=organization.id)
+        for name, offered in (("tool_call_parser", online.tool_parsers),
+                              ("reasoning_parser", online.reasoning_parsers)):
+            self.fields[name].choices = [
+                (FAMILY_PARSER, "Its family's, where its tokenizer fits"), (NO_PARSER, "None"),
+                *((parser, parser) for parser in sorted(offered))]
+
+    def parsers(self) -> dict[str, str | None]:
+        """The service's arguments: None for the family's, "" for none."""
+        return {name: None if self.cleaned_data[name] == FAMILY_PARSER
+                else "" if self.cleaned_data[name] == NO_PARSER else self.cleaned_data[name]
+                for name in ("tool_call_parser", "reasoning_parser")}
 
 
 class AdapterForm(HubModelForm):

@@ -466,6 +466,9 @@ class NodeAgent:
         return supervisor.EngineSpec(
             model_dir=str(weights.weights_dir(model, config=self.config)),
             trust_remote_code=model["trust_remote_code"],
+            # An older control plane's spec names no parsers.
+            tool_call_parser=model.get("tool_call_parser", ""),
+            reasoning_parser=model.get("reasoning_parser", ""),
             served_model_name=endpoint["name"],
             host=self.address,
             port=port,

@@ -17,6 +17,8 @@ from uuid import UUID
 
 import httpx
 
+from engine.build import EngineBuild
+
 logger = logging.getLogger(__name__)
 
 class State:
@@ -107,9 +109,11 @@ class NodeChannel:
 
     # The node's own reports.
 
-    def record_build(self, *, version: str, architectures: Iterable[str]) -> None:
-        self._call("POST", "build", json={"version": version,
-                                          "architectures": sorted(architectures)})
+    def record_build(self, build: EngineBuild) -> None:
+        self._call("POST", "build", json={
+            "version": build.version, "architectures": sorted(build.architectures),
+            "tool_parsers": sorted(build.tool_parsers),
+            "reasoning_parsers": sorted(build.reasoning_parsers)})
 
     def heartbeat(self, *, engines: Iterable[str]) -> set[str] | None:
         """The engines that run here; returns the replicas whose engines must stop, or None

@@ -111,7 +111,7 @@ def _read_build(channel: NodeChannel, config: AgentConfig,
                 resources: devices.HostResources) -> None:
     try:
         found = build.detect(device=GPU if resources.devices else CPU, cache_dir=config.state_dir)
-        channel.record_build(version=found.version, architectures=found.architectures)
+        channel.record_build(found)
         logger.info("vLLM %s, %d model architectures", found.version or "not installed",
                     len(found.architectures))
     except Exception:  # no architectures: models are not added until it is read

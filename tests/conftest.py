@@ -172,8 +172,10 @@ def owner_api(api: APIClient, owner: User) -> APIClient:
     return api
 
 
-# What a node's vLLM build reports, cut to the architectures the tests use.
-TEST_BUILD = EngineBuild(version="0.32.0", architectures=("LlamaForCausalLM", "Qwen2ForCausalLM"))
+# What a node's vLLM build reports, cut to the architectures and parsers the tests use.
+TEST_BUILD = EngineBuild(version="0.32.0", architectures=("LlamaForCausalLM", "Qwen2ForCausalLM"),
+                         tool_parsers=("hermes", "llama3_json"),
+                         reasoning_parsers=("deepseek_r1", "qwen3"))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from django.db import IntegrityError, transaction
 from accounts.models import Organization, User
 from accounts.services import require_manager
 from endpoints.models import ModelSpec
-from endpoints.selectors import engines_online
+from endpoints.selectors import EnginesOnline, engines_online
 from engine import hub
 from engine.sizing import GB
 from kvrun.common.sealing import seal
@@ -27,14 +27,18 @@ TOKEN_SHAPE = re.compile(r"[!-~]+")
 
 def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
                           added_by: User | None, repo_id: str, revision: str = "",
-                          token: str = "") -> ModelSpec:
+                          token: str = "", tool_call_parser: str | None = None,
+                          reasoning_parser: str | None = None) -> ModelSpec:
     """Add the hub repository `repo_id` at `revision` (a branch, tag or commit; the default
     branch when empty) as a model of `organization`, pinned to the commit it resolves to now.
+    Its engines start with `tool_call_parser` and `reasoning_parser` ("": none; None: its
+    family's where its tokenizer has the parser's markers, engine.parsers).
 
     Raises ValidationError keyed by `hf_repo`, `hf_revision` or `hf_token`, and changes
     nothing, when the repository cannot be read with the token given, has no safetensors
     weights, needs remote code an operator has not allowed, has an architecture no engine
-    online runs, or is larger than every node's model cache. The token, when given, is kept
+    online runs, or is larger than every node's model cache; keyed by `tool_call_parser` or
+    `reasoning_parser` for a parser no engine online offers. The token, when given, is kept
     sealed (kvrun.common.sealing) for the downloads; it is never returned.
     """
     require_manager(actor_role, "add models")
@@ -53,17 +57,21 @@ def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
         raise ValidationError({"hf_repo": [
             f"{repo_id}'s config.json has no {exc.args[0]!r}: kvrun sizes decoder language "
             "models from their config, and this one does not say enough."]}) from exc
-    refusal = _refusal(checkpoint, revision=revision, organization=organization)
+    online = engines_online(organization_id=organization.id)
+    refusal = _refusal(checkpoint, revision=revision, online=online)
     if refusal:
         raise ValidationError({"hf_repo": [refusal]})
+    fitting = (fields.pop("tool_call_parser"), fields.pop("reasoning_parser"))
+    chosen = _parsers(asked=(tool_call_parser, reasoning_parser), fitting=fitting, online=online)
     files = [asdict(f) for f in hub.engine_files(checkpoint.files,
                                                  remote_code=checkpoint.remote_code)]
     model = ModelSpec(
         **fields, organization=organization, added_by=added_by, name=repo_id,
         hf_repo=repo_id, hf_revision=revision, hf_commit=checkpoint.commit, files=files,
         licence=checkpoint.licence, chat_template=checkpoint.chat_template,
-        trust_remote_code=checkpoint.remote_code,
-        hf_token_sealed=seal(token) if token else "", hf_token_last4=token[-4:])
+        trust_remote_code=checkpoint.remote_code, tool_call_parser=chosen[0],
+        reasoning_parser=chosen[1], hf_token_sealed=seal(token) if token else "",
+        hf_token_last4=token[-4:])
     return _insert(model)
 
 
@@ -78,7 +86,7 @@ def remote_code_allowed(*, repo_id: str, revision: str, commit: str) -> bool:
 
 
 def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str,
-             organization: Organization) -> str | None:
+             online: EnginesOnline) -> str | None:
     repo = checkpoint.repo_id
     if checkpoint.remote_code and not remote_code_allowed(
             repo_id=repo, revision=revision, commit=checkpoint.commit):
@@ -86,21 +94,40 @@ def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str,
                 "run (its config names custom classes), and kvrun runs such code only where "
                 "an operator allows it: ask one to add it to KVRUN_REMOTE_CODE_REPOS "
                 "(owner/name for its default branch, owner/name@<commit> for one commit).")
-    architectures, versions, largest_cache = engines_online(organization_id=organization.id)
-    if not architectures:
+    if not online.architectures:
         return (f"No node online says which architectures its engines run, so {repo} "
                 f"({checkpoint.architecture}) cannot be judged yet: add it once a node is "
                 "online (docs/operations.md says how to add one).")
-    if checkpoint.architecture not in architectures and not checkpoint.remote_code:
-        built = ", ".join(sorted(versions)) or "unknown"
+    if checkpoint.architecture not in online.architectures and not checkpoint.remote_code:
+        built = ", ".join(sorted(online.versions)) or "unknown"
         return (f"{repo} is a {checkpoint.architecture}, which the engines online (vLLM "
                 f"{built}) cannot run: pick a model of an architecture vLLM supports, or ask "
                 "an operator for a node whose vLLM runs it.")
-    if checkpoint.download_bytes > largest_cache:
+    if checkpoint.download_bytes > online.largest_cache:
         return (f"{repo}'s weights take {checkpoint.download_bytes / GB:.1f} GB, more than "
-                f"any node's model cache holds (the largest: {largest_cache / GB:.1f} GB): ask "
-                "an operator for a node with a larger cache (KVRUN_MODEL_CACHE_GIB).")
+                f"any node's model cache holds (the largest: {online.largest_cache / GB:.1f} "
+                "GB): ask an operator for a node with a larger cache (KVRUN_MODEL_CACHE_GIB).")
     return None
+
+
+def _parsers(*, asked: tuple[str | None, str | None], fitting: tuple[str, str],
+             online: EnginesOnline) -> tuple[str, str]:
+    """The (tool-call, reasoning) parsers: those asked for, else those that fit. Either must
+    be offered by an engine online: an engine refuses to start with a parser it lacks."""
+    chosen = []
+    for field, kind, name, fits, offered in (
+            ("tool_call_parser", "tool-call", asked[0], fitting[0], online.tool_parsers),
+            ("reasoning_parser", "reasoning", asked[1], fitting[1], online.reasoning_parsers)):
+        if name is None:
+            chosen.append(fits if fits in offered else "")
+            continue
+        if name and name not in offered:
+            listed = ", ".join(sorted(offered)) or "none yet"
+            raise ValidationError({field: [
+                f"No engine online offers the {kind} parser {name!r}; those they offer: "
+                f"{listed}. Leave it out to take the model family's, or send \"\" for none."]})
+        chosen.append(name)
+    return chosen[0], chosen[1]
 
 
 def _insert(model: ModelSpec) -> ModelSpec:

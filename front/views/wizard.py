@@ -29,7 +29,7 @@ from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.scheduling import Placement
 from endpoints.selectors import median_start_seconds, models_visible_to
 from front import presenters
-from front.forms import EndpointForm, HubModelForm, SizingForm
+from front.forms import EndpointForm, ModelFromHubForm, SizingForm
 from front.scoping import Member, membership
 from kvrun.common.forms import add_service_errors
 
@@ -81,14 +81,14 @@ def sizing(request: HttpRequest, org_slug: str) -> HttpResponse:
 def add_model(request: HttpRequest, org_slug: str) -> HttpResponse:
     """Add a model by its Hugging Face id, then show the wizard with it chosen and sized."""
     member = membership(request, org_slug)
-    hub_form = HubModelForm(request.POST)
+    hub_form = ModelFromHubForm(request.POST, organization=member.organization)
     if hub_form.is_valid():
         data = hub_form.cleaned_data
         try:
             model = services.do_add_model_from_hub(
                 organization=member.organization, actor_role=member.role,
                 added_by=request.user, repo_id=data["hf_repo"], revision=data["hf_revision"],
-                token=data["hf_token"])
+                token=data["hf_token"], **hub_form.parsers())
         except ValidationError as exc:
             add_service_errors(hub_form, exc)
         else:
@@ -102,13 +102,14 @@ def add_model(request: HttpRequest, org_slug: str) -> HttpResponse:
 
 
 def _page(request: HttpRequest, member: Member, form: EndpointForm, *,
-          hub_form: HubModelForm | None = None, status: int = 200) -> HttpResponse:
+          hub_form: ModelFromHubForm | None = None, status: int = 200) -> HttpResponse:
     values = form.data if form.is_bound else QueryDict(mutable=True)
     if not form.is_bound:
         values.update({name: str(value) for name, value in form.initial.items()})
     organization = member.organization
     context = {"member": member, "organization": organization, "form": form,
-               "hub_form": hub_form or HubModelForm(), "section": "endpoints",
+               "hub_form": hub_form or ModelFromHubForm(organization=organization),
+               "section": "endpoints",
                "selected": values.get("model", ""), **_catalog_context(organization)}
     if form.is_bound or form.initial.get("model"):
         context.update(_sizing_context(SizingForm(values, organization=organization)))

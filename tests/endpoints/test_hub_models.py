@@ -180,6 +180,32 @@ def test_only_managers_add_models_and_bad_input_changes_nothing(
     assert not ModelSpec.objects.filter(organization=org).exists()
 
 
+def test_a_model_added_by_id_gets_its_family_s_parsers_or_those_its_owner_names(
+        owner_api: APIClient, org: Organization, cpu_node: Node, hub: Hub, hub_url: str,
+        tmp_path: Path) -> None:
+    # The demo is a Llama whose tokenizer has Llama 3's tool-call marker.
+    assert add(owner_api, org, hf_repo="kvrun/demo")["tool_call_parser"] == "llama3_json"
+    hub.publish("kvrun/demo-b", demo_model.build(tmp_path / "b"))
+    chosen = add(owner_api, org, hf_repo="kvrun/demo-b", tool_call_parser="hermes",
+                 reasoning_parser="qwen3")
+    assert (chosen["tool_call_parser"], chosen["reasoning_parser"]) == ("hermes", "qwen3")
+    hub.publish("kvrun/demo-c", demo_model.build(tmp_path / "c"))
+    assert add(owner_api, org, hf_repo="kvrun/demo-c", tool_call_parser="")[
+        "tool_call_parser"] == ""
+
+    # One no node online offers would keep its engines from starting: refused, nothing saved.
+    hub.publish("kvrun/demo-d", demo_model.build(tmp_path / "d"))
+    refused = add(owner_api, org, hf_repo="kvrun/demo-d", tool_call_parser="pythonic")
+    assert refused["tool_call_parser"] == [
+        "No engine online offers the tool-call parser 'pythonic'; those they offer: hermes, "
+        "llama3_json. Leave it out to take the model family's, or send \"\" for none."]
+    assert not ModelSpec.objects.filter(hf_repo="kvrun/demo-d").exists()
+    # A node whose vLLM offers none (an older agent): the family's parser is not taken.
+    Node.objects.update(tool_parsers=[])
+    hub.publish("kvrun/demo-e", demo_model.build(tmp_path / "e"))
+    assert add(owner_api, org, hf_repo="kvrun/demo-e")["tool_call_parser"] == ""
+
+
 def test_an_organisation_sizes_its_own_model_and_nobody_else_can(
         owner_api: APIClient, org: Organization, other_org: Organization, cpu_node: Node,
         hub_url: str) -> None:

@@ -12,7 +12,7 @@ from endpoints.planning import online_gpu_types, plan
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.reconciler import reconcile_endpoint
 from endpoints.scheduling import Placement
-from endpoints.selectors import engines_online, own_nodes_of, regions_online
+from endpoints.selectors import EnginesOnline, engines_online, own_nodes_of, regions_online
 from endpoints.services import do_create_endpoint, do_load_catalogs, do_scale_endpoint
 from fleet.enrolment import (
     EnrolmentRefused,
@@ -219,15 +219,21 @@ def test_another_owner_s_waiting_token_or_an_operator_s_revocation_keeps_a_name(
 def test_a_model_is_admitted_by_what_the_shared_fleet_and_the_organisation_s_nodes_run(
         org: Organization, other_org: Organization) -> None:
     theirs = node("globex-gpu", owner=other_org)
-    Node.objects.filter(id=theirs.id).update(architectures=["MambaForCausalLM"],
-                                             vllm_version="9.9", model_cache_bytes=10**13)
+    Node.objects.filter(id=theirs.id).update(
+        architectures=["MambaForCausalLM"], vllm_version="9.9", model_cache_bytes=10**13,
+        tool_parsers=["hermes", "mamba_json"], reasoning_parsers=["mamba"])
     shared = node("shared-gpu")
-    Node.objects.filter(id=shared.id).update(architectures=["LlamaForCausalLM"],
-                                             vllm_version="0.11", model_cache_bytes=10**11)
+    Node.objects.filter(id=shared.id).update(
+        architectures=["LlamaForCausalLM"], vllm_version="0.11", model_cache_bytes=10**11,
+        tool_parsers=["hermes"], reasoning_parsers=[])
 
-    assert engines_online(organization_id=org.id) == ({"LlamaForCausalLM"}, {"0.11"}, 10**11)
-    assert engines_online(organization_id=other_org.id) == (
-        {"LlamaForCausalLM", "MambaForCausalLM"}, {"0.11", "9.9"}, 10**13)
+    assert engines_online(organization_id=org.id) == EnginesOnline(
+        architectures={"LlamaForCausalLM"}, versions={"0.11"}, largest_cache=10**11,
+        tool_parsers={"hermes"}, reasoning_parsers=set())
+    assert engines_online(organization_id=other_org.id) == EnginesOnline(
+        architectures={"LlamaForCausalLM", "MambaForCausalLM"}, versions={"0.11", "9.9"},
+        largest_cache=10**13, tool_parsers={"hermes", "mamba_json"},
+        reasoning_parsers={"mamba"})
 
 
 @pytest.mark.django_db(transaction=True)

@@ -150,3 +150,15 @@ def test_an_engine_keeps_idle_connections_longer_than_the_gateway_pools_them() -
     _, env = build_command(spec())
 
     assert int(env["VLLM_HTTP_TIMEOUT_KEEP_ALIVE"]) > POOLED_IDLE_SECONDS
+
+
+def test_an_engine_takes_tools_and_reasoning_only_with_its_model_s_parsers() -> None:
+    argv, _ = build_command(spec(tool_call_parser="hermes", reasoning_parser="qwen3"))
+
+    # Without --enable-auto-tool-choice, "auto" (what agent frameworks send) is refused.
+    assert argv[argv.index("--tool-call-parser") - 1] == "--enable-auto-tool-choice"
+    assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
+    assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"
+    bare, _ = build_command(spec())
+    assert not {"--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"} & set(
+        bare)

@@ -98,10 +98,12 @@ def test_a_node_s_vllm_build_survives_its_registering_again_until_it_reads_a_new
     do_register_node(name="gpu-1", resources=resources)  # its agent restarted: not read yet
     assert Node.objects.get(name="gpu-1").architectures == ["LlamaForCausalLM"]
     do_register_node(name="gpu-1", resources=resources, build=EngineBuild(
-        version="0.33.0", architectures=("LlamaForCausalLM", "Qwen3ForCausalLM")))
+        version="0.33.0", architectures=("LlamaForCausalLM", "Qwen3ForCausalLM"),
+        tool_parsers=("hermes",), reasoning_parsers=("qwen3",)))
     node = Node.objects.get(name="gpu-1")
-    assert (node.vllm_version, node.architectures) == (
-        "0.33.0", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+    assert (node.vllm_version, node.architectures, node.tool_parsers,
+            node.reasoning_parsers) == (
+        "0.33.0", ["LlamaForCausalLM", "Qwen3ForCausalLM"], ["hermes"], ["qwen3"])
 
 
 def test_waiting_for_a_node_ends_once_it_takes_replicas_and_fails_while_it_does_not(

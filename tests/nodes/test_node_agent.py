@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 from pathlib import Path
@@ -6,7 +7,7 @@ import pytest
 
 from endpoints.dispatch import node_work_channel
 from endpoints.models import Node, NodeState
-from endpoints.services import do_load_catalogs
+from endpoints.services import CATALOG_DIR, do_load_catalogs
 from endpoints.tasks import mark_lost_nodes
 from engine.supervisor import engine_environment
 from kvrun.common.redis import redis_client
@@ -48,6 +49,12 @@ def test_a_node_agent_given_two_values_enrols_heartbeats_and_is_lost_when_killed
         assert wait_until(lambda: Node.objects.get(name="test-node-a").architectures, 120)
         node = Node.objects.get(name="test-node-a")
         assert node.vllm_version == "0.32.0" and "LlamaForCausalLM" in node.architectures
+        # And the parsers it offers: every one the catalog names among them, or engines of
+        # that model would not start.
+        catalog = json.loads((CATALOG_DIR / "models.json").read_text())
+        assert {m["tool_call_parser"] for m in catalog} - {""} <= set(node.tool_parsers)
+        assert {m["reasoning_parser"] for m in catalog} - {""} <= set(node.reasoning_parsers)
+        assert {"hermes", "llama3_json", "mistral"} <= set(node.tool_parsers)
         assert node.model_cache_bytes == AgentConfig.model_cache_gib * 2**30
     finally:
         agent.kill()
