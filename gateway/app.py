@@ -51,6 +51,7 @@ from gateway.protocol import (
     estimated_prompt_tokens,
     model_entry,
     parse_request,
+    require_tool_parser,
     sequences,
     tokens_to_reserve,
 )
@@ -224,6 +225,7 @@ class Gateway:
             raise GatewayError(400, f"The model behind {route.name} has no chat template, so it "
                                "cannot take chat messages; send a prompt to /v1/completions "
                                "instead.", code="chat_template_missing")
+        require_tool_parser(payload, route)
         exchange.identity, exchange.route = identity, route
         exchange.stream = bool(payload.get("stream"))
         exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)

@@ -88,6 +88,10 @@ class Route:
     prefix_affinity: bool
     # Its model's tokenizer has a chat template; without one only completions work.
     chat_template: bool = True
+    # Its engines have a tool-call parser (without one they take no tools) and a reasoning
+    # parser (engine.parsers).
+    tools: bool = False
+    reasoning: bool = False
     # Scaled to zero, or may be: a request waits for its cold start (gateway.hold).
     scales_to_zero: bool = False
     desired_replicas: int = 1
@@ -133,6 +137,8 @@ def read_endpoints(organization_id: UUID, *, fresh_connection: bool = True
                       cache_isolation=endpoint.cache_isolation,
                       prefix_affinity=endpoint.prefix_affinity,
                       chat_template=endpoint.model.chat_template,
+                      tools=bool(endpoint.model.tool_call_parser),
+                      reasoning=bool(endpoint.model.reasoning_parser),
                       scales_to_zero=scales_to_zero, desired_replicas=endpoint.desired_replicas,
                       cold_start_eta_s=median_start_seconds(
                           model_id=endpoint.model_id, gpu_type_id=endpoint.gpu_type_id)

@@ -60,12 +60,29 @@ def sequences(payload: dict[str, Any]) -> int:
 
 
 def model_entry(route: Route) -> dict[str, Any]:
-    """How `route` is listed in /v1/models; an adapter names its endpoint as its parent."""
-    entry = {"id": route.name, "object": "model", "created": route.created,
-             "owned_by": route.organization_slug}
+    """How `route` is listed in /v1/models; an adapter names its endpoint as its parent.
+    `capabilities` says what its engines take beyond plain chat: tools (any tool_choice),
+    reasoning (thinking in the answer's `reasoning` field) and structured outputs
+    (response_format with a JSON schema, which every engine takes)."""
+    entry: dict[str, Any] = {
+        "id": route.name, "object": "model", "created": route.created,
+        "owned_by": route.organization_slug,
+        "capabilities": {"tools": route.tools, "reasoning": route.reasoning,
+                         "structured_outputs": True}}
     if route.adapter:
         entry["parent"] = route.endpoint_name
     return entry
+
+
+def require_tool_parser(payload: dict[str, Any], route: Route) -> None:
+    """400 for tools sent to an endpoint whose engines have no tool-call parser: the engine
+    would refuse them naming its own start flags, which its user cannot set."""
+    if payload.get("tools") and payload.get("tool_choice") != "none" and not route.tools:
+        raise GatewayError(400, f"The model behind {route.name} has no tool-call parser, so "
+                           "its engines take no tools (GET /v1/models shows each endpoint's "
+                           "capabilities). Send tool_choice \"none\", or use a model whose "
+                           "catalog entry names a tool-call parser.", code="tools_unsupported",
+                           param="tools")
 
 
 def estimated_prompt_tokens(payload: dict[str, Any]) -> int:

@@ -330,9 +330,7 @@ def _client_chunk(exchange: Exchange, chunk: dict[str, Any], data: bytes, *, wan
     choices = chunk.get("choices")
     if not choices:  # the closing usage chunk
         return data if wants_usage else None
-    if exchange.ttft_ms is None and any(
-            choice.get("text") or (choice.get("delta") or {}).get("content")
-            for choice in choices):
+    if exchange.ttft_ms is None and any(_first_token_in(choice) for choice in choices):
         exchange.mark_first_token()
     if "usage" not in chunk or wants_running:
         return data
@@ -355,3 +353,14 @@ async def _watch_disconnect(receive: Receive, exchange: Exchange,
         exchange.response.close()
     elif proxy is not None:
         proxy.cancel()
+
+
+def _first_token_in(choice: dict[str, Any]) -> bool:
+    """Whether a choice's chunk carries generated output: text, or a delta's content, a
+    reasoning model's thinking (`reasoning`; `reasoning_content` in older engines) or a tool
+    call, any of which may come first."""
+    if choice.get("text"):
+        return True
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content")
+                or delta.get("tool_calls"))

@@ -11,7 +11,9 @@ every 0.1 s, "drop" dies after two chunks of a stream, "huge" answers 1 MiB of t
 with no declared length), "long" streams one event of 640 KiB, past aiohttp's line limit (twice
 its read buffer: 512 KiB in aiohttp 3.14), "lie" reports impossible usage (a negative prompt,
 10**12 completion tokens, more cached tokens than prompt tokens), "garbled" answers a JSON
-list, or streams one such event; anything else is answered at once with usage. Streams carry
+list, or streams one such event, "think" answers as a reasoning model with a tool-call
+parser does (vLLM's `reasoning` field, then a tool call and no text); anything else is
+answered at once with usage. Streams carry
 running usage when asked, as vLLM's do.
 """
 
@@ -80,6 +82,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
                      "authorization": headers.get(b"authorization", b"").decode(),
                      "request_id": headers.get(b"x-request-id", b"").decode()})
     prompt = _prompt(request)
+    if prompt == "think":
+        await _think(send, stream=bool(request.get("stream")))
+        return
     if prompt == "context":
         await _respond(send, 400, CONTEXT_ERROR)
         return
@@ -131,3 +136,36 @@ async def app(scope: dict, receive: object, send: object) -> None:
             "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": chunks,
                                      "total_tokens": 7 + chunks}}) + b"\n\n"
     await send({"type": "http.response.body", "body": tail + b"data: [DONE]\n\n"})
+
+
+THOUGHTS = ["The user asks", " for the weather", " in Paris."]
+TOOL_CALL = {"id": "chatcmpl-tool-1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+THINK_USAGE = {"prompt_tokens": 9, "completion_tokens": 12, "total_tokens": 21}
+
+
+async def _think(send: object, *, stream: bool) -> None:
+    """A chat answer of thinking and a tool call, shaped as vLLM's: thoughts stream in
+    `delta.reasoning`, and no `content` ever comes."""
+    def chat(**fields: object) -> dict:
+        return {"id": "chatcmpl-stub", "created": 0, "model": "stub", **fields}
+
+    if not stream:
+        await _respond(send, 200, orjson.dumps(chat(object="chat.completion", choices=[{
+            "index": 0, "finish_reason": "tool_calls", "message": {
+                "role": "assistant", "content": None, "reasoning": "".join(THOUGHTS),
+                "tool_calls": [TOOL_CALL]}}], usage=THINK_USAGE)))
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+    deltas = [{"role": "assistant", "reasoning": THOUGHTS[0]},
+              *({"reasoning": thought} for thought in THOUGHTS[1:]),
+              {"tool_calls": [{"index": 0, **TOOL_CALL}]}]
+    for number, delta in enumerate(deltas):
+        last = number == len(deltas) - 1
+        event = chat(object="chat.completion.chunk", choices=[{
+            "index": 0, "delta": delta, "finish_reason": "tool_calls" if last else None}])
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": b"data: " + orjson.dumps(event) + b"\n\n"})
+    await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chat(
+        object="chat.completion.chunk", choices=[], usage=THINK_USAGE)) + b"\n\ndata: [DONE]\n\n"})
