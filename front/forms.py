@@ -127,7 +127,8 @@ class ModelFromHubForm(HubModelForm):
 
     tool_call_parser = forms.ChoiceField(
         required=False, label="Tool-call parser",
-        help_text="Needed for tools: without one its engines take no tools.")
+        help_text="Needed for tools: without one its engines take no tools. Its family's: "
+                  "where its tokenizer has the parser's markers.")
     reasoning_parser = forms.ChoiceField(
         required=False, label="Reasoning parser",
         help_text="Splits a reasoning model's thinking into each answer's reasoning field.")
@@ -138,7 +139,7 @@ class ModelFromHubForm(HubModelForm):
         for name, offered in (("tool_call_parser", online.tool_parsers),
                               ("reasoning_parser", online.reasoning_parsers)):
             self.fields[name].choices = [
-                (FAMILY_PARSER, "Its family's, where its tokenizer fits"), (NO_PARSER, "None"),
+                (FAMILY_PARSER, "Its family's"), (NO_PARSER, "None"),
                 *((parser, parser) for parser in sorted(offered))]
 
     def parsers(self) -> dict[str, str | None]:

@@ -11,7 +11,7 @@ from accounts.models import APIKey, Organization
 from endpoints.models import Endpoint, Node, Region
 from engine.devices import HostResources
 from fleet.reports import do_register_node
-from tests.browser.conftest import choose_the_demo_model, sign_up, wizard_ready
+from tests.browser.conftest import SCREENSHOTS, choose_the_demo_model, sign_up, wizard_ready
 from tests.factories import organization_with_owner, ready_endpoint
 
 pytestmark = [pytest.mark.browser, pytest.mark.django_db(transaction=True)]
@@ -77,7 +77,13 @@ def test_the_wizard_offers_the_regions_online_and_launches_in_one(
 
     expect(page.locator("main")).to_contain_text("CPU only in EU West")
     assert Endpoint.objects.get().region == eu
+    # What its engines take, from the demo model's parsers.
+    expect(page.get_by_test_id("capabilities")).to_have_text(
+        "Tools: yes, any tool_choice (parser llama3_json) · Reasoning: not split from the "
+        "answer · Structured outputs: yes, response_format with a JSON schema")
     shot("endpoint-region")
+    page.get_by_test_id("capabilities").locator("..").screenshot(
+        path=SCREENSHOTS / "endpoint-capabilities.png")
 
 
 def test_an_owner_enrols_a_node_of_the_organisation_s_own_and_an_endpoint_runs_there_alone(

@@ -49,6 +49,12 @@ def test_a_gated_model_at_a_revision_is_added_in_the_wizard_with_a_granted_token
     shot("models-gated-refused")
 
     page.get_by_label("Access token (optional)").fill(TOKEN)
+    # The parsers offered are those of the nodes' vLLM; the family's is the default.
+    parser = page.get_by_label("Tool-call parser")
+    expect(parser.locator("option")).to_have_text([
+        "Its family's", "None", "hermes", "llama3_json"])
+    parser.select_option("hermes")
+    shot("models-parsers-chosen")
     page.get_by_role("button", name="Add and size it").click()
 
     expect(page.get_by_text(f"Added acme/gated-tiny, pinned at commit {tagged[:12]}")
@@ -56,6 +62,7 @@ def test_a_gated_model_at_a_revision_is_added_in_the_wizard_with_a_granted_token
     wizard_ready(page)
     model = ModelSpec.objects.get(hf_repo="acme/gated-tiny")
     assert (model.hf_revision, model.hf_commit) == ("v1", tagged)
+    assert (model.tool_call_parser, model.reasoning_parser) == ("hermes", "")
     assert unseal(model.hf_token_sealed) == TOKEN
     expect(page.locator(f'input[name="model"][value="{model.slug}"]')).to_be_checked()
     expect(page.get_by_test_id("sizing")).to_contain_text("1 × CPU only")
