@@ -47,9 +47,11 @@ def ready_endpoint(organization: Organization, name: str, ports: list[int],
         organization=organization, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
         context_length=2048, concurrency=8, gpu_type=cpu, gpu_count=1, hourly_price_usd=0,
         state=state, **policy)
-    for port in ports:
+    for port in ports:  # each engine started with the model's parsers, as an agent starts it
         Replica.objects.create(endpoint=endpoint, node=node, state=state, port=port,
-                               ready_at=timezone.now())
+                               ready_at=timezone.now(),
+                               tool_call_parser=endpoint.model.tool_call_parser,
+                               reasoning_parser=endpoint.model.reasoning_parser)
     return endpoint
 
 

@@ -417,6 +417,10 @@ class Replica(models.Model):
                                     "these replicas only.")
     policy_version = models.PositiveIntegerField(
         default=1, help_text="The endpoint's policy version its engine started with.")
+    # As its agent started the engine (engine.parsers), which the gateway says and checks:
+    # a model's parsers changed since, or an agent that starts none, leave these empty.
+    tool_call_parser = models.CharField(max_length=40, blank=True)
+    reasoning_parser = models.CharField(max_length=40, blank=True)
     restarts = models.PositiveSmallIntegerField(default=0)
     next_start_at = models.DateTimeField(null=True, blank=True, help_text="Restart backoff.")
     log_tail = models.TextField(blank=True)

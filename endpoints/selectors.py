@@ -192,6 +192,14 @@ def progress_of(*, endpoint: Endpoint, replicas: Iterable[Replica]) -> dict[str,
     return {"stage": leader.stage or leader.state, "percent": leader.progress_percent}
 
 
+def replicas_behind_parsers(*, endpoint: Endpoint) -> int:
+    """How many of the endpoint's ready replicas run engines started with other parsers than
+    its model's now (set since, or by an agent that starts none): a restart applies them."""
+    return Replica.objects.filter(endpoint=endpoint, state=State.READY).exclude(
+        tool_call_parser=endpoint.model.tool_call_parser,
+        reasoning_parser=endpoint.model.reasoning_parser).count()
+
+
 def endpoints_for_gateway(*, organization_id: UUID | str) -> QuerySet[Endpoint]:
     """The organisation's live endpoints with their ready replicas and nodes: what the
     gateway routes by."""

@@ -17,13 +17,18 @@ from pathlib import Path
 
 from engine.kv_policy import installed_version
 
-REGISTRY_QUERY = (
-    "import json; from vllm.model_executor.models.registry import ModelRegistry; "
-    "from vllm.tool_parsers import ToolParserManager; "
-    "from vllm.reasoning import ReasoningParserManager; "
-    "print(json.dumps({'architectures': sorted(ModelRegistry.get_supported_archs()), "
-    "'tool_parsers': ToolParserManager.list_registered(), "
-    "'reasoning_parsers': ReasoningParserManager.list_registered()}))")
+REGISTRY_QUERY = """
+import importlib, json
+from vllm.model_executor.models.registry import ModelRegistry
+found = {"architectures": sorted(ModelRegistry.get_supported_archs())}
+for key, module, manager in (("tool_parsers", "vllm.tool_parsers", "ToolParserManager"),
+                             ("reasoning_parsers", "vllm.reasoning", "ReasoningParserManager")):
+    try:  # a build that keeps them elsewhere goes without parsers, not without models
+        found[key] = getattr(importlib.import_module(module), manager).list_registered()
+    except Exception:
+        found[key] = []
+print(json.dumps(found))
+"""
 QUERY_TIMEOUT_SECONDS = 300
 
 

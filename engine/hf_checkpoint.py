@@ -66,11 +66,15 @@ def describe(directory: Path) -> dict[str, Any]:
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     fields = describe_config(config, tensors_in(directory))
-    tokens = parsers.special_tokens(*(
+    tokenizer_config, tokenizer = (
         json.loads((directory / name).read_text()) if (directory / name).exists() else {}
-        for name in ("tokenizer_config.json", "tokenizer.json")))
+        for name in ("tokenizer_config.json", "tokenizer.json"))
+    template = directory / "chat_template.jinja"
     fields["tool_call_parser"], fields["reasoning_parser"] = parsers.fitting(
-        architecture=fields["architecture"], tokens=tokens)
+        architecture=fields["architecture"],
+        tokens=parsers.special_tokens(tokenizer_config, tokenizer),
+        chat_template=parsers.chat_template_text(
+            tokenizer_config, template.read_text() if template.exists() else ""))
     return {"slug": directory.name.lower().replace("_", "-"), "name": directory.name, **fields}
 
 

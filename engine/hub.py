@@ -70,7 +70,9 @@ class HubCheckpoint:
     chat_template: bool
     remote_code: bool
     licence: str = "unknown"
-    special_tokens: frozenset[str] = frozenset()  # engine.parsers reads its markers here
+    # What engine.parsers chooses by: the tokenizer's added tokens and its chat template.
+    special_tokens: frozenset[str] = frozenset()
+    chat_template_text: str = ""
 
     @property
     def architecture(self) -> str:
@@ -86,7 +88,8 @@ class HubCheckpoint:
         checkpoint on disk."""
         fields = describe_config(self.config, self.tensors)
         fields["tool_call_parser"], fields["reasoning_parser"] = parsers.fitting(
-            architecture=self.architecture, tokens=self.special_tokens)
+            architecture=self.architecture, tokens=self.special_tokens,
+            chat_template=self.chat_template_text)
         return fields
 
 
@@ -125,8 +128,13 @@ def inspect(*, endpoint: str, repo_id: str, revision: str | None = None,
             config = read("config.json")
             tokenizer = read("tokenizer_config.json") if "tokenizer_config.json" in names \
                 else {}
-            added = read("tokenizer.json") if parsers.needs_tokenizer_json(tokenizer) and (
+            # Added tokens are in tokenizer.json alone where Transformers 5 saved it.
+            added = read("tokenizer.json") if not tokenizer.get("added_tokens_decoder") and (
                 "tokenizer.json" in names) else {}
+            template = Path(api.hf_hub_download(
+                repo_id, "chat_template.jinja", revision=commit, token=secret,
+                local_dir=scratch, etag_timeout=TIMEOUT_SECONDS)).read_text() if (
+                "chat_template.jinja" in names) else ""
         try:
             metadata = api.get_safetensors_metadata(repo_id, revision=commit, token=secret)
         except (NotASafetensorsRepoError, SafetensorsParsingError) as exc:
@@ -143,7 +151,8 @@ def inspect(*, endpoint: str, repo_id: str, revision: str | None = None,
         chat_template=bool(tokenizer.get("chat_template")) or bool(
             names & {"chat_template.jinja", "chat_template.json"}),
         remote_code=bool(config.get("auto_map")), licence=licence[:40],
-        special_tokens=frozenset(parsers.special_tokens(tokenizer, added)))
+        special_tokens=frozenset(parsers.special_tokens(tokenizer, added)),
+        chat_template_text=parsers.chat_template_text(tokenizer, template))
 
 
 @dataclass(frozen=True)

@@ -95,8 +95,7 @@ def build_command(spec: EngineSpec,
     if spec.trust_remote_code:
         argv.append("--trust-remote-code")
     if spec.tool_call_parser:
-        # Without the first flag vLLM parses named and required tool choices but refuses
-        # "auto", which agent frameworks send.
+        # Without the first flag vLLM loads no parser, and takes no tool choice but "none".
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", spec.tool_call_parser]
     if spec.reasoning_parser:
         argv += ["--reasoning-parser", spec.reasoning_parser]

@@ -33,7 +33,8 @@ from telemetry.services import do_record_engine_samples
 AGENT_MOVES: dict[str, tuple[frozenset[str], frozenset[str]]] = {
     State.DOWNLOADING: (frozenset({State.STARTING}), frozenset()),
     State.LOADING: (frozenset({State.STARTING, State.DOWNLOADING}),
-                    frozenset({"port", "policy_version"})),
+                    frozenset({"port", "policy_version", "tool_call_parser",
+                               "reasoning_parser"})),
     State.READY: (frozenset({State.LOADING}), frozenset({"kv_cache_tokens", "log_tail"})),
     State.STOPPED: (frozenset({State.STOPPING}), frozenset({"log_tail"})),
 }

@@ -121,6 +121,8 @@ class MoveInput(StrictSerializer):
     port = serializers.IntegerField(min_value=1, max_value=65535, required=False)
     policy_version = serializers.IntegerField(min_value=0, max_value=LARGEST_INT,
                                               required=False)
+    tool_call_parser = serializers.CharField(max_length=40, allow_blank=True, required=False)
+    reasoning_parser = serializers.CharField(max_length=40, allow_blank=True, required=False)
     kv_cache_tokens = serializers.IntegerField(min_value=0, max_value=LARGEST_COUNT,
                                                required=False, allow_null=True)
     log_tail = serializers.CharField(max_length=LOG_TAIL_MOST, allow_blank=True, required=False,

@@ -221,11 +221,12 @@ class Gateway:
         body = await read_body(scope, exchange.waiting_on_client(receive))
         payload = parse_request(body)
         route = await self._route(identity, payload["model"])
-        if exchange.operation == "chat.completions" and not route.chat_template:
-            raise GatewayError(400, f"The model behind {route.name} has no chat template, so it "
-                               "cannot take chat messages; send a prompt to /v1/completions "
-                               "instead.", code="chat_template_missing")
-        require_tool_parser(payload, route)
+        if exchange.operation == "chat.completions":
+            if not route.chat_template:
+                raise GatewayError(400, f"The model behind {route.name} has no chat template, "
+                                   "so it cannot take chat messages; send a prompt to "
+                                   "/v1/completions instead.", code="chat_template_missing")
+            require_tool_parser(payload, route)
         exchange.identity, exchange.route = identity, route
         exchange.stream = bool(payload.get("stream"))
         exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)

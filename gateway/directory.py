@@ -88,8 +88,8 @@ class Route:
     prefix_affinity: bool
     # Its model's tokenizer has a chat template; without one only completions work.
     chat_template: bool = True
-    # Its engines have a tool-call parser (without one they take no tools) and a reasoning
-    # parser (engine.parsers).
+    # Every engine serving it was started with a tool-call parser (without one an engine
+    # takes no tools), and a reasoning parser (engine.parsers).
     tools: bool = False
     reasoning: bool = False
     # Scaled to zero, or may be: a request waits for its cold start (gateway.hold).
@@ -128,6 +128,13 @@ def read_endpoints(organization_id: UUID, *, fresh_connection: bool = True
                           and endpoint.desired_state == DesiredState.RUNNING)
         starting = [start_counted_from(replica).timestamp()
                     for replica in endpoint.replicas.all() if replica.state in COMING_UP]
+        # Prefetched by endpoints_for_gateway, to an attribute the model does not declare.
+        # Prompts and engine keys cross a network over TLS only: a replica whose engine
+        # serves without a certificate (started before engines had one) only on loopback.
+        ready = [replica for replica in endpoint.ready_replicas  # type: ignore[attr-defined]
+                 if replica.tls or ipaddress.ip_address(replica.node.address).is_loopback]
+        # What the engines serving now were started with; with none, what the next will be.
+        started = ready or [endpoint.model]
         route = Route(endpoint_id=str(endpoint.id), name=endpoint.name,
                       organization_slug=endpoint.organization.slug, state=endpoint.state,
                       progress=progress_of(endpoint=endpoint, replicas=endpoint.replicas.all()),
@@ -137,18 +144,13 @@ def read_endpoints(organization_id: UUID, *, fresh_connection: bool = True
                       cache_isolation=endpoint.cache_isolation,
                       prefix_affinity=endpoint.prefix_affinity,
                       chat_template=endpoint.model.chat_template,
-                      tools=bool(endpoint.model.tool_call_parser),
-                      reasoning=bool(endpoint.model.reasoning_parser),
+                      tools=all(engine.tool_call_parser for engine in started),
+                      reasoning=all(engine.reasoning_parser for engine in started),
                       scales_to_zero=scales_to_zero, desired_replicas=endpoint.desired_replicas,
                       cold_start_eta_s=median_start_seconds(
                           model_id=endpoint.model_id, gpu_type_id=endpoint.gpu_type_id)
                       if scales_to_zero else None,
                       starting_since=min(starting, default=None))
-        # Prefetched by endpoints_for_gateway, to an attribute the model does not declare.
-        # Prompts and engine keys cross a network over TLS only: a replica whose engine
-        # serves without a certificate (started before engines had one) only on loopback.
-        ready = [replica for replica in endpoint.ready_replicas  # type: ignore[attr-defined]
-                 if replica.tls or ipaddress.ip_address(replica.node.address).is_loopback]
         if authority is None and any(replica.tls for replica in ready):
             authority = authority_certificate_pem()
         replicas = tuple(_ReplicaRow(

@@ -67,17 +67,19 @@ def model_entry(route: Route) -> dict[str, Any]:
     entry: dict[str, Any] = {
         "id": route.name, "object": "model", "created": route.created,
         "owned_by": route.organization_slug,
-        "capabilities": {"tools": route.tools, "reasoning": route.reasoning,
-                         "structured_outputs": True}}
+        "capabilities": {"tools": route.tools and route.chat_template,
+                         "reasoning": route.reasoning, "structured_outputs": True}}
     if route.adapter:
         entry["parent"] = route.endpoint_name
     return entry
 
 
 def require_tool_parser(payload: dict[str, Any], route: Route) -> None:
-    """400 for tools sent to an endpoint whose engines have no tool-call parser: the engine
-    would refuse them naming its own start flags, which its user cannot set."""
-    if payload.get("tools") and payload.get("tool_choice") != "none" and not route.tools:
+    """400 for a chat's tools sent to an endpoint whose engines have no tool-call parser: the
+    engine would refuse them naming its own start flags, which its user cannot set. vLLM
+    takes tools with tool_choice "none" or null without one (and "auto" when it is absent)."""
+    if payload.get("tools") and payload.get("tool_choice", "auto") not in (None, "none") and (
+            not route.tools):
         raise GatewayError(400, f"The model behind {route.name} has no tool-call parser, so "
                            "its engines take no tools (GET /v1/models shows each endpoint's "
                            "capabilities). Send tool_choice \"none\", or use a model whose "
@@ -87,8 +89,11 @@ def require_tool_parser(payload: dict[str, Any], route: Route) -> None:
 
 def estimated_prompt_tokens(payload: dict[str, Any]) -> int:
     """The prompt's tokens as far as they can be known without the model's tokenizer: token
-    ids count as themselves, text one token per CHARACTERS_PER_TOKEN characters."""
+    ids count as themselves, text one token per CHARACTERS_PER_TOKEN characters; tools, and
+    the calls of earlier turns, as their JSON (the chat template writes them in)."""
     characters, tokens = 0, 0
+    if isinstance(payload.get("tools"), list):
+        characters += len(orjson.dumps(payload["tools"]))
     for message in payload.get("messages") or ():
         tokens += TOKENS_PER_MESSAGE
         content = message.get("content") if isinstance(message, dict) else None
@@ -97,6 +102,9 @@ def estimated_prompt_tokens(payload: dict[str, Any]) -> int:
             text = part.get("text") if isinstance(part, dict) else part
             if isinstance(text, str):
                 characters += len(text)
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list):
+            characters += len(orjson.dumps(calls))
     prompt = payload.get("prompt")
     for item in prompt if isinstance(prompt, list) else [prompt]:
         if isinstance(item, str):

@@ -173,10 +173,13 @@ class NodeAgent:
                 return
             spec["model"], coming_from = pinned, State.DOWNLOADING
         port = processes.free_port(self.address)
-        # The engine starts with the endpoint's policy as read above, and says which one.
+        # The engine starts with the endpoint's policy and its model's parsers as read above,
+        # and says which.
         if not self.channel.move(replica_id, from_states=[coming_from], to_state=State.LOADING,
                                  message="starting the engine", port=port,
-                                 policy_version=spec["policy_version"]):
+                                 policy_version=spec["policy_version"],
+                                 tool_call_parser=spec["model"]["tool_call_parser"],
+                                 reasoning_parser=spec["model"]["reasoning_parser"]):
             return
         try:
             self._spawn_and_serve(spec, port, log)
@@ -466,9 +469,8 @@ class NodeAgent:
         return supervisor.EngineSpec(
             model_dir=str(weights.weights_dir(model, config=self.config)),
             trust_remote_code=model["trust_remote_code"],
-            # An older control plane's spec names no parsers.
-            tool_call_parser=model.get("tool_call_parser", ""),
-            reasoning_parser=model.get("reasoning_parser", ""),
+            tool_call_parser=model["tool_call_parser"],
+            reasoning_parser=model["reasoning_parser"],
             served_model_name=endpoint["name"],
             host=self.address,
             port=port,

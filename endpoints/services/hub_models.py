@@ -14,7 +14,7 @@ from accounts.models import Organization, User
 from accounts.services import require_manager
 from endpoints.models import ModelSpec
 from endpoints.selectors import EnginesOnline, engines_online
-from engine import hub
+from engine import hub, parsers
 from engine.sizing import GB
 from kvrun.common.sealing import seal
 
@@ -62,7 +62,8 @@ def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
     if refusal:
         raise ValidationError({"hf_repo": [refusal]})
     fitting = (fields.pop("tool_call_parser"), fields.pop("reasoning_parser"))
-    chosen = _parsers(asked=(tool_call_parser, reasoning_parser), fitting=fitting, online=online)
+    chosen = _parsers(asked=(tool_call_parser, reasoning_parser), fitting=fitting, online=online,
+                      checkpoint=checkpoint)
     files = [asdict(f) for f in hub.engine_files(checkpoint.files,
                                                  remote_code=checkpoint.remote_code)]
     model = ModelSpec(
@@ -111,9 +112,10 @@ def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str,
 
 
 def _parsers(*, asked: tuple[str | None, str | None], fitting: tuple[str, str],
-             online: EnginesOnline) -> tuple[str, str]:
+             online: EnginesOnline, checkpoint: hub.HubCheckpoint) -> tuple[str, str]:
     """The (tool-call, reasoning) parsers: those asked for, else those that fit. Either must
-    be offered by an engine online: an engine refuses to start with a parser it lacks."""
+    be offered by an engine online, and one asked for must find its markers in the
+    tokenizer: an engine refuses to start otherwise."""
     chosen = []
     for field, kind, name, fits, offered in (
             ("tool_call_parser", "tool-call", asked[0], fitting[0], online.tool_parsers),
@@ -126,6 +128,11 @@ def _parsers(*, asked: tuple[str | None, str | None], fitting: tuple[str, str],
             raise ValidationError({field: [
                 f"No engine online offers the {kind} parser {name!r}; those they offer: "
                 f"{listed}. Leave it out to take the model family's, or send \"\" for none."]})
+        if missing := parsers.lacking(name, tokens=checkpoint.special_tokens):
+            raise ValidationError({field: [
+                f"{checkpoint.repo_id}'s tokenizer has no {', '.join(missing)}, which the "
+                f"{kind} parser {name!r} reads: its engines would not start. Pick the parser "
+                "its model card names, or send \"\" for none."]})
         chosen.append(name)
     return chosen[0], chosen[1]
 

@@ -14,6 +14,7 @@ from accounts.services import require_manager
 from billing.selectors import month_to_date_by_endpoint, window_costs
 from endpoints.models import Endpoint
 from endpoints.planning import accelerator_of
+from endpoints.selectors import replicas_behind_parsers
 from front import presenters
 from front.forms import AdapterForm, AdapterUploadForm, PolicyForm, ScalingForm
 from front.scoping import Member, endpoint_of, membership
@@ -48,6 +49,7 @@ def endpoint_page(request: HttpRequest, member: Member, endpoint: Endpoint, *,
         "endpoint": endpoint, "section": "endpoints",
         "status": presenters.endpoint_status(endpoint),
         "gateway": gateway, "snippets": presenters.snippets(endpoint.name, gateway),
+        "replicas_behind_parsers": replicas_behind_parsers(endpoint=endpoint),
     }, status=status)
 
 

@@ -53,7 +53,7 @@ def test_a_gated_model_at_a_revision_is_added_in_the_wizard_with_a_granted_token
     parser = page.get_by_label("Tool-call parser")
     expect(parser.locator("option")).to_have_text([
         "Its family's", "None", "hermes", "llama3_json"])
-    parser.select_option("hermes")
+    parser.select_option("none")
     shot("models-parsers-chosen")
     page.get_by_role("button", name="Add and size it").click()
 
@@ -62,7 +62,7 @@ def test_a_gated_model_at_a_revision_is_added_in_the_wizard_with_a_granted_token
     wizard_ready(page)
     model = ModelSpec.objects.get(hf_repo="acme/gated-tiny")
     assert (model.hf_revision, model.hf_commit) == ("v1", tagged)
-    assert (model.tool_call_parser, model.reasoning_parser) == ("hermes", "")
+    assert (model.tool_call_parser, model.reasoning_parser) == ("", "")
     assert unseal(model.hf_token_sealed) == TOKEN
     expect(page.locator(f'input[name="model"][value="{model.slug}"]')).to_be_checked()
     expect(page.get_by_test_id("sizing")).to_contain_text("1 × CPU only")

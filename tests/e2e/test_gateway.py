@@ -159,7 +159,8 @@ def test_an_agent_s_tools_and_structured_outputs_work_with_the_openai_client(
 
     assert (listed.model_extra or {})["capabilities"] == {
         "tools": True, "reasoning": False, "structured_outputs": True}
-    assert auto.parse().choices[0].finish_reason in ("length", "stop", "tool_calls")
+    # "auto" is taken (a refusal raises): random weights then write text or a call.
+    assert auto.parse().usage.prompt_tokens > 0
     call = called.parse().choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(orjson.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -8,6 +8,7 @@ from endpoints.models import GPUType, ModelSpec
 from endpoints.planning import shape_of
 from endpoints.selectors import gpu_type_for_device
 from endpoints.services import CATALOG_DIR, do_load_catalogs
+from engine.parsers import MARKERS, REASONING_PARSERS, TOOL_CALL_PARSERS
 from engine.sizing import kv_bytes_per_token
 
 pytestmark = pytest.mark.django_db
@@ -46,6 +47,26 @@ def test_catalog_rows_are_consistent() -> None:
             assert row["attention_heads"] % row["kv_heads"] == 0, row["slug"]
         assert row["max_context"] >= 2048, row["slug"]
         assert "--" not in row["slug"], "'--' names an organisation's own models"
+
+
+def test_each_catalog_model_s_parsers_are_its_family_s_or_none() -> None:
+    """What a model added by the same id would get (engine.parsers), or none where its
+    family's does not fit it (Mixtral v0.1's tokenizer has no [TOOL_CALLS])."""
+    chosen = {row["slug"]: (row["tool_call_parser"], row["reasoning_parser"])
+              for row in json.loads((CATALOG_DIR / "models.json").read_text())}
+    for row in json.loads((CATALOG_DIR / "models.json").read_text()):
+        tools = TOOL_CALL_PARSERS.get(row["architecture"])
+        reasoning = REASONING_PARSERS.get(row["architecture"])
+        assert row["tool_call_parser"] in ("", *MARKERS), row["slug"]
+        assert row["reasoning_parser"] in ("", *MARKERS), row["slug"]
+        if row["tool_call_parser"]:
+            assert tools is not None, row["slug"]
+        if row["reasoning_parser"]:
+            assert reasoning is not None and reasoning("enable_thinking") == row[
+                "reasoning_parser"], row["slug"]
+    assert chosen["llama-3.1-8b-instruct"] == ("llama3_json", "")
+    assert chosen["qwen3-8b"] == ("hermes", "qwen3")
+    assert chosen["mixtral-8x7b-instruct-v0.1"] == ("", "")
 
 
 def test_the_api_lists_filters_and_fetches_models(owner_api: APIClient, catalogs: None) -> None:

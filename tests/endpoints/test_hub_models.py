@@ -186,19 +186,25 @@ def test_a_model_added_by_id_gets_its_family_s_parsers_or_those_its_owner_names(
     # The demo is a Llama whose tokenizer has Llama 3's tool-call marker.
     assert add(owner_api, org, hf_repo="kvrun/demo")["tool_call_parser"] == "llama3_json"
     hub.publish("kvrun/demo-b", demo_model.build(tmp_path / "b"))
-    chosen = add(owner_api, org, hf_repo="kvrun/demo-b", tool_call_parser="hermes",
-                 reasoning_parser="qwen3")
-    assert (chosen["tool_call_parser"], chosen["reasoning_parser"]) == ("hermes", "qwen3")
+    chosen = add(owner_api, org, hf_repo="kvrun/demo-b", tool_call_parser="llama3_json",
+                 reasoning_parser="")
+    assert (chosen["tool_call_parser"], chosen["reasoning_parser"]) == ("llama3_json", "")
     hub.publish("kvrun/demo-c", demo_model.build(tmp_path / "c"))
     assert add(owner_api, org, hf_repo="kvrun/demo-c", tool_call_parser="")[
         "tool_call_parser"] == ""
 
-    # One no node online offers would keep its engines from starting: refused, nothing saved.
+    # Parsers that would keep its engines from starting are refused, and nothing is saved:
+    # one that no node online offers, and one whose markers its tokenizer lacks.
     hub.publish("kvrun/demo-d", demo_model.build(tmp_path / "d"))
     refused = add(owner_api, org, hf_repo="kvrun/demo-d", tool_call_parser="pythonic")
     assert refused["tool_call_parser"] == [
         "No engine online offers the tool-call parser 'pythonic'; those they offer: hermes, "
         "llama3_json. Leave it out to take the model family's, or send \"\" for none."]
+    unfit = add(owner_api, org, hf_repo="kvrun/demo-d", reasoning_parser="qwen3")
+    assert unfit["reasoning_parser"] == [
+        "kvrun/demo-d's tokenizer has no <think>, </think>, which the reasoning parser "
+        "'qwen3' reads: its engines would not start. Pick the parser its model card names, "
+        "or send \"\" for none."]
     assert not ModelSpec.objects.filter(hf_repo="kvrun/demo-d").exists()
     # A node whose vLLM offers none (an older agent): the family's parser is not taken.
     Node.objects.update(tool_parsers=[])

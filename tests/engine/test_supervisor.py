@@ -155,7 +155,7 @@ def test_an_engine_keeps_idle_connections_longer_than_the_gateway_pools_them() -
 def test_an_engine_takes_tools_and_reasoning_only_with_its_model_s_parsers() -> None:
     argv, _ = build_command(spec(tool_call_parser="hermes", reasoning_parser="qwen3"))
 
-    # Without --enable-auto-tool-choice, "auto" (what agent frameworks send) is refused.
+    # Without --enable-auto-tool-choice vLLM loads no parser at all.
     assert argv[argv.index("--tool-call-parser") - 1] == "--enable-auto-tool-choice"
     assert argv[argv.index("--tool-call-parser") + 1] == "hermes"
     assert argv[argv.index("--reasoning-parser") + 1] == "qwen3"

@@ -62,7 +62,11 @@ def test_an_agent_walks_its_replica_through_start_and_stop(credential: str,
         assert response.status_code == 200, response.json()
         return response.json()["moved"]
 
-    assert move(["starting"], "loading", port=8123, policy_version=1)
+    assert move(["starting"], "loading", port=8123, policy_version=1,
+                tool_call_parser="llama3_json", reasoning_parser="")
+    # What its engine was started with: the gateway goes by it.
+    assert Replica.objects.filter(id=replica.id, tool_call_parser="llama3_json",
+                                  reasoning_parser="").exists()
     assert agent.post(url(replica, "pid"), {"pid": 4321}, format="json").status_code == 204
     progress = agent.post(url(replica, "progress"), {
         "state": "loading", "stage": "loading weights", "percent": 50}, format="json")

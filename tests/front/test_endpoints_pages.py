@@ -210,3 +210,18 @@ def test_the_status_counts_replicas_only_while_some_are_asked_for(owner_client: 
     assert 'data-testid="state">stopped' in resting
     assert "1 of 1 replica(s) ready" in running
     assert "replica(s)" not in resting  # was "0 of 0 replica(s) ready"
+
+
+def test_the_page_says_what_the_endpoint_takes_and_when_its_engines_lag_its_model(
+        owner_client: Client, org: Organization) -> None:
+    endpoint = ready_endpoint(org, "chat", ports=[8001, 8002])
+
+    page = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/").content.decode()
+    assert "<strong>Tools:</strong> yes, any <code>tool_choice</code>" in page
+    assert 'data-testid="parsers-behind"' not in page
+
+    # One engine was started before its model had a parser.
+    Replica.objects.filter(id=endpoint.replicas.first().id).update(tool_call_parser="")
+    page = owner_client.get(f"/orgs/{org.slug}/endpoints/chat/").content.decode()
+    assert ("1 of its replicas started before its model's parsers were set, and the gateway "
+            "goes by what they run: restart the endpoint to apply them.") in page

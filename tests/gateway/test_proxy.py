@@ -246,7 +246,7 @@ def test_models_lists_the_ready_endpoints_a_key_may_call(
     assert [model["id"] for model in only.json()["data"]] == ["chat"]
     assert one.json() == {"id": "chat", "object": "model", "owned_by": org.slug,
                           "created": int(stub_endpoint.created_at.timestamp()),
-                          "capabilities": {"tools": bool(stub_endpoint.model.tool_call_parser),
-                                           "reasoning": False, "structured_outputs": True}}
+                          "capabilities": {"tools": True, "reasoning": False,
+                                           "structured_outputs": True}}
     assert missing.status_code == 404
     assert posted.status_code == 405 and posted.headers["allow"] == "GET"

@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from billing.models import UsageRecord
-from endpoints.models import Endpoint, ModelSpec
+from endpoints.models import Endpoint, ModelSpec, Replica
 from tests.gateway.helpers import InProcessGateway, received, stored
 from tests.stub_upstream import THOUGHTS, TOOL_CALL
 
@@ -20,24 +20,38 @@ def chat(content: str, **fields: object) -> dict:
     return {"model": "chat", "messages": [{"role": "user", "content": content}], **fields}
 
 
+def started_with(endpoint: Endpoint, *, tool_call_parser: str, reasoning_parser: str) -> None:
+    """Its model names these parsers, and its ready engines were started with them."""
+    ModelSpec.objects.filter(id=endpoint.model_id).update(
+        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+    Replica.objects.filter(endpoint=endpoint).update(
+        tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser)
+
+
 @pytest.fixture
 def parsed(stub_endpoint: Endpoint) -> Endpoint:
-    """The endpoint's model has a tool-call and a reasoning parser, as Qwen3's does."""
-    ModelSpec.objects.filter(id=stub_endpoint.model_id).update(
-        tool_call_parser="hermes", reasoning_parser="qwen3")
+    """Its engines have a tool-call and a reasoning parser, as Qwen3's do."""
+    started_with(stub_endpoint, tool_call_parser="hermes", reasoning_parser="qwen3")
     return stub_endpoint
 
 
 def test_tools_sent_to_an_engine_without_a_parser_are_refused_saying_why(
         gateway: InProcessGateway, stub_endpoint: Endpoint, secret: str,
         stubs: list[httpx.Client]) -> None:
-    ModelSpec.objects.filter(id=stub_endpoint.model_id).update(tool_call_parser="")
+    # Its model has a parser now, but its engine was started before it had one.
+    started_with(stub_endpoint, tool_call_parser="", reasoning_parser="")
+    ModelSpec.objects.filter(id=stub_endpoint.model_id).update(tool_call_parser="hermes")
 
     refused = gateway.post(secret, chat("hello", tools=TOOLS), path="/v1/chat/completions")
     named = gateway.post(secret, chat("hello", tools=TOOLS, tool_choice={
         "type": "function", "function": {"name": "get_weather"}}), path="/v1/chat/completions")
+    listed = gateway.get(secret, "/v1/models/chat").json()
+    # What vLLM takes without a parser passes: tool_choice "none" or null, and a completion.
     without = gateway.post(secret, chat("hello", tools=TOOLS, tool_choice="none"),
                            path="/v1/chat/completions")
+    null = gateway.post(secret, chat("hello", tools=TOOLS, tool_choice=None),
+                        path="/v1/chat/completions")
+    completion = gateway.post(secret, {"model": "chat", "prompt": "hello", "tools": TOOLS})
 
     assert refused.status_code == named.status_code == 400
     assert refused.json()["error"] == named.json()["error"] == {
@@ -46,10 +60,12 @@ def test_tools_sent_to_an_engine_without_a_parser_are_refused_saying_why(
                    "tool_choice \"none\", or use a model whose catalog entry names a tool-call "
                    "parser.",
         "type": "invalid_request_error", "param": "tools", "code": "tools_unsupported"}
-    # Refused before the engine and the meter: only "none" reached the engine.
-    assert without.status_code == 200
-    assert [sent["body"]["tool_choice"] for sent in received(stubs[0])] == ["none"]
-    assert stored(1) and UsageRecord.objects.count() == 1
+    assert listed["capabilities"]["tools"] is False
+    # Refused before the engine and the meter.
+    assert [without.status_code, null.status_code, completion.status_code] == [200, 200, 200]
+    assert [sent["body"].get("tool_choice", "-") for sent in received(stubs[0])] == [
+        "none", None, "-"]
+    assert stored(3) and UsageRecord.objects.count() == 3
 
 
 def test_models_say_which_endpoints_take_tools_and_reasoning(
