@@ -4,9 +4,10 @@ Side by side in one run, with wrk as the load generator (one thread):
   minimal upstream  bench.minimal_upstream (a raw ASGI app answering at once), direct, through
                     the gateway, and through the floor (bench.floor_forwarder: a bare
                     forwarder with the gateway's server and HTTP client, nothing else):
-                    added latency at concurrency 1, non-streamed and streamed, and requests
-                    per second at concurrency 32, which isolates the gateway's own cost and
-                    sets it beside the least any gateway in Python adds here;
+                    added latency at concurrency 1, non-streamed, streamed and as Anthropic's
+                    Messages API (/v1/messages), and requests per second at concurrency 32,
+                    which isolates the gateway's own cost and sets it beside the least any
+                    gateway in Python adds here;
   real engine       a vLLM CPU engine serving the demo model, direct and through the gateway:
                     the ratio gateway / direct, and the metered tokens against the engine's own
                     counters.
@@ -69,12 +70,16 @@ GOALS = [
     Goal("stream_added_p50_vs_floor", "added p50 / the floor's, streamed, c=1", at_most=1.3),
     Goal("added_p99_vs_floor", "added p99 / the floor's, c=1", at_most=1.5),
     Goal("rps_vs_floor", "requests a second / the floor's, c=32", at_least=0.7),
+    Goal("messages_added_p50_vs_floor", "added p50 / the floor's, /v1/messages, c=1",
+         at_most=1.3),
 ]
 SHOWN = [
     Figure("floor_added_p50_ms", "the floor's added p50, c=1", "ms"),
     Figure("floor_added_p99_ms", "the floor's added p99, c=1", "ms"),
     Figure("floor_stream_added_p50_ms", "the floor's added p50, streamed, c=1", "ms"),
     Figure("floor_rps", "requests a second through the floor, c=32", "req/s"),
+    Figure("messages_added_p50_ms", "added p50, /v1/messages, c=1", "ms"),
+    Figure("floor_messages_added_p50_ms", "the floor's added p50, /v1/messages, c=1", "ms"),
     Figure("rps_minimal_upstream_direct", "requests a second direct, c=32", "req/s"),
     Figure("held_added_p99_ms", "added p99 beside 200 held requests, c=1", "ms"),
     Figure("requests_held_at_the_end", "requests still held when that run ended"),
@@ -90,6 +95,8 @@ SHOWN = [
     Figure("engine_generation_tokens", "generated tokens the engine counted"),
 ]
 COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "ignore_eos": True}
+MESSAGE = {"model": "minimal", "max_tokens": 16,
+           "messages": [{"role": "user", "content": "Hello, world!"}]}
 HELD_ORGANIZATIONS, HELD_PER_ORGANIZATION = 50, 4
 HELD_REQUESTS = HELD_ORGANIZATIONS * HELD_PER_ORGANIZATION
 METRICS_TOKEN = "bench-metrics"
@@ -236,6 +243,10 @@ def main() -> int:
             runs[f"minimal_floor_{label}_c1"] = wrk(through_floor, body, "", connections=1)
             runs[f"minimal_gateway_{label}_c1"] = wrk(gateway, body, secret, connections=1,
                                                       watch=web.pid)
+        for through, url, key in (("direct", direct_minimal, ""), ("floor", through_floor, ""),
+                                  ("gateway", gateway, secret)):
+            runs[f"minimal_{through}_messages_c1"] = wrk(
+                url.replace("/v1/completions", "/v1/messages"), MESSAGE, key, connections=1)
         body = body_for("minimal", stream=False)
         with HeldRequests(web_port, held_secrets):
             runs["minimal_gateway_plain_c1_beside_held"] = wrk(gateway, body, secret,
@@ -336,6 +347,10 @@ def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, stil
                                             added("stream", "p50_us", "floor")),
         "added_p99_vs_floor": versus(added("plain", "p99_us"), added("plain", "p99_us", "floor")),
         "rps_vs_floor": round(gateway_c32["rps"] / runs["minimal_floor_plain_c32"]["rps"], 3),
+        "messages_added_p50_ms": added("messages", "p50_us"),
+        "floor_messages_added_p50_ms": added("messages", "p50_us", "floor"),
+        "messages_added_p50_vs_floor": versus(added("messages", "p50_us"),
+                                              added("messages", "p50_us", "floor")),
         "rps_minimal_upstream": round(gateway_c32["rps"]),
         "rps_minimal_upstream_direct": round(runs["minimal_direct_plain_c32"]["rps"]),
         "gateway_cpu_share_c32": round(gateway_c32["watched_cpu_share"], 3),
@@ -377,6 +392,13 @@ def report(result: dict) -> None:
         print(f"  {'minimal upstream, ' + label + ', c=1':<36}{ms(direct['p50_us']):>11.3f}"
               f"{ms(through['p50_us']):>12.3f}{result[prefix + 'added_p50_ms']:>10.3f}"
               f"{result[prefix + 'added_p99_ms']:>10.3f}   (goal p50 ≤ 1, p99 ≤ 5)")
+    direct, floor = runs["minimal_direct_messages_c1"], runs["minimal_floor_messages_c1"]
+    through = runs["minimal_gateway_messages_c1"]
+    print(f"  {'/v1/messages, c=1 (floor, then kvrun)':<36}{ms(direct['p50_us']):>11.3f}"
+          f"{ms(floor['p50_us']):>12.3f}{result['floor_messages_added_p50_ms']:>10.3f}")
+    print(f"  {'':<36}{'':>11}{ms(through['p50_us']):>12.3f}"
+          f"{result['messages_added_p50_ms']:>10.3f}   "
+          f"({result['messages_added_p50_vs_floor']} × the floor's; goal ≤ 1.3)")
     beside = runs["minimal_gateway_plain_c1_beside_held"]
     print(f"  {'plain, beside 200 held (+ vs above)':<36}{'':>11}{ms(beside['p50_us']):>12.3f}"
           f"{result['held_added_p50_ms']:>10.3f}{result['held_added_p99_ms']:>10.3f}   "

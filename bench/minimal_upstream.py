@@ -1,7 +1,7 @@
 """A minimal OpenAI-compatible upstream for the gateway benchmark: a raw ASGI app that answers
 every completion at once with a fixed body and usage, so that what is measured through it is
 the gateway's own cost. `"stream": true` gets four SSE chunks (the last with its finish
-reason), the usage chunk when asked for, and [DONE].
+reason), the usage chunk when asked for, and [DONE]. /v1/messages gets an Anthropic message.
 
     python -m uvicorn bench.minimal_upstream:app --port P --no-access-log
 """
@@ -15,8 +15,15 @@ COMPLETION = orjson.dumps({
     "choices": [{"index": 0, "text": " a b c d", "finish_reason": "length", "logprobs": None}],
     "usage": USAGE,
 })
+MESSAGE = orjson.dumps({
+    "id": "msg_bench", "type": "message", "role": "assistant", "model": "bench",
+    "content": [{"type": "text", "text": " a b c d"}], "stop_reason": "max_tokens",
+    "stop_sequence": None, "usage": {"input_tokens": 7, "output_tokens": 4},
+})
 JSON_HEADERS = [(b"content-type", b"application/json"),
                 (b"content-length", str(len(COMPLETION)).encode())]
+MESSAGE_HEADERS = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(MESSAGE)).encode())]
 SSE_HEADERS = [(b"content-type", b"text/event-stream")]
 
 
@@ -38,6 +45,10 @@ async def app(scope: dict, receive: object, send: object) -> None:
         if not message.get("more_body"):
             break
     request = orjson.loads(body) if body else {}
+    if scope["path"] == "/v1/messages":
+        await send({"type": "http.response.start", "status": 200, "headers": MESSAGE_HEADERS})
+        await send({"type": "http.response.body", "body": MESSAGE})
+        return
     if not request.get("stream"):
         await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
         await send({"type": "http.response.body", "body": COMPLETION})

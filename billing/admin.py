@@ -75,7 +75,8 @@ class OperationFilter(admin.SimpleListFilter):
 
     def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple]:
         # The operations the gateway meters (gateway.protocol.OPERATIONS).
-        return [("chat.completions", "chat.completions"), ("completions", "completions")]
+        return [("chat.completions", "chat.completions"), ("completions", "completions"),
+                ("messages", "messages")]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         return queryset.filter(operation=self.value()) if self.value() else queryset

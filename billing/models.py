@@ -27,7 +27,8 @@ class UsageRecord(models.Model):
                                 on_delete=models.SET_NULL, related_name="usage_records")
     api_key = models.ForeignKey("accounts.APIKey", null=True, blank=True,
                                 on_delete=models.SET_NULL, related_name="usage_records")
-    operation = models.CharField(max_length=20, help_text="chat.completions or completions")
+    operation = models.CharField(max_length=20,
+                                 help_text="chat.completions, completions or messages")
     stream = models.BooleanField(default=False)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)

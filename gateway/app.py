@@ -47,6 +47,7 @@ from gateway.guard import AuthFailures
 from gateway.hold import ColdStarts
 from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
+    CHATS,
     OPERATIONS,
     estimated_prompt_tokens,
     model_entry,
@@ -161,7 +162,8 @@ class Gateway:
                 await self._complete(exchange, scope, receive, send)
             else:
                 raise GatewayError(404, f"Unknown path {path}; kvrun serves /v1/chat/completions,"
-                                   " /v1/completions and /v1/models.", code="unknown_url")
+                                   " /v1/completions, /v1/messages and /v1/models.",
+                                   code="unknown_url")
         except GatewayError as error:
             await send_error(send, exchange, error)
         except ClientGone:
@@ -169,10 +171,12 @@ class Gateway:
 
     async def _authenticate(self, scope: ASGIScope) -> KeyIdentity:
         scheme, _, secret = header(scope, b"authorization").partition(" ")
-        if scheme.lower() != "bearer" or not secret.strip():
+        if scheme.lower() != "bearer":  # Anthropic's clients send theirs in x-api-key
+            secret = header(scope, b"x-api-key")
+        if not secret.strip():
             raise GatewayError(401, "You didn't provide an API key. Send 'Authorization: Bearer "
-                               "kvr_…' with an inference key from the dashboard.",
-                               code="invalid_api_key")
+                               "kvr_…' (or 'x-api-key: kvr_…') with an inference key from the "
+                               "dashboard.", code="invalid_api_key")
         secret = secret.strip()
         client = scope.get("client") or ("", 0)
         address = client_address_from(remote_addr=client[0],
@@ -221,7 +225,7 @@ class Gateway:
         body = await read_body(scope, exchange.waiting_on_client(receive))
         payload = parse_request(body)
         route = await self._route(identity, payload["model"])
-        if exchange.operation == "chat.completions":
+        if exchange.operation in CHATS:
             if not route.chat_template:
                 raise GatewayError(400, f"The model behind {route.name} has no chat template, "
                                    "so it cannot take chat messages; send a prompt to "

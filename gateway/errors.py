@@ -43,6 +43,23 @@ class GatewayError(Exception):
         return {"message": self.message, "type": self.kind, "param": self.param,
                 "code": self.code}
 
+    def anthropic_body(self) -> bytes:
+        """The error in the shape of Anthropic's Messages API (gateway.messages)."""
+        kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500
+                                   else "api_error")
+        return orjson.dumps({"type": "error", "error": {"type": kind,
+                                                        "message": self.message}})
+
+    def anthropic_event(self) -> bytes:
+        """The error as an Anthropic stream's last event, as its own streams end on one."""
+        return b"event: error\ndata: " + self.anthropic_body() + b"\n\n"
+
+
+# Anthropic's error types by status (its SDK reads the status; people read the type).
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                   402: "billing_error", 403: "permission_error", 404: "not_found_error",
+                   413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+
 
 def _kind_for(status: int) -> str:
     if status == 403:

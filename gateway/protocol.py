@@ -12,7 +12,10 @@ from gateway.directory import Route
 from gateway.errors import GatewayError
 
 # Path → the operation a usage record names; the engine serves the same path.
-OPERATIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions"}
+MESSAGES = "messages"  # Anthropic's Messages API (gateway.messages)
+OPERATIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
+              "/v1/messages": MESSAGES}
+CHATS = frozenset({"chat.completions", MESSAGES})
 ENGINE_PATHS = {operation: path for path, operation in OPERATIONS.items()}
 # OpenAI's rule of thumb for a prompt before it is tokenized, and what a chat template adds
 # around each message.
@@ -78,8 +81,10 @@ def require_tool_parser(payload: dict[str, Any], route: Route) -> None:
     """400 for a chat's tools sent to an endpoint whose engines have no tool-call parser: the
     engine would refuse them naming its own start flags, which its user cannot set. vLLM
     takes tools with tool_choice "none" or null without one (and "auto" when it is absent)."""
-    if payload.get("tools") and payload.get("tool_choice", "auto") not in (None, "none") and (
-            not route.tools):
+    choice = payload.get("tool_choice", "auto")
+    if isinstance(choice, dict) and choice.get("type") == "none":  # Anthropic's "none"
+        choice = "none"
+    if payload.get("tools") and choice not in (None, "none") and not route.tools:
         raise GatewayError(400, f"The model behind {route.name} has no tool-call parser, so "
                            "its engines take no tools (GET /v1/models shows each endpoint's "
                            "capabilities). Send tool_choice \"none\", or use a model whose "
@@ -94,6 +99,11 @@ def estimated_prompt_tokens(payload: dict[str, Any]) -> int:
     characters, tokens = 0, 0
     if isinstance(payload.get("tools"), list):
         characters += len(orjson.dumps(payload["tools"]))
+    system = payload.get("system")  # Anthropic's: a string, or text blocks
+    for part in system if isinstance(system, list) else [system]:
+        text = part.get("text") if isinstance(part, dict) else part
+        if isinstance(text, str):
+            characters += len(text)
     for message in payload.get("messages") or ():
         tokens += TOKENS_PER_MESSAGE
         content = message.get("content") if isinstance(message, dict) else None

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -18,14 +17,15 @@ import orjson
 from django.conf import settings
 
 from endpoints.models import CacheIsolation
-from gateway import observed
+from gateway import messages, observed
 from gateway.affinity import prefix_key
 from gateway.asgi import JSON, Receive, Send, respond, response_headers
 from gateway.directory import Upstream, choose_upstream, mark_down
 from gateway.errors import GatewayError, engine_message, from_engine
 from gateway.exchange import Exchange
-from gateway.protocol import ENGINE_PATHS
+from gateway.protocol import ENGINE_PATHS, MESSAGES
 from gateway.sink import UsageSink
+from gateway.streams import EVENT_STREAM, ended_early, engine_lines, read_within, too_large
 from kvrun.common.digests import cache_salt
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 # Idle engine connections are dropped before the engine would close them (its keep-alive,
 # engine.supervisor.KEEP_ALIVE_SECONDS).
 POOLED_IDLE_SECONDS = 4
-EVENT_STREAM = (b"content-type", b"text/event-stream")
 DONE = b"data: [DONE]\n\n"
 
 
@@ -55,8 +54,9 @@ class Proxy:
                       send: Send) -> bytes | None:
         """Send the request to a replica and the answer to the client; returns the answer
         body when it was not streamed. The tenant's cache salt (the organisation's, or the
-        key's where the endpoint isolates keys) replaces any the client sent, and streams
-        always carry running usage upstream, for metering."""
+        key's where the endpoint isolates keys) replaces any the client sent, and OpenAI
+        streams always carry running usage upstream, for metering (Anthropic's carry theirs
+        at their end: gateway.messages)."""
         identity, route = exchange.identity, exchange.route
         assert identity is not None and route is not None
         client_options = payload.get("stream_options") or {}
@@ -68,7 +68,8 @@ class Proxy:
         ring_salt = f"{salt}:{route.adapter}" if route.adapter else salt
         affinity = (prefix_key(payload, salt=ring_salt)
                     if route.prefix_affinity and len(route.upstreams) > 1 else None)
-        if exchange.stream:
+        anthropic = exchange.operation == MESSAGES
+        if exchange.stream and not anthropic:
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         upstream_body = orjson.dumps(payload)
         watcher = asyncio.get_running_loop().create_task(
@@ -76,6 +77,9 @@ class Proxy:
         try:
             response = await self._connect(exchange, upstream_body, affinity)
             async with response:
+                if exchange.stream and response.status == 200 and anthropic:
+                    await messages.relay_stream(exchange, response, send, self.sink)
+                    return None
                 if exchange.stream and response.status == 200:
                     await _relay_stream(
                         exchange, response, send, self.sink,
@@ -85,7 +89,7 @@ class Proxy:
                 limit = settings.KVRUN_GATEWAY_MAX_ANSWER_BYTES
                 waited = time.perf_counter()
                 try:
-                    body = await _read_within(response.content, limit)
+                    body = await read_within(response.content, limit)
                 except aiohttp.ClientError:
                     if exchange.disconnected:
                         return None
@@ -99,11 +103,12 @@ class Proxy:
                     response.close()
                     exchange.take_usage(
                         {"prompt_tokens": await self.count_prompt_tokens(exchange, payload)})
-                    raise _too_large(limit, "answer", 'stream it ("stream": true) or ask for '
+                    raise too_large(limit, "answer", 'stream it ("stream": true) or ask for '
                                      "less (max_tokens, n, logprobs)")
                 if response.status != 200:
                     raise from_engine(response.status, body)
-                exchange.take_usage(_usage_in(body))
+                usage = _usage_in(body)
+                exchange.take_usage(messages.ledger_usage(usage) if anthropic else usage)
                 await self.sink.write_ahead(exchange, last=True)  # billed before delivered
                 await respond(send, exchange, 200, body, [JSON])
                 return body
@@ -214,45 +219,31 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
                     "headers": response_headers(exchange, [EVENT_STREAM,
                                                            (b"cache-control", b"no-cache")])})
     failure: GatewayError | None = None
-    limit = settings.KVRUN_GATEWAY_MAX_ANSWER_BYTES
-    lines = _lines(response.content, limit)
-    while True:
-        waited = time.perf_counter()
-        try:
-            line = await lines.__anext__()
-        except StopAsyncIteration:
-            if not exchange.disconnected:
-                failure = GatewayError(502, "The engine ended the stream early.",
+    done = False
+    try:
+        async for line in engine_lines(exchange, response):
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].rstrip()
+            if data == b"[DONE]":
+                done = True
+                break
+            try:
+                sent, last = _relayed(exchange, orjson.loads(data), data, wants_usage=wants_usage,
+                                      wants_running=wants_running)
+            except (ValueError, TypeError, AttributeError):  # not an event of OpenAI's shape
+                failure = GatewayError(502, "The engine sent an event that is not one of "
+                                       "OpenAI's; the text so far is all there is.",
                                        code="engine_error")
-            break
-        except AnswerTooLarge:
-            response.close()
-            failure = _too_large(limit, "stream has an event that", "ask for less in each "
-                                 "chunk (n, logprobs)")
-            break
-        except (aiohttp.ClientError, TimeoutError):
-            if not exchange.disconnected:
-                failure = GatewayError(502, "The engine stopped answering in mid-stream; "
-                                       "the text so far is all there is.", code="engine_error")
-            break
-        finally:
-            exchange.upstream_seconds += time.perf_counter() - waited
-        if not line.startswith(b"data: "):
-            continue
-        data = line[6:].rstrip()
-        if data == b"[DONE]":
-            break
-        try:
-            sent, last = _relayed(exchange, orjson.loads(data), data, wants_usage=wants_usage,
-                                  wants_running=wants_running)
-        except (ValueError, TypeError, AttributeError):  # not an event of OpenAI's shape
-            failure = GatewayError(502, "The engine sent an event that is not one of OpenAI's; "
-                                   "the text so far is all there is.", code="engine_error")
-            break
-        if sent is not None:
-            await sink.write_ahead(exchange, last=last)
-            await send({"type": "http.response.body", "body": b"data: " + sent + b"\n\n",
-                        "more_body": True})
+                break
+            if sent is not None:
+                await sink.write_ahead(exchange, last=last)
+                await send({"type": "http.response.body", "body": b"data: " + sent + b"\n\n",
+                            "more_body": True})
+    except GatewayError as broken:
+        failure = broken
+    if failure is None and not done and not exchange.disconnected:
+        failure = ended_early()
     if failure is not None:
         exchange.status, exchange.error_code = failure.status, failure.code or ""
         await send({"type": "http.response.body", "more_body": True,
@@ -267,42 +258,6 @@ def _usage_in(body: bytes) -> object:
     except orjson.JSONDecodeError:
         return None
     return answer.get("usage") if isinstance(answer, dict) else None
-
-
-class AnswerTooLarge(Exception):
-    """One line of an engine's stream is longer than the gateway holds in memory."""
-
-
-async def _read_within(content: aiohttp.StreamReader, limit: int) -> bytes | None:
-    """The whole body; None as soon as it is longer than `limit` bytes."""
-    parts, size = [], 0
-    async for part in content.iter_any():
-        size += len(part)
-        if size > limit:
-            return None
-        parts.append(part)
-    return b"".join(parts)
-
-
-async def _lines(content: aiohttp.StreamReader, limit: int) -> AsyncIterator[bytes]:
-    """The stream's lines, each as long as it is up to `limit` bytes (aiohttp's own readline
-    gives up at 128 KiB, which one event of a long answer with logprobs can pass)."""
-    pending = bytearray()
-    async for part in content.iter_any():
-        pending += part
-        if b"\n" in part:
-            *complete, pending = pending.split(b"\n")
-            for line in complete:
-                yield bytes(line)
-        if len(pending) > limit:
-            raise AnswerTooLarge
-    if pending:
-        yield bytes(pending)
-
-
-def _too_large(limit: int, what: str, advice: str) -> GatewayError:
-    return GatewayError(502, f"The engine's {what} is larger than the gateway's limit of "
-                        f"{limit} bytes; {advice}.", code="answer_too_large")
 
 
 def _relayed(exchange: Exchange, chunk: Any, data: bytes, *, wants_usage: bool,

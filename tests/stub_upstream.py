@@ -13,7 +13,8 @@ its read buffer: 512 KiB in aiohttp 3.14), "lie" reports impossible usage (a neg
 10**12 completion tokens, more cached tokens than prompt tokens), "garbled" answers a JSON
 list, or streams one such event, "think" answers as a reasoning model with a tool-call
 parser does (vLLM's `reasoning` field, then a tool call and no text); anything else is
-answered at once with usage. Streams carry
+answered at once with usage. /v1/messages answers in Anthropic's shapes, as vLLM does:
+"context" is its 400, "drop" dies after two deltas, anything else four deltas. Streams carry
 running usage when asked, as vLLM's do.
 """
 
@@ -82,6 +83,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
                      "authorization": headers.get(b"authorization", b"").decode(),
                      "request_id": headers.get(b"x-request-id", b"").decode()})
     prompt = _prompt(request)
+    if scope["path"] == "/v1/messages":
+        await _messages(send, prompt, stream=bool(request.get("stream")))
+        return
     if prompt == "think":
         await _think(send, stream=bool(request.get("stream")))
         return
@@ -169,3 +173,43 @@ async def _think(send: object, *, stream: bool) -> None:
                     "body": b"data: " + orjson.dumps(event) + b"\n\n"})
     await send({"type": "http.response.body", "body": b"data: " + orjson.dumps(chat(
         object="chat.completion.chunk", choices=[], usage=THINK_USAGE)) + b"\n\ndata: [DONE]\n\n"})
+
+
+# An Anthropic answer's usage as vLLM gives it: its prompt of 7 is 4 new tokens and 3 read
+# from the prefix cache.
+MESSAGE_USAGE = {"input_tokens": 4, "cache_read_input_tokens": 3, "output_tokens": 4}
+
+
+async def _messages(send: object, prompt: str, *, stream: bool) -> None:
+    if prompt == "context":
+        await _respond(send, 400, orjson.dumps({"type": "error", "error": {
+            "type": "BadRequestError", "message": "This model's maximum context length is "
+            "2048 tokens. However, your prompt contains 3000 input tokens."}}))
+        return
+    message = {"id": "msg_stub", "type": "message", "role": "assistant", "model": "stub",
+               "content": [{"type": "text", "text": " t0 t1 t2 t3"}],
+               "stop_reason": "max_tokens", "stop_sequence": None}
+    if not stream:
+        await _respond(send, 200, orjson.dumps({**message, "usage": MESSAGE_USAGE}))
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")]})
+
+    async def event(kind: str, **data: object) -> None:
+        await send({"type": "http.response.body", "more_body": True, "body": (
+            f"event: {kind}\ndata: ".encode() + orjson.dumps({"type": kind, **data})
+            + b"\n\n")})
+
+    await event("message_start", message={**message, "content": [], "stop_reason": None,
+                                          "usage": {**MESSAGE_USAGE, "output_tokens": 0}})
+    await event("content_block_start", index=0, content_block={"type": "text", "text": ""})
+    for index in range(4):
+        if prompt == "drop" and index == 2:
+            raise ConnectionAbortedError("the stub engine dies in mid-stream")
+        await event("content_block_delta", index=0,
+                    delta={"type": "text_delta", "text": f" t{index}"})
+    await event("content_block_stop", index=0)
+    await event("message_delta", delta={"stop_reason": "max_tokens", "stop_sequence": None},
+                usage=MESSAGE_USAGE)
+    await event("message_stop")
+    await send({"type": "http.response.body", "body": b""})

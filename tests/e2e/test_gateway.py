@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -26,7 +27,7 @@ from django.core.management import call_command
 from django.test import override_settings
 
 from accounts.models import Organization, Role
-from accounts.services import do_create_organization, do_revoke_api_key
+from accounts.services import do_create_organization, do_revoke_api_key, do_set_billing_hold
 from billing.ingestion import do_ingest_usage
 from billing.models import UsageRecord
 from billing.tasks import ingest_usage
@@ -179,6 +180,59 @@ def test_an_agent_s_tools_and_structured_outputs_work_with_the_openai_client(
         for request_id, usage in answers.items()}
     # The chat template writes the tools into the prompt.
     assert shaped.parse().usage.prompt_tokens < auto.parse().usage.prompt_tokens
+
+
+def test_anthropic_s_client_works_against_kvrun_metered_as_the_engine_counted(
+        served: Served) -> None:
+    """Anthropic's Messages API, which the engine serves: plain, streamed and with tools,
+    with the key in x-api-key as the SDK sends it; each refusal in Anthropic's shape."""
+    secret = inference_key(served.first)[1]
+    client = anthropic.Anthropic(base_url=served.web, api_key=secret, max_retries=0)
+    asked = {"model": "chat", "max_tokens": 6,
+             "messages": [{"role": "user", "content": "Say hello"}]}
+    before = engine_token_totals(served.engine_metrics())
+
+    plain = client.messages.with_raw_response.create(**asked)
+    with client.messages.stream(**asked) as stream:
+        streamed_text = "".join(stream.text_stream)
+        streamed = stream.get_final_message()
+        streamed_id = stream.response.headers["x-request-id"]
+    tooled = client.messages.with_raw_response.create(
+        **asked, tool_choice={"type": "auto"}, tools=[{
+            "name": "get_weather", "description": "The weather in a city.",
+            "input_schema": WEATHER["function"]["parameters"]}])
+    after = engine_token_totals(served.engine_metrics())
+
+    assert plain.parse().usage.output_tokens == 6 and plain.parse().content[0].type == "text"
+    assert streamed.usage.output_tokens == 6 and streamed_text == streamed.content[0].text
+    def prompt(usage: anthropic.types.Usage) -> int:  # vLLM splits it three ways
+        return (usage.input_tokens + (usage.cache_read_input_tokens or 0)
+                + (usage.cache_creation_input_tokens or 0))
+    assert prompt(tooled.parse().usage) > prompt(plain.parse().usage)  # its tools written in
+    records = records_for([plain.headers["x-request-id"], streamed_id,
+                           tooled.headers["x-request-id"]])
+    assert {r.operation for r in records} == {"messages"}
+    assert sum(r.prompt_tokens for r in records) == after["prompt"] - before["prompt"]
+    assert sum(r.completion_tokens for r in records) == (
+        after["generation"] - before["generation"])
+
+    with pytest.raises(anthropic.AuthenticationError) as bad_key:
+        anthropic.Anthropic(base_url=served.web, api_key="kvr_" + "0" * 43,
+                            max_retries=0).messages.create(**asked)
+    with pytest.raises(anthropic.BadRequestError) as too_long:
+        client.messages.create(**{**asked, "messages": [
+            {"role": "user", "content": "lorem ipsum " * 3000}]})
+    held = do_create_organization(user=UserFactory(), name="Held Corp")
+    do_set_billing_hold(organization_id=held.id, reason="The monthly budget is reached.")
+    with pytest.raises(anthropic.APIStatusError) as budget:
+        anthropic.Anthropic(base_url=served.web, api_key=inference_key(held)[1],
+                            max_retries=0).messages.create(**asked)
+    assert bad_key.value.body["error"]["type"] == "authentication_error"  # type: ignore[index]
+    assert too_long.value.body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "maximum context length is 2048" in too_long.value.message
+    assert budget.value.status_code == 402
+    assert budget.value.body["error"] == {  # type: ignore[index]
+        "type": "billing_error", "message": "The monthly budget is reached."}
 
 
 def test_openai_errors_come_as_the_client_expects(served: Served) -> None:
