@@ -35,10 +35,16 @@ LOAD_BOUND = 1.25
 
 
 def leading_prompt(payload: dict[str, Any]) -> bytes:
-    """The first PREFIX_CHARACTERS of the prompt as the engine will see it: the messages'
-    roles and texts in order, or the completion prompt (text, or token ids)."""
+    """The first PREFIX_CHARACTERS of the prompt as the engine will see it: the system
+    prompt (Anthropic's, apart from its messages), the messages' roles and texts in order,
+    or the completion prompt (text, or token ids)."""
     parts: list[str] = []
-    size = 0
+    system = payload.get("system")
+    for text in system if isinstance(system, list) else [system]:
+        text = text.get("text") if isinstance(text, dict) else text
+        if isinstance(text, str):
+            parts.append(text)
+    size = sum(len(part) for part in parts)
     for message in payload.get("messages") or ():
         if not isinstance(message, dict):
             continue

@@ -48,6 +48,7 @@ from gateway.hold import ColdStarts
 from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     CHATS,
+    MESSAGES,
     OPERATIONS,
     estimated_prompt_tokens,
     model_entry,
@@ -151,7 +152,8 @@ class Gateway:
         path, method = scope["path"], scope["method"]
         exchange = Exchange(request_id=f"req_{uuid.uuid4().hex}",
                             operation=OPERATIONS.get(path, ""),
-                            started_ms=time.time_ns() // 1_000_000)
+                            started_ms=time.time_ns() // 1_000_000,
+                            anthropic=path.startswith("/v1/messages"))
         send = exchange.waiting_on_client(send)
         try:
             if path == "/v1/models" or path.startswith("/v1/models/"):
@@ -171,8 +173,8 @@ class Gateway:
 
     async def _authenticate(self, scope: ASGIScope) -> KeyIdentity:
         scheme, _, secret = header(scope, b"authorization").partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients send theirs in x-api-key
-            secret = header(scope, b"x-api-key")
+        if scheme.lower() != "bearer" or not secret.strip():
+            secret = header(scope, b"x-api-key")  # where Anthropic's clients send it
         if not secret.strip():
             raise GatewayError(401, "You didn't provide an API key. Send 'Authorization: Bearer "
                                "kvr_…' (or 'x-api-key: kvr_…') with an inference key from the "
@@ -230,7 +232,7 @@ class Gateway:
                 raise GatewayError(400, f"The model behind {route.name} has no chat template, "
                                    "so it cannot take chat messages; send a prompt to "
                                    "/v1/completions instead.", code="chat_template_missing")
-            require_tool_parser(payload, route)
+            require_tool_parser(payload, route, anthropic=exchange.operation == MESSAGES)
         exchange.identity, exchange.route = identity, route
         exchange.stream = bool(payload.get("stream"))
         exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)
@@ -240,7 +242,8 @@ class Gateway:
             exchange.idempotency_key = idempotency.validate(key)
             exchange.idempotency = idempotency.Claim.of(
                 organization_id=identity.organization_id, api_key_id=identity.id,
-                endpoint_id=route.endpoint_id, key=key, body=body, request_id=exchange.request_id)
+                endpoint_id=route.endpoint_id, key=key, body=body, request_id=exchange.request_id,
+                anthropic=exchange.operation == MESSAGES)
             replay = await self._reserve(exchange.idempotency)
             if replay is not None:
                 await respond(send, exchange, 200, replay,

@@ -11,7 +11,6 @@ from django.conf import settings
 
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
-from gateway.protocol import MESSAGES
 from kvrun.common.middleware import body_too_large_message
 
 ASGIScope = dict[str, Any]
@@ -83,14 +82,14 @@ async def respond(send: Send, exchange: Exchange, status: int, body: bytes,
 async def send_error(send: Send, exchange: Exchange, error: GatewayError) -> None:
     """The error as the response or, where a stream has had its headers already (one held
     for a cold start), as its last event before [DONE]: either way the client reads it."""
-    anthropic = exchange.operation == MESSAGES
+    anthropic = exchange.anthropic
     if not exchange.response_started:
         await respond(send, exchange, error.status,
-                      error.anthropic_body() if anthropic else error.body(),
+                      error.anthropic_body(exchange.request_id) if anthropic else error.body(),
                       [JSON, *error.headers])
     elif exchange.stream and anthropic:
         await send({"type": "http.response.body", "more_body": False,
-                    "body": error.anthropic_event()})
+                    "body": error.anthropic_event(exchange.request_id)})
     elif exchange.stream:
         await send({"type": "http.response.body", "more_body": False,
                     "body": b"data: " + orjson.dumps({"error": error.as_dict()})

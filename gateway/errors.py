@@ -43,16 +43,20 @@ class GatewayError(Exception):
         return {"message": self.message, "type": self.kind, "param": self.param,
                 "code": self.code}
 
-    def anthropic_body(self) -> bytes:
-        """The error in the shape of Anthropic's Messages API (gateway.messages)."""
+    def anthropic_body(self, request_id: str = "") -> bytes:
+        """The error in the shape of Anthropic's Messages API (gateway.messages); an
+        overloaded engine is Anthropic's overloaded_error, an endpoint not serving (stopped,
+        failed, starting) its api_error."""
         kind = ANTHROPIC_TYPES.get(self.status, "invalid_request_error" if self.status < 500
                                    else "api_error")
-        return orjson.dumps({"type": "error", "error": {"type": kind,
-                                                        "message": self.message}})
+        if kind == "overloaded_error" and self.code != "engine_unavailable":
+            kind = "api_error"
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": self.message},
+                             **({"request_id": request_id} if request_id else {})})
 
-    def anthropic_event(self) -> bytes:
+    def anthropic_event(self, request_id: str = "") -> bytes:
         """The error as an Anthropic stream's last event, as its own streams end on one."""
-        return b"event: error\ndata: " + self.anthropic_body() + b"\n\n"
+        return b"event: error\ndata: " + self.anthropic_body(request_id) + b"\n\n"
 
 
 # Anthropic's error types by status (its SDK reads the status; people read the type).

@@ -26,6 +26,7 @@ class Exchange:
     request_id: str
     operation: str
     started_ms: int
+    anthropic: bool = False  # under /v1/messages: its errors take Anthropic's shape
     clock: float = field(default_factory=time.perf_counter)
     identity: KeyIdentity | None = None
     route: Route | None = None

@@ -84,8 +84,11 @@ class Claim:
 
     @classmethod
     def of(cls, *, organization_id: object, api_key_id: object, endpoint_id: str, key: str,
-           body: bytes, request_id: str) -> Claim:
-        scope = hashlib.sha256(f"{api_key_id}:{endpoint_id}:{key}".encode()).hexdigest()
+           body: bytes, request_id: str, anthropic: bool = False) -> Claim:
+        # An Anthropic request's key is its own: its body may be an OpenAI chat's too, and
+        # the answer kept for one would be replayed to the other in the wrong shape.
+        scope = hashlib.sha256(f"{api_key_id}:{endpoint_id}:{key}".encode()
+                               + (b":messages" if anthropic else b"")).hexdigest()
         return cls(name=f"kvrun:idem:{scope}", organization_id=str(organization_id),
                    request_id=request_id, body_digest=hashlib.sha256(body).hexdigest())
 

@@ -77,18 +77,20 @@ def model_entry(route: Route) -> dict[str, Any]:
     return entry
 
 
-def require_tool_parser(payload: dict[str, Any], route: Route) -> None:
+def require_tool_parser(payload: dict[str, Any], route: Route, *, anthropic: bool) -> None:
     """400 for a chat's tools sent to an endpoint whose engines have no tool-call parser: the
     engine would refuse them naming its own start flags, which its user cannot set. vLLM
     takes tools with tool_choice "none" or null without one (and "auto" when it is absent)."""
     choice = payload.get("tool_choice", "auto")
-    if isinstance(choice, dict) and choice.get("type") == "none":  # Anthropic's "none"
-        choice = "none"
+    if anthropic:  # its "none" is {"type": "none"}, and null is "auto"
+        choice = "none" if isinstance(choice, dict) and choice.get("type") == "none" else "auto"
     if payload.get("tools") and choice not in (None, "none") and not route.tools:
         raise GatewayError(400, f"The model behind {route.name} has no tool-call parser, so "
                            "its engines take no tools (GET /v1/models shows each endpoint's "
-                           "capabilities). Send tool_choice \"none\", or use a model whose "
-                           "catalog entry names a tool-call parser.", code="tools_unsupported",
+                           "capabilities). Send tool_choice "
+                           + ('{"type": "none"}' if anthropic else '\"none\"')
+                           + ", or use a model whose catalog entry names a tool-call parser.",
+                           code="tools_unsupported",
                            param="tools")
 
 
@@ -99,19 +101,11 @@ def estimated_prompt_tokens(payload: dict[str, Any]) -> int:
     characters, tokens = 0, 0
     if isinstance(payload.get("tools"), list):
         characters += len(orjson.dumps(payload["tools"]))
-    system = payload.get("system")  # Anthropic's: a string, or text blocks
-    for part in system if isinstance(system, list) else [system]:
-        text = part.get("text") if isinstance(part, dict) else part
-        if isinstance(text, str):
-            characters += len(text)
+    characters += len(_text_of(payload.get("system")))  # Anthropic's
     for message in payload.get("messages") or ():
         tokens += TOKENS_PER_MESSAGE
-        content = message.get("content") if isinstance(message, dict) else None
-        parts = content if isinstance(content, list) else [content]
-        for part in parts:
-            text = part.get("text") if isinstance(part, dict) else part
-            if isinstance(text, str):
-                characters += len(text)
+        characters += len(_text_of(message.get("content") if isinstance(message, dict)
+                                   else None))
         calls = message.get("tool_calls") if isinstance(message, dict) else None
         if isinstance(calls, list):
             characters += len(orjson.dumps(calls))
@@ -124,6 +118,28 @@ def estimated_prompt_tokens(payload: dict[str, Any]) -> int:
         elif isinstance(item, list):  # one prompt as token ids
             tokens += len(item)
     return tokens + math.ceil(characters / CHARACTERS_PER_TOKEN)
+
+
+def _text_of(content: object) -> str:
+    """What a message's content writes into the prompt: its text, or its blocks' (text,
+    thinking, a tool call's input and a tool result's content, as Anthropic's blocks hold
+    them; not images)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        return ""
+    written = []
+    for block in content:
+        if isinstance(block, str):
+            written.append(block)
+        elif isinstance(block, dict):
+            for field in ("text", "thinking"):
+                if isinstance(block.get(field), str):
+                    written.append(block[field])
+            if "input" in block:
+                written.append(orjson.dumps(block["input"]).decode())
+            written.append(_text_of(block.get("content")))
+    return "".join(written)
 
 
 def tokens_to_reserve(payload: dict[str, Any], *, prompt_tokens: int, context_length: int) -> int:

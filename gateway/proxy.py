@@ -184,21 +184,25 @@ class Proxy:
 
     async def count_prompt_tokens(self, exchange: Exchange, payload: dict[str, Any]) -> int:
         """The last resort when a client left before any usage arrived: the engine's own
-        tokenizer counts the prompt it was sent."""
+        tokenizer counts the prompt it was sent (an Anthropic one, by the engine's own
+        count_tokens: its system prompt and tools too, which /tokenize does not read)."""
         assert exchange.upstream is not None and exchange.route is not None
         asked = {"model": exchange.route.name}
-        for field in ("messages", "prompt"):
+        anthropic = exchange.operation == MESSAGES
+        path, answer = ("/v1/messages/count_tokens", "input_tokens") if anthropic else (
+            "/tokenize", "count")
+        for field in ("messages", "system", "tools") if anthropic else ("messages", "prompt"):
             if field in payload:
                 asked[field] = payload[field]
         waited = time.perf_counter()
         try:
             upstream = exchange.upstream
             async with self.session.post(
-                    upstream.base_url + "/tokenize", json=asked, ssl=upstream.ssl_context,
+                    upstream.base_url + path, json=asked, ssl=upstream.ssl_context,
                     server_hostname=upstream.server_hostname,
                     headers={"Authorization": upstream.authorization}) as response:
                 counted = await response.json()
-                return exchange.counted(counted.get("count") if isinstance(counted, dict)
+                return exchange.counted(counted.get(answer) if isinstance(counted, dict)
                                         else None)
         except (aiohttp.ClientError, TimeoutError, ValueError):
             logger.warning("could not count the prompt tokens of %s", exchange.request_id)

@@ -14,7 +14,8 @@ its read buffer: 512 KiB in aiohttp 3.14), "lie" reports impossible usage (a neg
 list, or streams one such event, "think" answers as a reasoning model with a tool-call
 parser does (vLLM's `reasoning` field, then a tool call and no text); anything else is
 answered at once with usage. /v1/messages answers in Anthropic's shapes, as vLLM does:
-"context" is its 400, "drop" dies after two deltas, anything else four deltas. Streams carry
+"context" is its 400, "drop" dies after two deltas, "fail" ends on the engine's error event
+after two, "lie" reports a negative cache read; anything else four deltas. Streams carry
 running usage when asked, as vLLM's do.
 """
 
@@ -175,9 +176,12 @@ async def _think(send: object, *, stream: bool) -> None:
         object="chat.completion.chunk", choices=[], usage=THINK_USAGE)) + b"\n\ndata: [DONE]\n\n"})
 
 
-# An Anthropic answer's usage as vLLM gives it: its prompt of 7 is 4 new tokens and 3 read
-# from the prefix cache.
-MESSAGE_USAGE = {"input_tokens": 4, "cache_read_input_tokens": 3, "output_tokens": 4}
+# An Anthropic answer's usage as vLLM gives it: its prompt of 9 is 4 new tokens, 3 read from
+# the prefix cache and 2 written to it.
+MESSAGE_USAGE = {"input_tokens": 4, "cache_read_input_tokens": 3,
+                 "cache_creation_input_tokens": 2, "output_tokens": 4}
+ENGINE_ERROR_EVENT = orjson.dumps({"type": "error", "error": {
+    "type": "internal_error", "message": "EngineCore encountered an issue."}})
 
 
 async def _messages(send: object, prompt: str, *, stream: bool) -> None:
@@ -189,8 +193,10 @@ async def _messages(send: object, prompt: str, *, stream: bool) -> None:
     message = {"id": "msg_stub", "type": "message", "role": "assistant", "model": "stub",
                "content": [{"type": "text", "text": " t0 t1 t2 t3"}],
                "stop_reason": "max_tokens", "stop_sequence": None}
+    usage = {**MESSAGE_USAGE, "cache_read_input_tokens": -4} if prompt == "lie" else (
+        MESSAGE_USAGE)
     if not stream:
-        await _respond(send, 200, orjson.dumps({**message, "usage": MESSAGE_USAGE}))
+        await _respond(send, 200, orjson.dumps({**message, "usage": usage}))
         return
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream")]})
@@ -206,10 +212,14 @@ async def _messages(send: object, prompt: str, *, stream: bool) -> None:
     for index in range(4):
         if prompt == "drop" and index == 2:
             raise ConnectionAbortedError("the stub engine dies in mid-stream")
+        if prompt == "fail" and index == 2:
+            await send({"type": "http.response.body", "body": b"event: error\ndata: "
+                        + ENGINE_ERROR_EVENT + b"\n\n"})
+            return
         await event("content_block_delta", index=0,
                     delta={"type": "text_delta", "text": f" t{index}"})
     await event("content_block_stop", index=0)
     await event("message_delta", delta={"stop_reason": "max_tokens", "stop_sequence": None},
-                usage=MESSAGE_USAGE)
+                usage=usage)
     await event("message_stop")
     await send({"type": "http.response.body", "body": b""})

@@ -12,7 +12,7 @@ import pytest
 from accounts.models import Organization
 from accounts.services import do_set_billing_hold
 from billing.models import UsageRecord
-from endpoints.models import Endpoint
+from endpoints.models import Endpoint, Replica
 from tests.gateway.helpers import InProcessGateway, received, stored
 from tests.stub_upstream import MESSAGE_USAGE
 
@@ -54,7 +54,8 @@ def test_a_message_and_a_stream_reach_anthropic_s_client_metered_from_their_usag
     # Metered as the engine counted: the prompt is its new and its cached tokens together.
     assert stored(2)
     records = UsageRecord.objects.order_by("started_at")
-    prompt = MESSAGE_USAGE["input_tokens"] + MESSAGE_USAGE["cache_read_input_tokens"]
+    prompt = sum(MESSAGE_USAGE[name] for name in (
+        "input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
     assert [(r.operation, r.stream, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
             for r in records] == [("messages", False, prompt, 4, 3),
                                   ("messages", True, prompt, 4, 3)]
@@ -87,10 +88,11 @@ def test_refusals_come_in_anthropic_s_shape_and_change_nothing(
     assert isinstance(unknown, anthropic.NotFoundError)
     assert unknown.body["error"]["type"] == "not_found_error"  # type: ignore[index]
     assert isinstance(too_long, anthropic.BadRequestError)
-    assert too_long.body == {"type": "error", "error": {  # type: ignore[comparison-overlap]
-        "type": "invalid_request_error",
-        "message": "This model's maximum context length is 2048 tokens. However, your prompt "
-                   "contains 3000 input tokens."}}
+    assert too_long.body == {  # type: ignore[comparison-overlap]
+        "type": "error", "request_id": too_long.response.headers["x-request-id"],
+        "error": {"type": "invalid_request_error",
+                  "message": "This model's maximum context length is 2048 tokens. However, "
+                             "your prompt contains 3000 input tokens."}}
     # Only the over-long prompt reached the engine; it is recorded as refused.
     assert len(received(stubs[0])) == 1
     assert stored(1) and UsageRecord.objects.get().error_code == "context_length_exceeded"
@@ -105,8 +107,8 @@ def test_a_budget_hold_refuses_messages_as_a_billing_error(
         gateway.run(client.messages.create(**ASKED))
 
     assert held.value.status_code == 402
-    assert held.value.body == {"type": "error", "error": {  # type: ignore[comparison-overlap]
-        "type": "billing_error", "message": "The monthly budget is reached."}}
+    assert held.value.body["error"] == {  # type: ignore[index]
+        "type": "billing_error", "message": "The monthly budget is reached."}
     assert received(stubs[0]) == []
 
 
@@ -120,8 +122,62 @@ def test_a_stream_the_engine_drops_ends_on_an_error_event_billed_what_was_sent(
     assert events[-1] == "event: error"
     assert response.text.rstrip().endswith(
         '"error":{"type":"api_error","message":"The engine stopped answering in mid-stream; '
-        'the text so far is all there is."}}')
+        'the text so far is all there is."},"request_id":"'
+        + response.headers["x-request-id"] + '"}')
     assert stored(1)
     record = UsageRecord.objects.get()
-    # Two deltas reached the client: at least two tokens, and the prompt the engine counted.
-    assert (record.status_code, record.prompt_tokens, record.completion_tokens) == (502, 7, 2)
+    # Two deltas reached the client: a token each, and the prompt the engine counted.
+    assert (record.status_code, record.prompt_tokens, record.completion_tokens) == (502, 9, 2)
+
+
+def test_an_engine_s_error_event_and_impossible_usage_are_not_passed_on_as_they_came(
+        gateway: InProcessGateway, secret: str, stub_endpoint: Endpoint) -> None:
+    failed = gateway.post(secret, {**ASKED, "stream": True, "messages": [
+        {"role": "user", "content": "fail"}]}, path="/v1/messages")
+    lied = gateway.post(secret, {**ASKED, "messages": [{"role": "user", "content": "lie"}]},
+                        path="/v1/messages")
+
+    # The engine's own error type is not one of Anthropic's: rewritten, as chat's are.
+    assert failed.text.endswith(
+        'event: error\ndata: {"type":"error","error":{"type":"api_error","message":'
+        '"The engine failed: EngineCore encountered an issue."},"request_id":"'
+        + failed.headers["x-request-id"] + '"}\n\n')
+    assert 'internal_error' not in failed.text
+    assert lied.status_code == 200
+    assert stored(2)
+    by_id = {r.request_id: r for r in UsageRecord.objects.all()}
+    assert (by_id[failed.headers["x-request-id"]].completion_tokens,
+            by_id[failed.headers["x-request-id"]].status_code) == (2, 502)
+    # A negative cache read would cancel the prompt out: the figure counts as none.
+    assert (by_id[lied.headers["x-request-id"]].prompt_tokens,
+            by_id[lied.headers["x-request-id"]].completion_tokens) == (0, 4)
+
+
+def test_messages_keep_anthropic_s_shapes_at_their_edges(
+        gateway: InProcessGateway, secret: str, stub_endpoint: Endpoint,
+        stubs: list[httpx.Client]) -> None:
+    # Its engine was started without a tool-call parser.
+    Replica.objects.filter(endpoint=stub_endpoint).update(tool_call_parser="")
+    key = {"Idempotency-Key": "same-body-twice"}
+    chat = gateway.post(secret, ASKED, path="/v1/chat/completions", **key)
+    message = gateway.post(secret, ASKED, path="/v1/messages", **key)
+    counted = gateway.post(secret, ASKED, path="/v1/messages/count_tokens")
+    empty_bearer = gateway.post(None, ASKED, path="/v1/messages",
+                                **{"Authorization": "Bearer ", "x-api-key": secret})
+    tools = [{"name": "get_weather", "input_schema": {"type": "object"}}]
+    no_parser = gateway.post(secret, {**ASKED, "tools": tools, "tool_choice": None},
+                             path="/v1/messages")
+
+    # One Idempotency-Key on both APIs is two requests: no chat answer replayed as a message.
+    assert chat.json()["object"] == "text_completion" and message.json()["type"] == "message"
+    assert "x-kvrun-idempotent-replay" not in message.headers
+    assert counted.status_code == 404
+    assert counted.json()["error"]["type"] == "not_found_error"
+    assert empty_bearer.status_code == 200
+    # Anthropic's null tool_choice is "auto": refused before the engine, saying its "none".
+    assert no_parser.status_code == 400
+    assert no_parser.json()["error"]["message"].endswith(
+        'Send tool_choice {"type": "none"}, or use a model whose catalog entry names a '
+        "tool-call parser.")
+    assert [request["path"] for request in received(stubs[0])] == [
+        "/v1/chat/completions", "/v1/messages", "/v1/messages"]
