@@ -45,12 +45,16 @@ TOOL_CALL_PARSERS: dict[str, Callable[[str], str]] = {
     # V3 frames arguments in ```json, which V3.1 (the same architecture) dropped.
     "DeepseekV3ForCausalLM": lambda template: "deepseek_v3" if "```json" in template else "",
 }
+def _qwen3_reasoning(template: str) -> str:
+    return "qwen3" if "enable_thinking" in template else ""
+
+
 # Qwen3's own thinking models only (their template lets a request turn thinking off): the
 # 2507 instruct models share the tokens but never think, and the parser would read their
 # whole answer as thinking. DeepSeek's R1 parser is a person's choice for the same reason.
 REASONING_PARSERS: dict[str, Callable[[str], str]] = {
-    "Qwen3ForCausalLM": lambda template: "qwen3" if "enable_thinking" in template else "",
-    "Qwen3MoeForCausalLM": lambda template: "qwen3" if "enable_thinking" in template else "",
+    "Qwen3ForCausalLM": _qwen3_reasoning,
+    "Qwen3MoeForCausalLM": _qwen3_reasoning,
 }
 
 

@@ -18,7 +18,11 @@ class NodeRevoked(Exception):
     """The node's credential was revoked: it reports nothing until it is enrolled anew."""
 
 
-BUILD_FIELDS = ["vllm_version", "architectures", "tool_parsers", "reasoning_parsers"]
+def _build_values(build: EngineBuild) -> dict[str, object]:
+    """A node's fields that its vLLM build sets."""
+    return {"vllm_version": build.version, "architectures": list(build.architectures),
+            "tool_parsers": list(build.tool_parsers),
+            "reasoning_parsers": list(build.reasoning_parsers)}
 
 
 def do_register_node(*, name: str, resources: HostResources, address: str = "127.0.0.1",
@@ -42,17 +46,14 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
         else:
             gpu_type = GPUType.objects.filter(slug=CPU).first()
         now = timezone.now()
-        reported = build or EngineBuild(version="", architectures=())
+        reported = _build_values(build or EngineBuild(version="", architectures=()))
         Node.objects.bulk_create(
             [
                 Node(
                     name=name, address=address, state=NodeState.ONLINE, gpu_type=gpu_type,
                     devices=resources.devices_as_dicts(), cpu_count=resources.cpu_count,
                     memory_bytes=resources.memory_bytes, disk_bytes=resources.disk_bytes,
-                    registered_at=now, last_heartbeat_at=now,
-                    vllm_version=reported.version, architectures=list(reported.architectures),
-                    tool_parsers=list(reported.tool_parsers),
-                    reasoning_parsers=list(reported.reasoning_parsers),
+                    registered_at=now, last_heartbeat_at=now, **reported,
                     model_cache_bytes=model_cache_bytes,
                 )
             ],
@@ -60,7 +61,7 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
             unique_fields=["name"],
             update_fields=["address", "state", "gpu_type", "devices", "cpu_count", "memory_bytes",
                            "disk_bytes", "last_heartbeat_at", "model_cache_bytes",
-                           *(BUILD_FIELDS if build else [])],
+                           *(reported if build else [])],
         )
     return Node.objects.get(name=name)
 
@@ -68,9 +69,7 @@ def do_register_node(*, name: str, resources: HostResources, address: str = "127
 def do_record_node_build(*, name: str, build: EngineBuild) -> None:
     """The node's vLLM build as its agent read it (after registering: reading it takes
     seconds, and the node takes replicas meanwhile)."""
-    Node.objects.filter(name=name).update(
-        vllm_version=build.version, architectures=list(build.architectures),
-        tool_parsers=list(build.tool_parsers), reasoning_parsers=list(build.reasoning_parsers))
+    Node.objects.filter(name=name).update(**_build_values(build))
 
 
 def do_record_node_heartbeat(*, name: str, engines: Collection[str]) -> set[str] | None:

@@ -48,7 +48,6 @@ from gateway.hold import ColdStarts
 from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     CHATS,
-    MESSAGES,
     OPERATIONS,
     estimated_prompt_tokens,
     model_entry,
@@ -232,7 +231,7 @@ class Gateway:
                 raise GatewayError(400, f"The model behind {route.name} has no chat template, "
                                    "so it cannot take chat messages; send a prompt to "
                                    "/v1/completions instead.", code="chat_template_missing")
-            require_tool_parser(payload, route, anthropic=exchange.operation == MESSAGES)
+            require_tool_parser(payload, route, anthropic=exchange.anthropic)
         exchange.identity, exchange.route = identity, route
         exchange.stream = bool(payload.get("stream"))
         exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)
@@ -243,7 +242,7 @@ class Gateway:
             exchange.idempotency = idempotency.Claim.of(
                 organization_id=identity.organization_id, api_key_id=identity.id,
                 endpoint_id=route.endpoint_id, key=key, body=body, request_id=exchange.request_id,
-                anthropic=exchange.operation == MESSAGES)
+                anthropic=exchange.anthropic)
             replay = await self._reserve(exchange.idempotency)
             if replay is not None:
                 await respond(send, exchange, 200, replay,

@@ -26,7 +26,8 @@ class Exchange:
     request_id: str
     operation: str
     started_ms: int
-    anthropic: bool = False  # under /v1/messages: its errors take Anthropic's shape
+    # Under /v1/messages: Anthropic's API, in its shapes (gateway.messages).
+    anthropic: bool = False
     clock: float = field(default_factory=time.perf_counter)
     identity: KeyIdentity | None = None
     route: Route | None = None

@@ -16,11 +16,11 @@ from typing import Any
 import aiohttp
 import orjson
 
-from gateway.asgi import Send, response_headers
+from gateway.asgi import Send
 from gateway.errors import GatewayError, engine_message
 from gateway.exchange import Exchange
 from gateway.sink import UsageSink
-from gateway.streams import EVENT_STREAM, ended_early, engine_lines
+from gateway.streams import ended_early, engine_lines, start_stream
 
 
 def ledger_usage(usage: object) -> dict[str, Any]:
@@ -51,11 +51,7 @@ async def relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, sen
     content delta, before the client has the event; `message_delta` brings the engine's own
     count, which is final. An engine's `error` event reaches the client rewritten, as an
     OpenAI stream's error does."""
-    if not exchange.response_started:
-        exchange.response_started = True
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": response_headers(exchange, [EVENT_STREAM,
-                                                           (b"cache-control", b"no-cache")])})
+    await start_stream(exchange, send)
     failure: GatewayError | None = None
     stopped = False
     deltas = 0  # content deltas sent to the client

@@ -19,13 +19,13 @@ from django.conf import settings
 from endpoints.models import CacheIsolation
 from gateway import messages, observed
 from gateway.affinity import prefix_key
-from gateway.asgi import JSON, Receive, Send, respond, response_headers
+from gateway.asgi import JSON, Receive, Send, respond
 from gateway.directory import Upstream, choose_upstream, mark_down
 from gateway.errors import GatewayError, engine_message, from_engine
 from gateway.exchange import Exchange
-from gateway.protocol import ENGINE_PATHS, MESSAGES
+from gateway.protocol import ENGINE_PATHS
 from gateway.sink import UsageSink
-from gateway.streams import EVENT_STREAM, ended_early, engine_lines, read_within, too_large
+from gateway.streams import ended_early, engine_lines, read_within, start_stream, too_large
 from kvrun.common.digests import cache_salt
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Proxy:
         ring_salt = f"{salt}:{route.adapter}" if route.adapter else salt
         affinity = (prefix_key(payload, salt=ring_salt)
                     if route.prefix_affinity and len(route.upstreams) > 1 else None)
-        anthropic = exchange.operation == MESSAGES
+        anthropic = exchange.anthropic
         if exchange.stream and not anthropic:
             payload["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         upstream_body = orjson.dumps(payload)
@@ -188,7 +188,7 @@ class Proxy:
         count_tokens: its system prompt and tools too, which /tokenize does not read)."""
         assert exchange.upstream is not None and exchange.route is not None
         asked = {"model": exchange.route.name}
-        anthropic = exchange.operation == MESSAGES
+        anthropic = exchange.anthropic
         path, answer = ("/v1/messages/count_tokens", "input_tokens") if anthropic else (
             "/tokenize", "count")
         for field in ("messages", "system", "tools") if anthropic else ("messages", "prompt"):
@@ -217,11 +217,7 @@ async def _relay_stream(exchange: Exchange, response: aiohttp.ClientResponse, se
     chunk (the engine sends running usage) and shown only as the client asked; the trace
     holds them before the client has the chunk (UsageSink.write_ahead), all of them before a
     chunk that ends a choice. A stream held for a cold start has had its headers already."""
-    if not exchange.response_started:
-        exchange.response_started = True
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": response_headers(exchange, [EVENT_STREAM,
-                                                           (b"cache-control", b"no-cache")])})
+    await start_stream(exchange, send)
     failure: GatewayError | None = None
     done = False
     try:

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from django.conf import settings
 
+from gateway.asgi import Send, response_headers
 from gateway.errors import GatewayError
 from gateway.exchange import Exchange
 
@@ -55,6 +56,15 @@ async def engine_lines(exchange: Exchange, response: aiohttp.ClientResponse
         finally:
             exchange.upstream_seconds += time.perf_counter() - waited
         yield line
+
+
+async def start_stream(exchange: Exchange, send: Send) -> None:
+    """The stream's response headers, unless a hold for a cold start has sent them."""
+    if not exchange.response_started:
+        exchange.response_started = True
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": response_headers(exchange, [EVENT_STREAM,
+                                                           (b"cache-control", b"no-cache")])})
 
 
 def ended_early() -> GatewayError:
