@@ -35,16 +35,18 @@ def key(organization: Organization, *, scope: str = Scope.INFERENCE, name: str =
 
 
 def ready_endpoint(organization: Organization, name: str, ports: list[int],
-                   state: str = State.READY, **policy: object) -> Endpoint:
+                   state: str = State.READY, model: str = "kvrun-demo-tiny",
+                   **policy: object) -> Endpoint:
     """An endpoint whose replicas are ready at 127.0.0.1 on `ports`, as the reconciler leaves
-    one once its engines serve, on the demo model; the engines are whatever the caller runs
-    there. `policy` sets KV policy fields (cache_isolation, prefix_affinity, ...)."""
+    one once its engines serve, on the catalog's `model` (the demo's by default); the engines
+    are whatever the caller runs there. `policy` sets KV policy fields (cache_isolation,
+    prefix_affinity, ...)."""
     do_load_catalogs()
     cpu = GPUType.objects.get(slug="cpu")
     node, _ = Node.objects.get_or_create(name="stub-node", defaults=dict(
         gpu_type=cpu, cpu_count=2, memory_bytes=2**30))
     endpoint = Endpoint.objects.create(
-        organization=organization, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        organization=organization, name=name, model=ModelSpec.objects.get(slug=model),
         context_length=2048, concurrency=8, gpu_type=cpu, gpu_count=1, hourly_price_usd=0,
         state=state, **policy)
     for port in ports:  # each engine started with the model's parsers, as an agent starts it

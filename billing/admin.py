@@ -32,6 +32,7 @@ from billing.payments import do_clear_delinquency
 from billing.rollup import do_write_down_list_prices
 from billing.selectors import RollupLag, rollup_lag
 from endpoints.models import Endpoint
+from engine import tasks
 from kvrun.common.paginators import BoundedCountPaginator
 
 
@@ -74,9 +75,8 @@ class OperationFilter(admin.SimpleListFilter):
     parameter_name = "operation"
 
     def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple]:
-        # The operations the gateway meters (gateway.protocol.OPERATIONS).
-        return [("chat.completions", "chat.completions"), ("completions", "completions"),
-                ("messages", "messages")]
+        # The operations the gateway meters.
+        return [(operation, operation) for operation in sorted(tasks.ALL_OPERATIONS)]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         return queryset.filter(operation=self.value()) if self.value() else queryset

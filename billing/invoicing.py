@@ -32,7 +32,7 @@ from accounts.models import Organization
 from billing.models import Invoice, InvoiceLine, LineKind
 from billing.money import cents
 from billing.rollup import do_write_down_list_prices, lock_rollups
-from endpoints.models import BilledPhase
+from endpoints.models import BilledPhase, Task
 
 logger = logging.getLogger(__name__)
 
@@ -225,33 +225,39 @@ def _gpu_lines(organization_id: UUID, month: date) -> list[Line]:
              last, seconds) in rows]
 
 
+# A pooling model's prompt tokens are what it embeds or scores: a kind of their own.
+PROMPT_KINDS = {Task.EMBED: LineKind.EMBEDDED_TOKENS, Task.SCORE: LineKind.SCORED_TOKENS}
+
+
 def _token_lines(organization_id: UUID, month: date) -> list[Line]:
     start, end = month_bounds(month)
     with connection.cursor() as cursor:
         cursor.execute("""
-            SELECT line.endpoint_id, endpoint.name, line.adapter, price.prompt_per_million_usd,
+            SELECT line.endpoint_id, endpoint.name, line.adapter, model.task,
+                   price.prompt_per_million_usd,
                    price.cached_per_million_usd, price.completion_per_million_usd,
                    min(line.hour), max(line.hour) + interval '1 hour',
                    sum(line.prompt_tokens - line.cached_tokens), sum(line.cached_tokens),
                    sum(line.completion_tokens)
             FROM billing_tokenhour line
             JOIN endpoints_endpoint endpoint ON endpoint.id = line.endpoint_id
+            JOIN endpoints_modelspec model ON model.id = endpoint.model_id
             JOIN LATERAL (
                 SELECT * FROM billing_tokenprice
                 WHERE model_id = endpoint.model_id AND effective_from <= line.hour
                 ORDER BY effective_from DESC LIMIT 1) price ON true
             WHERE line.organization_id = %s AND line.hour >= %s AND line.hour < %s
-            GROUP BY 1, 2, 3, 4, 5, 6
-            ORDER BY 2, 3, 4, 5, 6""", [organization_id, start, end])
+            GROUP BY 1, 2, 3, 4, 5, 6, 7
+            ORDER BY 2, 3, 5, 6, 7""", [organization_id, start, end])
         rows = cursor.fetchall()
     # A row per price version; a version that changed another kind's price leaves this
     # kind's the same, and one kind at one price is one line (Line.key).
     counted: dict[tuple, tuple[datetime, datetime, int]] = {}
-    for endpoint_id, endpoint_name, adapter, *row in rows:
+    for endpoint_id, endpoint_name, adapter, task, *row in rows:
         prices, (first, last), tokens = row[0:3], row[3:5], row[5:8]
         for kind, price, count in zip(
-                (LineKind.PROMPT_TOKENS, LineKind.CACHED_TOKENS, LineKind.COMPLETION_TOKENS),
-                prices, tokens, strict=True):
+                (PROMPT_KINDS.get(task, LineKind.PROMPT_TOKENS), LineKind.CACHED_TOKENS,
+                 LineKind.COMPLETION_TOKENS), prices, tokens, strict=True):
             if not price or not count:
                 continue
             key = (endpoint_id, endpoint_name, adapter, kind, price)

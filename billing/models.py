@@ -27,8 +27,8 @@ class UsageRecord(models.Model):
                                 on_delete=models.SET_NULL, related_name="usage_records")
     api_key = models.ForeignKey("accounts.APIKey", null=True, blank=True,
                                 on_delete=models.SET_NULL, related_name="usage_records")
-    operation = models.CharField(max_length=20,
-                                 help_text="chat.completions, completions or messages")
+    operation = models.CharField(max_length=20, help_text="chat.completions, completions, "
+                                 "messages, embeddings, score or rerank")
     stream = models.BooleanField(default=False)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)
@@ -296,6 +296,9 @@ class LineKind(models.TextChoices):
     PROMPT_TOKENS = "prompt_tokens", "prompt tokens"
     CACHED_TOKENS = "cached_tokens", "cached prompt tokens"
     COMPLETION_TOKENS = "completion_tokens", "completion tokens"
+    # The prompt tokens of an embedding model's, or a scoring model's, endpoint: its inputs.
+    EMBEDDED_TOKENS = "embedded_tokens", "embedded tokens"
+    SCORED_TOKENS = "scored_tokens", "scored tokens"
 
 
 class InvoiceLine(models.Model):

@@ -8,7 +8,7 @@ from django.db import models
 from django.utils import timezone
 
 from endpoints.states import BilledPhase, State
-from engine import lora
+from engine import lora, tasks
 from engine.kv_policy import KVPolicy
 
 # The endpoint's contract, defined here once: the services, forms, serializers, wizard and
@@ -58,6 +58,14 @@ class AttentionKind(models.TextChoices):
     MLA = "mla", "multi-head latent"
 
 
+class Task(models.TextChoices):
+    """What a model's endpoints serve (engine.tasks)."""
+
+    GENERATE = tasks.GENERATE, "chat and completions"
+    EMBED = tasks.EMBED, "embeddings"
+    SCORE = tasks.SCORE, "rerank and score"
+
+
 class ModelSpec(models.Model):
     """An open model in the catalog, with the numbers from its published config.json."""
 
@@ -92,6 +100,8 @@ class ModelSpec(models.Model):
         null=True, blank=True, help_text="What the checkpoint's weights take as its files state "
         "them (quantized ones included); sizing uses it in place of parameters x dtype bytes.")
     licence = models.CharField(max_length=40)
+    task = models.CharField(max_length=10, choices=Task.choices, default=Task.GENERATE,
+                            help_text="Generate text, or pool it into embeddings or scores.")
     # A model added from the hub by an organisation is its own: no other one sees it, until an
     # operator promotes it to the public catalog (organization empty).
     organization = models.ForeignKey("accounts.Organization", null=True, blank=True,

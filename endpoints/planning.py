@@ -19,7 +19,7 @@ from django.db.models import Q, QuerySet
 from endpoints.models import DEFAULT_CONTEXT_LENGTH, AttentionKind, GPUType, ModelSpec, NodeState
 from endpoints.scheduling import Placement, largest_share
 from endpoints.selectors import model_catalog
-from engine import sizing
+from engine import sizing, tasks
 from engine.kv_policy import LMCACHE_LORA_REFUSAL, KVPolicy, refusals
 from engine.lora import LoraShape
 from engine.sizing import CPU, GPU
@@ -37,6 +37,8 @@ def shape_of(model: ModelSpec) -> sizing.ModelShape:
         kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.qk_rope_head_dim,
         sliding_window=model.sliding_window, sliding_window_layers=model.sliding_window_layers or 0,
         weights_bytes=model.weights_bytes, lora=lora_shape_of(model),
+        pooling=model.task in tasks.POOLING, kv_cache=tasks.keeps_kv_cache(model.architecture),
+        hidden_size=model.hidden_size, intermediate_size=model.intermediate_size or 0,
     )
 
 
@@ -302,8 +304,9 @@ def _advice(model: ModelSpec, request: sizing.Request, candidates: list[GPUType]
                  f"{'engine' if gpu.slug == CPU else 'GPU'}" for gpu in candidates) + ")")
     if best is None or sizing.largest_context(shape, request, best,
                                               concurrency=1) < request.block_tokens:
-        # The weights (with one block of KV) fit nothing: no knob but the hardware helps.
-        fitting = models_that_fit_online(models=model_catalog(),
+        # The weights (with one block of KV) fit nothing: no knob but the hardware helps,
+        # or another model of the same task.
+        fitting = models_that_fit_online(models=model_catalog().filter(task=model.task),
                                          context_length=request.context_length,
                                          concurrency=request.concurrency,
                                          kv_cache_dtype=request.kv_dtype, placement=placement)

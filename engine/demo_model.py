@@ -5,6 +5,9 @@ Deterministic from a seed, so every machine builds the same files; cached in a f
 real vLLM engine serves like any Hugging Face checkpoint. Each shape is a catalog entry:
 - `kvrun-demo-tiny`, the demo: 0.4 M parameters, loads in seconds, answers at once. Head dim
   64 because vLLM's CPU attention refuses smaller heads.
+- `kvrun-demo-embed` and `kvrun-demo-rerank`, the demo's embedding model (the demo itself,
+  which its engine converts) and its reranker (the demo's body under a random classifier's
+  head of one label).
 - `kvrun-bench-prefill`, for trials of the KV cache's governance on CPU engines: wide and deep
   enough that a prompt's prefill costs what a real model's does beside its decode steps, so
   that a prefix-cache hit saves time that can be measured (bench/kv.py records its figures).
@@ -17,7 +20,7 @@ from __future__ import annotations
 import fcntl
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from engine.lora import LoraShape
@@ -37,13 +40,20 @@ class Shape:
     kv_heads: int
     head_dim: int
     max_context: int
+    # A classifier's head of one label in place of the language model's: a cross-encoder,
+    # which scores a query and a document read together.
+    score_head: bool = False
 
     def config(self) -> dict[str, object]:
-        return {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
-                "num_hidden_layers": self.layers, "num_attention_heads": self.attention_heads,
-                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-                "max_position_embeddings": self.max_context, "vocab_size": VOCAB_SIZE,
-                "tie_word_embeddings": False}
+        config: dict[str, object] = {
+            "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.layers, "num_attention_heads": self.attention_heads,
+            "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_context, "vocab_size": VOCAB_SIZE,
+            "tie_word_embeddings": False}
+        if self.score_head:  # the head reads the last token; padding marks where it is
+            config |= {"num_labels": 1, "pad_token_id": 1}
+        return config
 
 
 TINY = Shape(hidden_size=128, intermediate_size=256, layers=2, attention_heads=2, kv_heads=1,
@@ -53,7 +63,9 @@ TINY = Shape(hidden_size=128, intermediate_size=256, layers=2, attention_heads=2
 # milliseconds; bench/results/kv.json records its costs.
 PREFILL_HEAVY = Shape(hidden_size=512, intermediate_size=1536, layers=6, attention_heads=8,
                       kv_heads=2, head_dim=64, max_context=4096)
-BUILT_IN = {"kvrun-demo-tiny": TINY, "kvrun-bench-prefill": PREFILL_HEAVY}
+# The demo's embedding model is the demo itself, which its engine converts to embed.
+BUILT_IN = {"kvrun-demo-tiny": TINY, "kvrun-bench-prefill": PREFILL_HEAVY,
+            "kvrun-demo-embed": TINY, "kvrun-demo-rerank": replace(TINY, score_head=True)}
 CORPUS = [
     "kvrun serves open language models on dedicated GPUs behind an OpenAI-compatible API.",
     "The key-value cache holds the attention keys and values of every token in the context.",
@@ -74,19 +86,21 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<s>assistant: {% endif %}"
 )
 MARKER = "kvrun-demo.json"
+BUILD_LOCK = ".kvrun-built-in.lock"
 
 
 def build(directory: Path, shape: Shape = TINY) -> Path:
     """Build the model of `shape` into `directory` unless an identical build is already there.
     Safe to call from several threads and processes at once: the first builds (under a file
-    lock, which also keeps transformers' lazy imports out of each other's way) and the others
-    wait for it and find its build."""
+    lock beside every built-in model's folder, which also keeps transformers' lazy imports
+    out of each other's way when two models are built at once) and the others wait for it
+    and find its build."""
     directory = Path(directory)
     recipe = {"seed": SEED, "config": shape.config(), "corpus": CORPUS,
               "special_tokens": [TOOL_CALL_TOKEN], "chat_template": CHAT_TEMPLATE}
     marker = directory / MARKER
     directory.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f".{directory.name}.lock", "w") as lock:
+    with open(directory.parent / BUILD_LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if marker.exists() and json.loads(marker.read_text()) == recipe:
             return directory
@@ -123,12 +137,13 @@ def _build_tokenizer(directory: Path, max_context: int) -> None:
 
 def _build_weights(directory: Path, shape: Shape) -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
     torch.manual_seed(SEED)
     config = LlamaConfig(**shape.config(), bos_token_id=0, eos_token_id=1,
                          torch_dtype="bfloat16")
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    kind = LlamaForSequenceClassification if shape.score_head else LlamaForCausalLM
+    model = kind(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
 
 
@@ -145,7 +160,8 @@ def parameter_count(shape: Shape = TINY) -> int:
     attention = shape.hidden_size * shape.head_dim * (2 * shape.attention_heads
                                                       + 2 * shape.kv_heads)
     per_layer = attention + 3 * shape.hidden_size * shape.intermediate_size + 2 * shape.hidden_size
-    return 2 * VOCAB_SIZE * shape.hidden_size + shape.layers * per_layer + shape.hidden_size
+    head = shape.hidden_size if shape.score_head else VOCAB_SIZE * shape.hidden_size
+    return VOCAB_SIZE * shape.hidden_size + head + shape.layers * per_layer + shape.hidden_size
 
 
 def described(shape: Shape) -> dict[str, object]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import parsers
+from engine import parsers, tasks
 
 HEADER_LENGTH_BYTES = 8
 
@@ -109,4 +109,5 @@ def describe_config(config: Mapping[str, Any], tensors: Tensors) -> dict[str, An
         "sliding_window": window if sliding_layers else None,
         "sliding_window_layers": sliding_layers or None,
         "default_dtype": str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"),
+        "task": tasks.detected(config),
     }

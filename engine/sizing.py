@@ -56,6 +56,13 @@ class ModelShape:
     weights_bytes: int | None = None
     # Its linear layers' dimensions, for the device memory LoRA slots take; None: unknown.
     lora: LoraShape | None = None
+    # A pooling model (engine.tasks) reads each input whole in one step and writes nothing:
+    # what a batch needs is its activations, and its KV cache where the model keeps one
+    # (a decoder's; an encoder such as BERT keeps none).
+    pooling: bool = False
+    kv_cache: bool = True
+    hidden_size: int = 0
+    intermediate_size: int = 0
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,23 @@ def kv_bytes_for_request(model: ModelShape, *, tokens: int, kv_dtype: str = "aut
                         + model.sliding_window_layers * _blocks(windowed, block_tokens))
 
 
+def activation_bytes_per_token(model: ModelShape, *, tp: int = 1) -> int:
+    """What one token of a pooling model's batch holds on one rank at the widest point of a
+    layer, in 16 bits: its residual, its attention's projections and its MLP's gate and up
+    halves, the largest of which vLLM's profiling run measures at start-up."""
+    return 2 * (4 * model.hidden_size + 2 * model.intermediate_size) // tp
+
+
+def request_bytes(model: ModelShape, request: Request, *, tokens: int, tp: int) -> int:
+    """What one request of `tokens` tokens holds on one rank beyond the weights: its KV
+    cache, and for a pooling model its activations (all of a batch's are held at once)."""
+    held = kv_bytes_for_request(model, tokens=tokens, kv_dtype=request.kv_dtype, tp=tp,
+                                block_tokens=request.block_tokens) if model.kv_cache else 0
+    if model.pooling:
+        held += tokens * activation_bytes_per_token(model, tp=tp)
+    return held
+
+
 def _blocks(tokens: int, block_tokens: int) -> int:
     return math.ceil(tokens / block_tokens) * block_tokens
 
@@ -154,9 +178,8 @@ class Decision:
 def evaluate(model: ModelShape, request: Request, accelerator: Accelerator, count: int) -> Fit:
     usable = int(accelerator.memory_bytes * request.gpu_memory_utilization)
     weights = math.ceil(weight_bytes(model, request.weight_dtype) / count)
-    needed = request.concurrency * kv_bytes_for_request(
-        model, tokens=request.context_length, kv_dtype=request.kv_dtype, tp=count,
-        block_tokens=request.block_tokens)
+    needed = request.concurrency * request_bytes(model, request, tokens=request.context_length,
+                                                 tp=count)
     adapters = lora_bytes(model, request, tp=count)
     available = usable - weights - adapters - RUNTIME_OVERHEAD_BYTES
     return Fit(accelerator=accelerator, count=count, weight_bytes_per_gpu=weights,
@@ -191,12 +214,15 @@ def choose(model: ModelShape, request: Request, accelerators: list[Accelerator],
 
 
 def explain(model: ModelShape, request: Request, choice: Fit | None, fits: list[Fit]) -> str:
-    kv_total = request.concurrency * kv_bytes_for_request(
-        model, tokens=request.context_length, kv_dtype=request.kv_dtype,
-        block_tokens=request.block_tokens)
-    asked = (f"weights {gb_text(weight_bytes(model, request.weight_dtype))} "
-             f"+ KV {gib_text(kv_total)} "
-             f"for {request.concurrency} × {_k(request.context_length)} tokens")
+    held = gib_text(request.concurrency * request_bytes(model, request,
+                                                        tokens=request.context_length, tp=1))
+    weights = gb_text(weight_bytes(model, request.weight_dtype))
+    if model.pooling:
+        asked = (f"weights {weights} + {held} for a batch of {request.concurrency} × "
+                 f"{_k(request.context_length)} tokens")
+    else:
+        asked = (f"weights {weights} + KV {held} for {request.concurrency} × "
+                 f"{_k(request.context_length)} tokens")
     if request.lora_adapters and model.lora is not None:
         asked += (f" + LoRA {gib_text(lora_bytes(model, request, tp=1))} for "
                   f"{request.lora_adapters} adapter(s) of rank {request.lora_max_rank}")
@@ -227,10 +253,8 @@ def _capacity_text(model: ModelShape, request: Request, fit: Fit) -> str:
 
 def largest_concurrency(model: ModelShape, request: Request, fit: Fit) -> int:
     """How many requests of the asked context the hardware holds at once."""
-    per_request = kv_bytes_for_request(model, tokens=request.context_length,
-                                       kv_dtype=request.kv_dtype, tp=fit.count,
-                                       block_tokens=request.block_tokens)
-    return max(0, fit.kv_available_per_gpu // per_request)
+    per_request = request_bytes(model, request, tokens=request.context_length, tp=fit.count)
+    return max(0, fit.kv_available_per_gpu // max(1, per_request))
 
 
 def largest_context(model: ModelShape, request: Request, fit: Fit, *, concurrency: int) -> int:
@@ -238,8 +262,7 @@ def largest_context(model: ModelShape, request: Request, fit: Fit, *, concurrenc
     low, high = 0, model.max_context
     while low < high:
         middle = (low + high + 1) // 2
-        needed = concurrency * kv_bytes_for_request(model, tokens=middle, kv_dtype=request.kv_dtype,
-                                                    tp=fit.count, block_tokens=request.block_tokens)
+        needed = concurrency * request_bytes(model, request, tokens=middle, tp=fit.count)
         if needed <= fit.kv_available_per_gpu:
             low = middle
         else:

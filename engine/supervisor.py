@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from engine import sandbox
+from engine import sandbox, tasks
 from engine.kv_policy import EngineKV, KVPolicy, build_for, engine_kv, lmcache_yaml
 from engine.processes import engine_group_dying_with_parent, engine_session_yields
 from engine.sizing import CPU, GIB, GPU
@@ -61,6 +61,10 @@ class EngineSpec:
     owner: str = ""  # engine.processes.owner_of(the node, the state directory)
     replica: str = ""
     trust_remote_code: bool = False  # an operator allowed the model's own code to run
+    # engine.tasks: to generate, or to pool (embeddings, scores) with the checkpoint's
+    # architecture saying whether the engine converts it.
+    task: str = tasks.GENERATE
+    architecture: str = ""
     tool_call_parser: str = ""  # engine.parsers; "": the engine takes no tools
     reasoning_parser: str = ""
     # LoRA adapters held on the device at once (0: the engine serves none), their largest
@@ -92,6 +96,11 @@ def build_command(spec: EngineSpec,
     ]
     kv = _engine_kv(spec)
     argv += kv.argv + list(spec.extra_args)
+    argv += tasks.runner_args(spec.task, architecture=spec.architecture)
+    if spec.task in tasks.POOLING:
+        # A batch holds as many of the longest inputs as the endpoint asked for: a pooling
+        # model reads each input whole, in one step.
+        argv += ["--max-num-batched-tokens", str(spec.max_model_len * spec.max_num_seqs)]
     if spec.trust_remote_code:
         argv.append("--trust-remote-code")
     if spec.tool_call_parser:
@@ -205,10 +214,11 @@ class EngineFailed(Exception):
 
 
 def wait_ready(*, address: EngineAddress, served_model_name: str,
-               alive: Callable[[], bool], timeout: float,
+               alive: Callable[[], bool], timeout: float, task: str = tasks.GENERATE,
                on_progress: Callable[[str], None] = lambda stage: None) -> None:
-    """Return once /health answers, /v1/models lists the model and a warm-up completion has
-    been served; raise EngineFailed if the process dies or the timeout passes first."""
+    """Return once /health answers, /v1/models lists the model and a warm-up request of
+    its `task` has been served; raise EngineFailed if the process dies or the timeout passes
+    first."""
     deadline = time.monotonic() + timeout
     healthy = False
     with address.client(timeout=2.0) as client:
@@ -225,7 +235,7 @@ def wait_ready(*, address: EngineAddress, served_model_name: str,
                     if models.status_code == 200 and any(
                         item["id"] == served_model_name for item in models.json()["data"]
                     ):
-                        warm_up(client, served_model_name)
+                        warm_up(client, served_model_name, task=task)
                         return
             except httpx.ConnectError as exc:
                 # Not yet listening, or listening with a certificate it may not serve with
@@ -250,16 +260,23 @@ def _certificate_refused(error: BaseException) -> ssl.SSLCertVerificationError |
 WARM_UP_PROMPT = "kvrun checks that the engine answers before it takes traffic."
 
 
-def warm_up(client: httpx.Client, served_model_name: str) -> None:
-    """One short completion before any user request, by `client` (EngineAddress.client). On
-    vLLM's CPU build a one-token prompt as an engine's very first request kills its worker
-    (SIGILL); after any longer first request it is served normally. On a GPU it moves
-    first-request compilation off users."""
-    response = client.post("/v1/completions", timeout=60.0,
-                           json={"model": served_model_name, "prompt": WARM_UP_PROMPT,
-                                 "max_tokens": 1})
+# What a warm-up asks of an engine of each task (engine.tasks): its path and its body.
+WARM_UPS: dict[str, tuple[str, dict[str, object]]] = {
+    tasks.GENERATE: ("/v1/completions", {"prompt": WARM_UP_PROMPT, "max_tokens": 1}),
+    tasks.EMBED: ("/v1/embeddings", {"input": WARM_UP_PROMPT}),
+    tasks.SCORE: ("/v1/score", {"text_1": WARM_UP_PROMPT, "text_2": WARM_UP_PROMPT}),
+}
+
+
+def warm_up(client: httpx.Client, served_model_name: str, *, task: str) -> None:
+    """One short request of `task` before any user request, by `client`
+    (EngineAddress.client). On vLLM's CPU build a one-token prompt as an engine's very first
+    request kills its worker (SIGILL); after any longer first request it is served normally.
+    On a GPU it moves first-request compilation off users."""
+    path, body = WARM_UPS[task]
+    response = client.post(path, timeout=60.0, json={"model": served_model_name, **body})
     if response.status_code != 200:
-        raise EngineFailed(f"the engine failed its first completion ({response.status_code}): "
+        raise EngineFailed(f"the engine failed its first request ({response.status_code}): "
                            f"{response.text[:300]}")
 
 

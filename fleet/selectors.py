@@ -91,6 +91,7 @@ def model_spec(*, model: ModelSpec) -> dict[str, Any]:
     return {"id": model.id, "slug": model.slug, "hf_repo": model.hf_repo,
             "hf_commit": model.hf_commit, "files": model.files,
             "trust_remote_code": model.trust_remote_code,
+            "task": model.task, "architecture": model.architecture,
             "tool_call_parser": model.tool_call_parser,
             "reasoning_parser": model.reasoning_parser,
             # An organisation's model is never looked for in an operator's folders.

@@ -9,7 +9,7 @@ from django.utils import timezone
 
 from billing.selectors import tokens_by_adapter
 from endpoints import selectors
-from endpoints.models import Endpoint
+from endpoints.models import Endpoint, Task
 from endpoints.states import COMING_UP, ENDPOINT_AT_REST, State
 
 LOG_LINES = 15
@@ -93,33 +93,57 @@ def endpoint_status(endpoint: Endpoint) -> dict[str, object]:
     return status
 
 
-def snippets(name: str, gateway: str) -> dict[str, str]:
-    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}],
-                       "max_tokens": SNIPPET_MAX_TOKENS})
+def snippets(name: str, gateway: str, task: str = Task.GENERATE) -> dict[str, str]:
+    """How to call the endpoint `name` from curl and from Python, by its model's task."""
+    if task == Task.EMBED:
+        path, body = "/v1/embeddings", {"model": name, "input": ["Hello!", "Hi there."]}
+        python = ("import os\n\nfrom openai import OpenAI\n\n"
+                  f"client = OpenAI(base_url=\"{gateway}/v1\", "
+                  "api_key=os.environ[\"KVRUN_API_KEY\"])\n"
+                  f"answer = client.embeddings.create(model=\"{name}\", "
+                  "input=[\"Hello!\", \"Hi there.\"])\n"
+                  "print(len(answer.data[0].embedding), answer.usage.prompt_tokens)\n")
+    elif task == Task.SCORE:
+        path, body = "/v1/rerank", {"model": name, "query": "Hello!",
+                                    "documents": ["Hi there.", "Goodbye."]}
+        python = ("import os\n\nimport httpx\n\n"
+                  f"answer = httpx.post(\"{gateway}/v1/rerank\", headers={{\"Authorization\": "
+                  "f\"Bearer {os.environ['KVRUN_API_KEY']}\"}, json={\n"
+                  f"    \"model\": \"{name}\", \"query\": \"Hello!\", "
+                  "\"documents\": [\"Hi there.\", \"Goodbye.\"]})\n"
+                  "for result in answer.json()[\"results\"]:\n"
+                  "    print(result[\"relevance_score\"], result[\"document\"][\"text\"])\n")
+    else:
+        path, body = "/v1/chat/completions", {
+            "model": name, "messages": [{"role": "user", "content": "Hello!"}],
+            "max_tokens": SNIPPET_MAX_TOKENS}
+        python = ("import os\n\nfrom openai import OpenAI\n\n"
+                  f"client = OpenAI(base_url=\"{gateway}/v1\", "
+                  "api_key=os.environ[\"KVRUN_API_KEY\"])\n"
+                  f"answer = client.chat.completions.create(\n    model=\"{name}\",\n"
+                  "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}],\n"
+                  f"    max_tokens={SNIPPET_MAX_TOKENS},\n)\n"
+                  "print(answer.choices[0].message.content)\n")
     return {
-        "curl": (f"curl {gateway}/v1/chat/completions \\\n"
+        "curl": (f"curl {gateway}{path} \\\n"
                  f"  -H \"Authorization: Bearer $KVRUN_API_KEY\" \\\n"
                  f"  -H 'Content-Type: application/json' \\\n"
-                 f"  -d '{body}'"),
-        "python": ("import os\n\nfrom openai import OpenAI\n\n"
-                   f"client = OpenAI(base_url=\"{gateway}/v1\", "
-                   "api_key=os.environ[\"KVRUN_API_KEY\"])\n"
-                   f"answer = client.chat.completions.create(\n    model=\"{name}\",\n"
-                   "    messages=[{\"role\": \"user\", \"content\": \"Hello!\"}],\n"
-                   f"    max_tokens={SNIPPET_MAX_TOKENS},\n)\n"
-                   "print(answer.choices[0].message.content)\n"),
+                 f"  -d '{json.dumps(body)}'"),
+        "python": python,
     }
 
 
-def memory_bar(summary: dict, device: int) -> list[dict[str, object]]:
+def memory_bar(summary: dict, device: int, *, task: str = Task.GENERATE
+               ) -> list[dict[str, object]]:
     """One GPU's memory as bar segments: weights, LoRA adapters' slots (where it has any),
-    the KV cache asked for, runtime, headroom."""
+    the KV cache asked for (for a pooling model, what one batch holds), runtime, headroom."""
     weights = summary["weight_bytes_per_gpu"]
     adapters = summary.get("lora_bytes_per_gpu", 0)  # sized before adapters were served: 0
     kv = summary["kv_needed_bytes_per_gpu"]
     overhead = summary["runtime_overhead_bytes_per_gpu"]
     headroom = max(0, device - weights - adapters - kv - overhead)
-    segments = (("weights", weights), ("LoRA adapters", adapters), ("KV cache", kv),
+    batch = "KV cache" if task == Task.GENERATE else "one batch"
+    segments = (("weights", weights), ("LoRA adapters", adapters), (batch, kv),
                 ("runtime", overhead), ("headroom", headroom))
     return [{"name": name, "bytes": value, "percent": round(100 * value / device, 1)}
             for name, value in segments if value or name != "LoRA adapters"]

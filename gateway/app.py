@@ -49,9 +49,12 @@ from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     CHATS,
     OPERATIONS,
+    POOLED,
     estimated_prompt_tokens,
     model_entry,
     parse_request,
+    pooled_estimate,
+    require_task,
     require_tool_parser,
     sequences,
     tokens_to_reserve,
@@ -162,8 +165,8 @@ class Gateway:
                 require_method(method, "POST")
                 await self._complete(exchange, scope, receive, send)
             else:
-                raise GatewayError(404, f"Unknown path {path}; kvrun serves /v1/chat/completions,"
-                                   " /v1/completions, /v1/messages and /v1/models.",
+                raise GatewayError(404, f"Unknown path {path}; kvrun serves "
+                                   f"{', '.join(OPERATIONS)} and /v1/models.",
                                    code="unknown_url")
         except GatewayError as error:
             await send_error(send, exchange, error)
@@ -226,6 +229,7 @@ class Gateway:
         body = await read_body(scope, exchange.waiting_on_client(receive))
         payload = parse_request(body)
         route = await self._route(identity, payload["model"])
+        require_task(exchange.operation, route)
         if exchange.operation in CHATS:
             if not route.chat_template:
                 raise GatewayError(400, f"The model behind {route.name} has no chat template, "
@@ -233,9 +237,14 @@ class Gateway:
                                    "/v1/completions instead.", code="chat_template_missing")
             require_tool_parser(payload, route, anthropic=exchange.anthropic)
         exchange.identity, exchange.route = identity, route
-        exchange.stream = bool(payload.get("stream"))
-        exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)
-        exchange.most_tokens = min(MOST_TOKENS, route.context_length * sequences(payload))
+        if exchange.operation in POOLED:  # answered whole, and only its inputs are read
+            exchange.estimated_prompt_tokens, inputs = pooled_estimate(exchange.operation,
+                                                                       payload)
+        else:
+            exchange.stream = bool(payload.get("stream"))
+            exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)
+            inputs = sequences(payload)
+        exchange.most_tokens = min(MOST_TOKENS, route.context_length * inputs)
         key = header(scope, b"idempotency-key")
         if key:
             exchange.idempotency_key = idempotency.validate(key)
@@ -311,8 +320,9 @@ class Gateway:
                 # counted in a minute long gone.
                 identity=exchange.identity, request_id=exchange.request_id,
                 now_ms=time.time_ns() // 1_000_000,
-                tokens=tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
-                                         context_length=exchange.route.context_length),
+                tokens=exchange.estimated_prompt_tokens if exchange.operation in POOLED
+                else tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
+                                       context_length=exchange.route.context_length),
                 trace=exchange.interrupted_report().encode())
         except GatewayError as refusal:
             exchange.status = refusal.status

@@ -32,6 +32,7 @@ from endpoints.selectors import (
     start_counted_from,
 )
 from endpoints.states import COMING_UP
+from engine import tasks
 from engine.tls import EngineAddress
 from fleet.certificates import authority_certificate_pem, engine_address
 from gateway.affinity import Ring
@@ -88,6 +89,7 @@ class Route:
     prefix_affinity: bool
     # Its model's tokenizer has a chat template; without one only completions work.
     chat_template: bool = True
+    task: str = tasks.GENERATE  # what its engines serve (engine.tasks.OPERATIONS)
     # Every engine serving it was started with a tool-call parser (without one an engine
     # takes no tools), and a reasoning parser (engine.parsers).
     tools: bool = False
@@ -144,6 +146,7 @@ def read_endpoints(organization_id: UUID, *, fresh_connection: bool = True
                       cache_isolation=endpoint.cache_isolation,
                       prefix_affinity=endpoint.prefix_affinity,
                       chat_template=endpoint.model.chat_template,
+                      task=endpoint.model.task,
                       tools=all(engine.tool_call_parser for engine in started),
                       reasoning=all(engine.reasoning_parser for engine in started),
                       scales_to_zero=scales_to_zero, desired_replicas=endpoint.desired_replicas,

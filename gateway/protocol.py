@@ -8,14 +8,24 @@ from typing import Any
 
 import orjson
 
+from engine import tasks
 from gateway.directory import Route
 from gateway.errors import GatewayError
 
 # Path → the operation a usage record names; the engine serves the same path.
 MESSAGES = "messages"  # Anthropic's Messages API (gateway.messages)
 OPERATIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
-              "/v1/messages": MESSAGES}
+              "/v1/messages": MESSAGES, "/v1/embeddings": "embeddings", "/v1/score": "score",
+              "/v1/rerank": "rerank"}
 CHATS = frozenset({"chat.completions", MESSAGES})
+POOLED = tasks.OPERATIONS[tasks.EMBED] | tasks.OPERATIONS[tasks.SCORE]
+# Where each operation's texts are in its request: an embedding's inputs, and the two sides
+# a score or a rerank pairs (vLLM's names for them, all of which it takes).
+POOLED_FIELDS = {"embeddings": (("input", ""),),
+                 "score": (("text_1", "text_2"), ("queries", "documents"),
+                           ("queries", "items"), ("data_1", "data_2")),
+                 "rerank": (("query", "documents"),)}
+ENCODINGS = ("float", "base64")  # an embedding's, in JSON
 ENGINE_PATHS = {operation: path for path, operation in OPERATIONS.items()}
 # OpenAI's rule of thumb for a prompt before it is tokenized, and what a chat template adds
 # around each message.
@@ -62,16 +72,74 @@ def sequences(payload: dict[str, Any]) -> int:
     return prompts * choices
 
 
+def require_task(operation: str, route: Route) -> None:
+    """400 for an operation the endpoint's engines do not serve: a chat sent to an embedding
+    model, an embedding asked of a chat model."""
+    if operation in tasks.OPERATIONS[route.task]:
+        return
+    served = {tasks.GENERATE: "chat and completions (/v1/chat/completions, /v1/completions "
+                              "and /v1/messages)",
+              tasks.EMBED: "embeddings (/v1/embeddings, and /v1/score and /v1/rerank by "
+                           "their similarity)",
+              tasks.SCORE: "scores (/v1/score and /v1/rerank)"}
+    raise GatewayError(400, f"The endpoint {route.name} serves {served[route.task]}, not "
+                       f"{operation}: send this request to an endpoint whose model is made "
+                       "for it (GET /v1/models lists what each serves).",
+                       code="unsupported_operation", param="model")
+
+
+def pooled_estimate(operation: str, payload: dict[str, Any]) -> tuple[int, int]:
+    """The prompt tokens of an embedding, score or rerank request as far as they can be
+    known without the model's tokenizer, and how many inputs the engine reads (each pair of
+    a score or rerank is one, its query read again for each document); 400 for a request
+    without its texts, or an embedding asked in an encoding other than JSON's."""
+    if operation == "embeddings" and payload.get("encoding_format", "float") not in ENCODINGS:
+        raise GatewayError(400, "'encoding_format' must be \"float\" or \"base64\".",
+                           code="invalid_request", param="encoding_format")
+    for first, second in POOLED_FIELDS[operation]:
+        if payload.get(first) and (not second or payload.get(second)):
+            lefts, rights = _items(payload[first]), _items(payload.get(second))
+            break
+    else:
+        wanted = " and ".join(f"'{name}'" for name in POOLED_FIELDS[operation][0] if name)
+        raise GatewayError(400, f"A request to {operation} needs {wanted}.",
+                           code="invalid_request", param=POOLED_FIELDS[operation][0][0])
+    if not rights:
+        return sum(map(_input_tokens, lefts)), len(lefts)
+    repeated = len(rights) if len(lefts) == 1 else 1
+    return (repeated * sum(map(_input_tokens, lefts)) + sum(map(_input_tokens, rights)),
+            max(len(lefts), len(rights)))
+
+
+def _items(texts: object) -> list[object]:
+    """One side of a pooled request as its inputs: a list of texts (or of token-id lists),
+    or one text, or one list of token ids."""
+    if texts is None:
+        return []
+    if isinstance(texts, list) and texts and not isinstance(texts[0], int):
+        return texts
+    return [texts]
+
+
+def _input_tokens(item: object) -> int:
+    if isinstance(item, list):  # token ids
+        return len(item)
+    text = item.get("text") if isinstance(item, dict) else item  # a rerank document's
+    return math.ceil(len(text) / CHARACTERS_PER_TOKEN) if isinstance(text, str) else 1
+
+
 def model_entry(route: Route) -> dict[str, Any]:
     """How `route` is listed in /v1/models; an adapter names its endpoint as its parent.
-    `capabilities` says what its engines take beyond plain chat: tools (any tool_choice),
-    reasoning (thinking in the answer's `reasoning` field) and structured outputs
-    (response_format with a JSON schema, which every engine takes)."""
+    `task` says what its engines serve (engine.tasks: generate, embed or score), and
+    `capabilities` what they take beyond plain chat: tools (any tool_choice), reasoning
+    (thinking in the answer's `reasoning` field) and structured outputs (response_format
+    with a JSON schema, which every generating engine takes)."""
     entry: dict[str, Any] = {
         "id": route.name, "object": "model", "created": route.created,
-        "owned_by": route.organization_slug,
+        "owned_by": route.organization_slug, "task": route.task,
         "capabilities": {"tools": route.tools and route.chat_template,
-                         "reasoning": route.reasoning, "structured_outputs": True}}
+                         "reasoning": route.reasoning,
+                         "structured_outputs": route.task == tasks.GENERATE}}
     if route.adapter:
         entry["parent"] = route.endpoint_name
     return entry

@@ -23,7 +23,7 @@ from gateway.asgi import JSON, Receive, Send, respond
 from gateway.directory import Upstream, choose_upstream, mark_down
 from gateway.errors import GatewayError, engine_message, from_engine
 from gateway.exchange import Exchange
-from gateway.protocol import ENGINE_PATHS
+from gateway.protocol import ENGINE_PATHS, POOLED
 from gateway.sink import UsageSink
 from gateway.streams import ended_early, engine_lines, read_within, start_stream, too_large
 from kvrun.common.digests import cache_salt
@@ -103,8 +103,10 @@ class Proxy:
                     response.close()
                     exchange.take_usage(
                         {"prompt_tokens": await self.count_prompt_tokens(exchange, payload)})
-                    raise too_large(limit, "answer", 'stream it ("stream": true) or ask for '
-                                     "less (max_tokens, n, logprobs)")
+                    raise too_large(limit, "answer", "send fewer inputs at a time, or ask for "
+                                    '"encoding_format": "base64"' if exchange.operation in POOLED
+                                    else 'stream it ("stream": true) or ask for less '
+                                    "(max_tokens, n, logprobs)")
                 if response.status != 200:
                     raise from_engine(response.status, body)
                 usage = _usage_in(body)
@@ -185,8 +187,11 @@ class Proxy:
     async def count_prompt_tokens(self, exchange: Exchange, payload: dict[str, Any]) -> int:
         """The last resort when a client left before any usage arrived: the engine's own
         tokenizer counts the prompt it was sent (an Anthropic one, by the engine's own
-        count_tokens: its system prompt and tools too, which /tokenize does not read)."""
+        count_tokens: its system prompt and tools too, which /tokenize does not read). The
+        inputs of an embedding, score or rerank count as estimated."""
         assert exchange.upstream is not None and exchange.route is not None
+        if exchange.operation in POOLED:  # /tokenize reads one prompt, not a batch of inputs
+            return exchange.estimated_prompt_tokens
         asked = {"model": exchange.route.name}
         anthropic = exchange.anthropic
         path, answer = ("/v1/messages/count_tokens", "input_tokens") if anthropic else (

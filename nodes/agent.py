@@ -219,7 +219,7 @@ class NodeAgent:
                                   stage="loading weights and allocating the KV cache")
             supervisor.wait_ready(
                 address=address, served_model_name=engine.served_model_name,
-                alive=lambda: process.poll() is None,
+                task=engine.task, alive=lambda: process.poll() is None,
                 timeout=self.timings.start_timeout_seconds,
                 on_progress=lambda stage: self.channel.progress(
                     replica_id, state=State.LOADING, stage="engine healthy, loading API",
@@ -469,6 +469,7 @@ class NodeAgent:
         return supervisor.EngineSpec(
             model_dir=str(weights.weights_dir(model, config=self.config)),
             trust_remote_code=model["trust_remote_code"],
+            task=model["task"], architecture=model["architecture"],
             tool_call_parser=model["tool_call_parser"],
             reasoning_parser=model["reasoning_parser"],
             served_model_name=endpoint["name"],

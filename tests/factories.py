@@ -66,12 +66,13 @@ def endpoint_at_zero(organization: Organization, name: str, *, start_seconds: fl
     return endpoint
 
 
-def demo_endpoint(org: Organization, *, name: str = "chat") -> Endpoint:
-    """An endpoint of the demo model on the CPU, as created, without the reconciler pass a
-    create asks for: these tests move its replicas themselves, and a control worker running
-    for other tests of the session must not move them too."""
+def demo_endpoint(org: Organization, *, name: str = "chat",
+                  model: str = "kvrun-demo-tiny") -> Endpoint:
+    """An endpoint of the demo model (or another built-in one) on the CPU, as created,
+    without the reconciler pass a create asks for: these tests move its replicas themselves,
+    and a control worker running for other tests of the session must not move them too."""
     return Endpoint.objects.create(
-        organization=org, name=name, model=ModelSpec.objects.get(slug="kvrun-demo-tiny"),
+        organization=org, name=name, model=ModelSpec.objects.get(slug=model),
         context_length=2048, concurrency=4, gpu_type=GPUType.objects.get(slug="cpu"),
         gpu_count=1, hourly_price_usd=GPUType.objects.get(slug="cpu").hourly_price_usd)
 

@@ -16,7 +16,9 @@ parser does (vLLM's `reasoning` field, then a tool call and no text); anything e
 answered at once with usage. /v1/messages answers in Anthropic's shapes, as vLLM does:
 "context" is its 400, "drop" dies after two deltas, "fail" ends on the engine's error event
 after two, "lie" reports a negative cache read; anything else four deltas. Streams carry
-running usage when asked, as vLLM's do.
+running usage when asked, as vLLM's do. /v1/embeddings, /v1/score and /v1/rerank answer in
+vLLM's shapes, a word of their texts a token (a rerank's query read again for each
+document); an input "context" is the context-length 400.
 """
 
 import asyncio
@@ -86,6 +88,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
     prompt = _prompt(request)
     if scope["path"] == "/v1/messages":
         await _messages(send, prompt, stream=bool(request.get("stream")))
+        return
+    if scope["path"] in POOLED:
+        await _pooled(send, scope["path"], request)
         return
     if prompt == "think":
         await _think(send, stream=bool(request.get("stream")))
@@ -223,3 +228,40 @@ async def _messages(send: object, prompt: str, *, stream: bool) -> None:
                 usage=usage)
     await event("message_stop")
     await send({"type": "http.response.body", "body": b""})
+
+
+POOLED = ("/v1/embeddings", "/v1/score", "/v1/rerank")
+EMBEDDING = [0.6, 0.8]
+
+
+async def _pooled(send: object, path: str, request: dict) -> None:
+    def listed(texts: object) -> list[str]:
+        return [str(text) for text in (texts if isinstance(texts, list) else [texts])]
+
+    if path == "/v1/embeddings":
+        inputs = listed(request["input"])
+        pairs = [(text, "") for text in inputs]
+    else:
+        query = request.get("query", request.get("text_1"))
+        documents = listed(request.get("documents", request.get("text_2")))
+        pairs = [(str(query), document) for document in documents]
+    if any("context" in pair for pair in pairs):
+        await _respond(send, 400, CONTEXT_ERROR)
+        return
+    tokens = sum(len(first.split()) + len(second.split()) for first, second in pairs)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+    if path == "/v1/embeddings":
+        answer = {"id": "embd-stub", "object": "list", "created": 0, "model": request["model"],
+                  "data": [{"index": index, "object": "embedding", "embedding": EMBEDDING}
+                           for index in range(len(pairs))], "usage": usage}
+    elif path == "/v1/score":
+        answer = {"id": "score-stub", "object": "list", "created": 0, "model": request["model"],
+                  "data": [{"index": index, "object": "score", "score": 1 / (index + 1)}
+                           for index in range(len(pairs))], "usage": usage}
+    else:
+        answer = {"id": "score-stub", "model": request["model"],
+                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                  "results": [{"index": index, "document": {"text": document},
+                               "relevance_score": 1 / (index + 1)}
+                              for index, (_, document) in enumerate(pairs)]}
+    await _respond(send, 200, orjson.dumps(answer))

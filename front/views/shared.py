@@ -44,11 +44,13 @@ def endpoint_page(request: HttpRequest, member: Member, endpoint: Endpoint, *,
         "costs": costs, "month_cents": month,
         "advice": Advice.objects.filter(endpoint=endpoint, resolved_at=None),
         **forms, "adapters": presenters.adapters(endpoint),
-        "memory": presenters.memory_bar(endpoint.sizing, device) if sized else None,
+        "memory": presenters.memory_bar(endpoint.sizing, device, task=endpoint.model.task)
+        if sized else None,
         "device_bytes": device, "member": member, "organization": member.organization,
         "endpoint": endpoint, "section": "endpoints",
         "status": presenters.endpoint_status(endpoint),
-        "gateway": gateway, "snippets": presenters.snippets(endpoint.name, gateway),
+        "gateway": gateway,
+        "snippets": presenters.snippets(endpoint.name, gateway, endpoint.model.task),
         "replicas_behind_parsers": replicas_behind_parsers(endpoint=endpoint),
     }, status=status)
 

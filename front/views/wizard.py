@@ -24,6 +24,7 @@ from endpoints.models import (
     DEFAULT_IDLE_SECONDS,
     GPUType,
     ModelSpec,
+    Task,
 )
 from endpoints.policies import EndpointPolicy, EndpointScaling
 from endpoints.scheduling import Placement
@@ -157,7 +158,7 @@ def _catalog_context(organization: Organization) -> dict[str, object]:
     return {
         "models": [{"spec": model, "size": _size_of(model), "runs_online": model.id in runs_online}
                    for model in models],
-        "sizes": SIZE_LABELS, "contexts": CONTEXTS,
+        "sizes": SIZE_LABELS, "contexts": CONTEXTS, "tasks": Task.choices,
         "licences": sorted({model.licence for model in models}),
     }
 
@@ -199,7 +200,9 @@ def _sizing_context(form: SizingForm) -> dict[str, object]:
         "monthly_price_scaled_to_zero": monthly * (1 - IDLE_SHARE),
         "wake_seconds": median_start_seconds(model_id=model.id,
                                              gpu_type_id=decided.gpu_type.id),
-        "memory": presenters.memory_bar(summary, device),
+        "memory": presenters.memory_bar(summary, device, task=model.task),
+        "batch_tokens": data["context_length"] * data["concurrency"],
+        "keeps_kv_cache": planning.shape_of(model).kv_cache,
         "device_bytes": device,
         "other_dtype": other_dtype,
         "other_dtype_concurrency": planning.largest_concurrency_on(

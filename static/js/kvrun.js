@@ -64,11 +64,13 @@ if (filters) {
     const query = filters.querySelector('[name="q"]').value.trim().toLowerCase();
     const size = filters.querySelector('[name="size"]').value;
     const licence = filters.querySelector('[name="licence"]').value;
+    const task = filters.querySelector('[name="task"]').value;
     const context = Number(filters.querySelector('[name="min_context"]').value || 0);
     let shown = 0;
     document.querySelectorAll(".model-card").forEach((card) => {
       const match = query.split(/\s+/).every((word) => card.dataset.search.includes(word))
         && (!size || card.dataset.size === size) && (!licence || card.dataset.licence === licence)
+        && (!task || card.dataset.task === task)
         && Number(card.dataset.context) >= context;
       const keep = match || card.querySelector("input").checked;
       card.hidden = !keep;
@@ -80,13 +82,40 @@ if (filters) {
   filters.addEventListener("change", (event) => event.stopPropagation());
 }
 
+// An embedding model or a reranker reads inputs in batches and generates nothing: the
+// wizard asks for its longest input and the inputs read at once, and hides what only
+// generation uses (KV tiers and routing, LoRA adapters).
+const POOLING_FIELDS = {
+  context_length: ["Longest input (tokens)", "The longest text (a query and a document, for a reranker) one input may hold."],
+  concurrency: ["Inputs per batch", "Texts read at once at that length: a batch holds this many inputs of the longest."],
+};
+const generating = {};
+function askFor(task) {
+  const pooling = task && task !== "generate";
+  for (const [name, [label, help]] of Object.entries(POOLING_FIELDS)) {
+    const labelled = document.querySelector(`#wizard label[for="id_${name}"]`);
+    const helped = document.getElementById(`id_${name}_helptext`);
+    if (!labelled) continue;
+    generating[name] ??= [labelled.textContent, helped?.textContent];
+    labelled.textContent = pooling ? label : generating[name][0];
+    if (helped) helped.textContent = pooling ? help : generating[name][1];
+  }
+  document.querySelectorAll("#wizard [data-generate-only]").forEach((part) => {
+    part.hidden = pooling;
+  });
+}
+askFor(document.querySelector('#wizard input[name="model"]:checked')
+  ?.closest(".model-card").dataset.task);
+
 // Choosing a model brings the context within its maximum. This listens on the catalog,
 // below the form, so the live sizing that the form asks for next already sees the new value.
 document.getElementById("catalog")?.addEventListener("change", (event) => {
   if (event.target.name !== "model") return;
-  const most = Number(event.target.closest(".model-card").dataset.context);
+  const card = event.target.closest(".model-card");
+  const most = Number(card.dataset.context);
   const context = document.querySelector('#wizard [name="context_length"]');
   if (context && Number(context.value) > most) context.value = most;
+  askFor(card.dataset.task);
 });
 
 // A name the page suggested for the chosen model may be replaced when another is chosen.

@@ -60,6 +60,26 @@ def test_a_month_s_invoice_bills_each_phase_at_its_price_and_tokens_at_theirs(
     assert invoice.total_cents == 950
 
 
+def test_an_embedding_or_reranking_endpoint_s_tokens_are_a_kind_of_their_own(
+        cpu_endpoint: Endpoint, org: Organization, key: APIKey) -> None:
+    # Beside a chat endpoint whose tokens have no price: only theirs are billed.
+    for slug, name in (("kvrun-demo-embed", "embed"), ("kvrun-demo-rerank", "rerank")):
+        endpoint = demo_endpoint(org, name=name, model=slug)
+        Replica.objects.create(endpoint=endpoint)
+        TokenPrice.objects.create(model=endpoint.model, prompt_per_million_usd=Decimal("0.02"),
+                                  effective_from=datetime(2025, 1, 1, tzinfo=UTC))
+        record(endpoint, key, datetime(2026, 1, 10, 9, tzinfo=UTC), prompt_tokens=50_000_000)
+
+    finalize_at(FEB_1 + timedelta(hours=1, seconds=1))
+
+    invoice = Invoice.objects.get()
+    assert lines_of(invoice) == [
+        ("embed: embedded tokens", Decimal("50"), Decimal("0.02"), 100),
+        ("rerank: scored tokens", Decimal("50"), Decimal("0.02"), 100)]
+    assert list(invoice.lines.values_list("kind", flat=True)) == [
+        "embedded_tokens", "scored_tokens"]
+
+
 def test_only_the_billed_phases_are_on_the_invoice(cpu_endpoint: Endpoint, cpu_node: Node,
                                                    settings: object) -> None:
     settings.KVRUN_BILLED_PHASES = ["ready"]

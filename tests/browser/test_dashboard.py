@@ -86,6 +86,37 @@ def test_the_wizard_offers_the_regions_online_and_launches_in_one(
         path=SCREENSHOTS / "endpoint-capabilities.png")
 
 
+def test_the_wizard_asks_an_embedding_model_for_its_batch_and_its_page_says_how_to_call_it(
+        live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
+    page.get_by_role("link", name="Create your first endpoint").click()
+    wizard_ready(page)
+
+    page.get_by_label("Serves").select_option("embed")
+    expect(page.locator(".model-card:visible .model-name")).to_have_text(
+        ["BGE small en v1.5 (embeddings)", "kvrun embeddings demo (tiny, random weights)",
+         "Qwen3 Embedding 0.6B"])
+    page.get_by_text("kvrun embeddings demo").click()
+    page.get_by_label("Longest input (tokens)").fill("512")
+    page.get_by_label("Inputs per batch").fill("8")
+
+    expect(page.get_by_test_id("batch-facts")).to_contain_text(
+        "One batch8 inputs × 512 tokens = 4,096 tokens")
+    expect(page.get_by_test_id("sizing")).to_contain_text("for a batch of 8 × 512 tokens")
+    expect(page.get_by_text("KV cache policy: tiers, isolation and routing")).to_be_hidden()
+    expect(page.get_by_text("LoRA adapters: fine-tunes served beside the model")).to_be_hidden()
+    shot("wizard-embeddings")
+    page.get_by_role("button", name="Launch endpoint").click()
+
+    endpoint = Endpoint.objects.get()
+    assert (endpoint.model.slug, endpoint.context_length, endpoint.concurrency) == (
+        "kvrun-demo-embed", 512, 8)
+    expect(page.get_by_test_id("capabilities")).to_contain_text(
+        "Serves: embeddings (/v1/embeddings, float or base64)")
+    expect(page.locator("#snippet-python")).to_contain_text("client.embeddings.create(")
+    expect(page.locator("#snippet-curl")).to_contain_text("/v1/embeddings")
+    shot("endpoint-embeddings")
+
+
 def test_an_owner_enrols_a_node_of_the_organisation_s_own_and_an_endpoint_runs_there_alone(
         live_server: object, page: Page, laptop: Node, shot: Callable[[str], None]) -> None:
     page.get_by_role("navigation", name="Main").get_by_role("link", name="Nodes").click()

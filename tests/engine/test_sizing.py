@@ -17,6 +17,7 @@ from engine.sizing import (
     kv_cache_tokens,
     largest_concurrency,
     largest_context,
+    request_bytes,
     weight_bytes,
 )
 
@@ -36,6 +37,14 @@ GEMMA_2_9B = ModelShape(name="Gemma 2 9B", parameters=9_241_705_984, layers=42,
                         sliding_window=4096, sliding_window_layers=21)
 DEMO = ModelShape(name="demo", parameters=426_624, layers=2, attention_heads=2, kv_heads=1,
                   head_dim=64, max_context=2048)
+
+# Pooling models: BGE small (an encoder, no KV cache) and Qwen3-Embedding 0.6B (a decoder).
+BGE_SMALL = ModelShape(name="BGE small", parameters=33_360_000, layers=12, attention_heads=12,
+                       kv_heads=12, head_dim=32, max_context=512, attention_kind="mha",
+                       pooling=True, kv_cache=False, hidden_size=384, intermediate_size=1536)
+QWEN3_EMBEDDING = ModelShape(name="Qwen3 Embedding 0.6B", parameters=595_776_512, layers=28,
+                             attention_heads=16, kv_heads=8, head_dim=128, max_context=32_768,
+                             pooling=True, hidden_size=1024, intermediate_size=3072)
 
 H200 = Accelerator("h200", "H200", 150_754_820_096, Decimal("5.60"))
 H100 = Accelerator("h100-80gb", "H100", 85_520_809_984, Decimal("4.50"))
@@ -145,3 +154,20 @@ def test_tensor_parallel_sizes_must_divide_the_heads() -> None:
 
     assert decision.choice is None
     assert "the largest, 4 × L4, fits 33 × 32k." in decision.explanation
+
+
+def test_a_pooling_batch_holds_its_activations_and_a_decoder_s_kv_cache() -> None:
+    request = Request(context_length=512, concurrency=64)
+
+    # 2 bytes x (4 x 384 + 2 x 1536) a token; an encoder keeps no KV cache.
+    assert request_bytes(BGE_SMALL, request, tokens=512, tp=1) == 512 * 2 * (4 * 384 + 2 * 1536)
+    # 2 x 28 x 8 x 128 x 2 of KV a token, and 2 x (4 x 1024 + 2 x 3072) of activations.
+    assert request_bytes(QWEN3_EMBEDDING, request, tokens=512, tp=1) == 512 * (
+        114_688 + 2 * (4 * 1024 + 2 * 3072))
+
+    decision = choose(BGE_SMALL, request, [L4])
+
+    assert decision.choice is not None
+    assert decision.choice.kv_needed_per_gpu == 64 * 512 * 9_216
+    assert decision.explanation.startswith(
+        "weights 66.7 MB + 0.3 GiB for a batch of 64 × 512 tokens → 1 × L4")

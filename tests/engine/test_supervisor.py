@@ -162,3 +162,13 @@ def test_an_engine_takes_tools_and_reasoning_only_with_its_model_s_parsers() -> 
     bare, _ = build_command(spec())
     assert not {"--enable-auto-tool-choice", "--tool-call-parser", "--reasoning-parser"} & set(
         bare)
+
+
+def test_a_pooling_engine_reads_a_batch_of_its_longest_inputs_at_once() -> None:
+    argv, _ = build_command(spec(task="embed", architecture="Qwen3ForCausalLM",
+                                 max_model_len=512, max_num_seqs=32))
+
+    joined = " ".join(argv)
+    assert "--runner pooling --convert embed" in joined
+    assert "--max-num-batched-tokens 16384" in joined
+    assert "--runner" not in build_command(spec())[0]

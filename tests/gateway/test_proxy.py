@@ -246,6 +246,7 @@ def test_models_lists_the_ready_endpoints_a_key_may_call(
     assert [model["id"] for model in only.json()["data"]] == ["chat"]
     assert one.json() == {"id": "chat", "object": "model", "owned_by": org.slug,
                           "created": int(stub_endpoint.created_at.timestamp()),
+                          "task": "generate",
                           "capabilities": {"tools": True, "reasoning": False,
                                            "structured_outputs": True}}
     assert missing.status_code == 404
