@@ -54,6 +54,8 @@ urlpatterns = [
          name="playground"),
     path("orgs/<slug:org_slug>/endpoints/<slug:name>/playground/chat/", playground.chat,
          name="playground-chat"),
+    path("orgs/<slug:org_slug>/endpoints/<slug:name>/playground/pooled/", playground.pooled,
+         name="playground-pooled"),
     path("orgs/<slug:org_slug>/billing/", billing.billing, name="billing"),
     path("orgs/<slug:org_slug>/billing/budget/", billing.set_budget, name="budget-set"),
     path("orgs/<slug:org_slug>/billing/budget/remove/", billing.remove_budget,

@@ -1,4 +1,5 @@
-"""The playground: chat with an endpoint through the gateway, answers streaming in.
+"""The playground: chat with an endpoint through the gateway, answers streaming in; or, for
+an embedding model, compare two texts' embeddings, and for a reranker, rank documents.
 
 The browser never holds a key. The page posts to `chat`, which calls the gateway with a
 short-lived inference key of the signed-in person, restricted to this endpoint, whose secret
@@ -22,7 +23,7 @@ from django.views.decorators.http import require_POST
 
 from accounts.selectors import playground_key_of
 from accounts.services import do_issue_playground_key
-from endpoints.models import Adapter, Endpoint
+from endpoints.models import Adapter, Endpoint, Task
 from endpoints.selectors import adapters_of
 from front.scoping import Member, endpoint_of, membership
 from kvrun.common.digests import playground_secret
@@ -34,6 +35,8 @@ ROLES = {"system", "user", "assistant"}
 MAX_MESSAGES = 100
 # The most tokens one playground answer may ask for: a console to try a model, not a batch job.
 MAX_TOKENS = 4096
+MAX_DOCUMENTS = 50  # a reranking to look at, not a batch
+MAX_TEXT_CHARACTERS = 20_000
 
 
 @login_required
@@ -105,6 +108,69 @@ async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
     response["Cache-Control"] = "no-cache"
     response["X-Accel-Buffering"] = "no"
     return response
+
+
+@login_required
+@require_POST
+async def pooled(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
+    """Embed two texts (an embedding model's endpoint) or rank documents for a query (a
+    reranker's) through the gateway, and answer with the gateway's JSON as it came; the
+    page compares and orders."""
+    try:
+        member, endpoint = await sync_to_async(_visible)(request, org_slug, name)
+    except Http404:
+        return _error(404, "No such endpoint in this organisation.")
+    if not member.manages:
+        return _error(403, "Only owners and admins can use the playground; ask one of them.")
+    if endpoint.model.task == Task.GENERATE:
+        return _error(400, f"{endpoint.name} serves chat: use the chat above.")
+    try:
+        path, payload = _pooled_payload(request.body, task=endpoint.model.task)
+    except ValueError as exc:
+        return _error(400, str(exc))
+    payload["model"] = endpoint.name
+    async with httpx.AsyncClient(timeout=httpx.Timeout(
+            10.0, read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS)) as client:
+        try:
+            for renew in (False, True):  # a revoked key: one fresh key, once
+                secret = await sync_to_async(_secret_for)(request, member, endpoint, renew)
+                answer = await client.post(f"{settings.KVRUN_GATEWAY_URL}{path}", json=payload,
+                                           headers={"Authorization": f"Bearer {secret}"})
+                if answer.status_code != 401:
+                    break
+        except httpx.HTTPError as exc:
+            return _error(502, f"The gateway did not answer ({exc.__class__.__name__}); try "
+                               "again, and if it persists ask an operator to check the web "
+                               "process.")
+    return HttpResponse(answer.content, status=answer.status_code,
+                        content_type="application/json")
+
+
+def _pooled_payload(body: bytes, *, task: str) -> tuple[str, dict[str, Any]]:
+    """The gateway path and request for what the page sends: two texts to embed, or a query
+    and its documents to rank; ValueError says what is wrong."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        data = None
+    if not isinstance(data, dict):
+        raise ValueError("Send a JSON object.")
+    if task == Task.EMBED:
+        texts = data.get("texts")
+        if not (isinstance(texts, list) and len(texts) == 2 and all(
+                isinstance(text, str) and 0 < len(text.strip()) <= MAX_TEXT_CHARACTERS
+                for text in texts)):
+            raise ValueError(f"Write both texts to compare (each up to {MAX_TEXT_CHARACTERS:,} "
+                             "characters).")
+        return "/v1/embeddings", {"input": texts, "encoding_format": "float"}
+    query, documents = data.get("query"), data.get("documents")
+    if not isinstance(query, str) or not 0 < len(query.strip()) <= MAX_TEXT_CHARACTERS:
+        raise ValueError(f"Write a query (up to {MAX_TEXT_CHARACTERS:,} characters).")
+    if not (isinstance(documents, list) and 0 < len(documents) <= MAX_DOCUMENTS and all(
+            isinstance(text, str) and 0 < len(text.strip()) <= MAX_TEXT_CHARACTERS
+            for text in documents)):
+        raise ValueError(f"Write 1 to {MAX_DOCUMENTS} documents, one a line.")
+    return "/v1/rerank", {"query": query, "documents": documents}
 
 
 async def _open(client: httpx.AsyncClient, payload: dict[str, Any], secret: str

@@ -2,6 +2,7 @@
 // time to first token, generation speed and token counts (from the stream's usage chunk).
 (() => {
   const root = document.getElementById("playground");
+  if (!root) return;
   const form = document.getElementById("chat-form");
   const transcript = document.getElementById("transcript");
   const error = document.getElementById("chat-error");
@@ -105,6 +106,97 @@
   document.getElementById("chat-clear").addEventListener("click", () => {
     history.length = 0;
     transcript.replaceChildren();
+  });
+  send.disabled = false;
+})();
+
+// An embedding model's playground compares two texts (dimensions, cosine similarity); a
+// reranker's orders documents by relevance, with their scores.
+(() => {
+  const root = document.getElementById("pooled");
+  if (!root) return;
+  const form = document.getElementById("pooled-form");
+  const result = document.getElementById("pooled-result");
+  const error = document.getElementById("pooled-error");
+  const send = document.getElementById("pooled-send");
+
+  function fact(term, value) {
+    const item = document.createElement("div");
+    const dt = document.createElement("dt");
+    const dd = document.createElement("dd");
+    dt.textContent = term;
+    dd.textContent = value;
+    item.append(dt, dd);
+    return item;
+  }
+
+  function cosine(a, b) {
+    let dot = 0, left = 0, right = 0;
+    a.forEach((value, i) => { dot += value * b[i]; left += value * value; right += b[i] * b[i]; });
+    return dot / Math.sqrt(left * right);
+  }
+
+  function showEmbeddings(answer) {
+    const [first, second] = answer.data.map((item) => item.embedding);
+    const facts = document.createElement("dl");
+    facts.className = "facts";
+    facts.dataset.testid = "embedding-facts";
+    facts.append(fact("Dimensions", first.length.toLocaleString()),
+                 fact("Cosine similarity", cosine(first, second).toFixed(4)),
+                 fact("Prompt tokens", answer.usage.prompt_tokens.toLocaleString()));
+    const head = document.createElement("p");
+    head.className = "muted small";
+    head.textContent = `First text's embedding begins ${first.slice(0, 6).map((v) => v.toFixed(4)).join(", ")}, …`;
+    result.replaceChildren(facts, head);
+  }
+
+  function showRanking(answer) {
+    const table = document.createElement("table");
+    table.dataset.testid = "ranking";
+    const header = table.createTHead().insertRow();
+    for (const title of ["Rank", "Score", "Document"]) {
+      const cell = document.createElement("th");
+      cell.textContent = title;
+      header.append(cell);
+    }
+    const body = table.createTBody();
+    answer.results.forEach((item, rank) => {
+      const row = body.insertRow();
+      row.insertCell().textContent = String(rank + 1);
+      row.insertCell().textContent = item.relevance_score.toFixed(4);
+      row.insertCell().textContent = item.document.text;
+    });
+    const tokens = document.createElement("p");
+    tokens.className = "muted small";
+    tokens.textContent = `${answer.usage.prompt_tokens.toLocaleString()} prompt tokens: the query is read again with each document.`;
+    result.replaceChildren(table, tokens);
+  }
+
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    error.hidden = true;
+    const embed = root.dataset.task === "embed";
+    const asked = embed
+      ? { texts: [form.first.value, form.second.value] }
+      : { query: form.query.value,
+          documents: form.documents.value.split("\n").map((line) => line.trim()).filter(Boolean) };
+    send.disabled = true;
+    try {
+      const response = await fetch(root.dataset.url, {
+        method: "POST",
+        headers: { "Content-Type": "application/json",
+                   "X-CSRFToken": form.csrfmiddlewaretoken.value },
+        body: JSON.stringify(asked),
+      });
+      const answer = await response.json().catch(() => ({}));
+      if (!response.ok) throw new Error(answer.error?.message || `The request failed (${response.status}).`);
+      if (embed) showEmbeddings(answer); else showRanking(answer);
+    } catch (err) {
+      error.textContent = err.message;
+      error.hidden = false;
+    } finally {
+      send.disabled = false;
+    }
   });
   send.disabled = false;
 })();

@@ -92,3 +92,40 @@ def test_members_are_read_only_and_cannot_spend_through_the_playground(
     assert "Only owners and admins" in refused.json()["error"]["message"]
     assert not APIKey.objects.exists()
     assert b"Open the playground" not in endpoint_page.content
+
+
+def pooled(client: Client, org: Organization, name: str, body: object) -> object:
+    return client.post(f"/orgs/{org.slug}/endpoints/{name}/playground/pooled/",
+                       json.dumps(body), content_type="application/json")
+
+
+@pytest.mark.parametrize(("name", "body", "message"), [
+    ("embed", {"texts": ["only one"]}, "Write both texts to compare"),
+    ("embed", {"texts": ["a", "  "]}, "Write both texts to compare"),
+    ("rerank", {"query": "", "documents": ["a"]}, "Write a query"),
+    ("rerank", {"query": "q", "documents": []}, "Write 1 to 50 documents, one a line."),
+    ("rerank", {"query": "q", "documents": ["a"] * 51}, "Write 1 to 50 documents"),
+    ("chat", {"texts": ["a", "b"]}, "chat serves chat: use the chat above."),
+])
+def test_bad_embedding_and_rerank_input_is_refused_before_any_key_is_made(
+        owner_client: Client, org: Organization, name: str, body: dict,
+        message: str) -> None:
+    ready_endpoint(org, "chat", ports=[])
+    ready_endpoint(org, "embed", ports=[], model="kvrun-demo-embed")
+    ready_endpoint(org, "rerank", ports=[], model="kvrun-demo-rerank")
+
+    response = pooled(owner_client, org, name, body)
+
+    assert response.status_code == 400
+    assert message in response.json()["error"]["message"]
+    assert not APIKey.objects.exists()
+
+
+def test_an_embedding_model_s_playground_asks_for_two_texts_and_holds_no_key(
+        owner_client: Client, org: Organization) -> None:
+    ready_endpoint(org, "embed", ports=[], model="kvrun-demo-embed")
+
+    page = owner_client.get(f"/orgs/{org.slug}/endpoints/embed/playground/").content.decode()
+
+    assert "Compare two texts' embeddings" in page and 'id="chat-form"' not in page
+    assert "kvr_" not in page

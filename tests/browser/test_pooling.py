@@ -1,7 +1,8 @@
-"""Embedding and reranking endpoints end to end: the official `openai` client and plain HTTP
-→ web process → real vLLM engines on the pooling runner, provisioned by the node agent (the
-demo model converted to embed, and the demo's body under a classifier's head of one label),
-with usage ingested by the real worker and metered exactly as each engine counted.
+"""Embedding and reranking endpoints end to end: the official `openai` client, plain HTTP
+and the playground in a real Chromium → web process → real vLLM engines on the pooling
+runner, provisioned by the node agent (the demo model converted to embed, and the demo's
+body under a classifier's head of one label), with usage ingested by the real worker and
+metered exactly as each engine counted.
 
 The module's engines serve all its tests, so it commits its own data and flushes once at
 the end, as tests/e2e/test_gateway.py does.
@@ -10,29 +11,31 @@ the end, as tests/e2e/test_gateway.py does.
 import base64
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import httpx
 import openai
 import pytest
 from django.core.management import call_command
+from playwright.sync_api import Page, expect
 
-from accounts.models import Organization, Role
+from accounts.models import Organization, Role, User
 from accounts.services import do_create_organization
 from endpoints.models import Endpoint, GPUType, ModelSpec, Node, Replica, State
 from endpoints.policies import EndpointPolicy
 from endpoints.services import do_create_endpoint, do_delete_endpoint, do_load_catalogs
 from engine.metrics import engine_token_totals
-from tests.factories import UserFactory, inference_key
+from tests.factories import PASSWORD, UserFactory, inference_key
 from tests.helpers import SuiteAgent, api_servers, drive, engine_client, records_for, wait_until
 
-pytestmark = [pytest.mark.e2e]
+pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
 
 @dataclass(frozen=True)
 class Pooled:
     web: str
+    owner: User
     organization: Organization
     embedder: Endpoint
     reranker: Endpoint
@@ -51,7 +54,8 @@ def pooled(django_db_blocker: object, agent: SuiteAgent, web: str) -> Iterator[P
         do_load_catalogs()
         assert wait_until(lambda: Node.objects.filter(name="e2e-a", state="online",
                                                       gpu_type__slug="cpu").exists(), 60)
-        organization = do_create_organization(user=UserFactory(), name="Hooli")
+        owner = UserFactory()
+        organization = do_create_organization(user=owner, name="Hooli")
         endpoints = [do_create_endpoint(
             organization=organization, actor_role=Role.OWNER, created_by=None, name=name,
             model=ModelSpec.objects.get(slug=slug), gpu_type=GPUType.objects.get(slug="cpu"),
@@ -59,7 +63,7 @@ def pooled(django_db_blocker: object, agent: SuiteAgent, web: str) -> Iterator[P
             for name, slug in (("embed", "kvrun-demo-embed"), ("rerank", "kvrun-demo-rerank"))]
         assert drive(lambda: all(Endpoint.objects.get(id=endpoint.id).state == State.READY
                                  for endpoint in endpoints), 240)
-        yield Pooled(web=web, organization=organization, embedder=endpoints[0],
+        yield Pooled(web=web, owner=owner, organization=organization, embedder=endpoints[0],
                      reranker=endpoints[1])
         for endpoint in endpoints:
             do_delete_endpoint(endpoint=endpoint, actor_role=Role.OWNER)
@@ -133,3 +137,32 @@ def test_a_reranker_orders_documents_with_scores_metered_as_the_engine_counted(
         ("rerank", ranked.json()["usage"]["prompt_tokens"]),
         ("score", scored.json()["usage"]["prompt_tokens"])])
     assert sum(r.prompt_tokens for r in records) == after - before
+
+
+def test_the_playground_compares_two_texts_and_ranks_documents(
+        pooled: Pooled, page: Page, shot: Callable[[str], None]) -> None:
+    page.goto(f"{pooled.web}/login/")
+    page.get_by_label("Email").fill(pooled.owner.email)
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Sign in").click()
+    slug = pooled.organization.slug
+
+    page.goto(f"{pooled.web}/orgs/{slug}/endpoints/embed/playground/")
+    page.get_by_label("First text").fill("The KV cache holds keys.")
+    page.get_by_label("Second text").fill("The KV cache holds keys.")
+    page.get_by_role("button", name="Embed and compare").click()
+    facts = page.get_by_test_id("embedding-facts")
+    expect(facts).to_contain_text("Dimensions128")
+    expect(facts).to_contain_text("Cosine similarity1.0000")  # a text and itself
+    shot("playground-embeddings")
+
+    page.goto(f"{pooled.web}/orgs/{slug}/endpoints/rerank/playground/")
+    page.get_by_label("Query").fill("What holds keys?")
+    page.get_by_label("Documents, one a line").fill(
+        "The KV cache holds keys.\nDecode reads the cache.\nTokens per hour.")
+    page.get_by_role("button", name="Rank").click()
+    rows = page.get_by_test_id("ranking").locator("tbody tr")
+    expect(rows).to_have_count(3)
+    scores = [float(rows.nth(n).locator("td").nth(1).inner_text()) for n in range(3)]
+    assert scores == sorted(scores, reverse=True)  # best first
+    shot("playground-rerank")
