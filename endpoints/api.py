@@ -300,7 +300,7 @@ class OrganizationModelViewSet(OrganizationScoped, mixins.ListModelMixin,
             organization=self.organization, actor_role=self.actor_role,
             added_by=request.user if isinstance(request.user, User) else None,
             repo_id=data["hf_repo"], revision=data["hf_revision"], token=data["hf_token"],
-            tool_call_parser=data.get("tool_call_parser"),
+            task=data.get("task"), tool_call_parser=data.get("tool_call_parser"),
             reasoning_parser=data.get("reasoning_parser"))
         return Response({**self.get_serializer(model).data, "sizing": sizing_preview(model)},
                         status=status.HTTP_201_CREATED)

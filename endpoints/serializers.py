@@ -25,6 +25,7 @@ from endpoints.models import (
     Replica,
     ScalingMetric,
     State,
+    Task,
 )
 from endpoints.selectors import OwnNode, models_visible_to, progress_of
 from kvrun.common.api import StrictSerializer
@@ -33,7 +34,7 @@ MODEL_FIELDS = ["slug", "name", "hf_repo", "hf_revision", "hf_commit", "family",
                 "parameters", "active_parameters", "weights_bytes", "layers", "hidden_size",
                 "attention_heads", "kv_heads", "head_dim", "vocab_size", "max_context",
                 "attention_kind", "kv_lora_rank", "qk_rope_head_dim", "sliding_window",
-                "sliding_window_layers", "default_dtype", "licence", "chat_template",
+                "sliding_window_layers", "default_dtype", "licence", "task", "chat_template",
                 "tool_call_parser", "reasoning_parser"]
 
 
@@ -82,6 +83,11 @@ class HubModelInput(StrictSerializer):
 
 
 class ModelFromHubInput(HubModelInput):
+    task = serializers.ChoiceField(
+        choices=Task.choices, required=False,
+        help_text="What it serves: generate (chat and completions), embed or score (rerank); "
+        "left out: what its config says. A generative checkpoint trained to embed (such as "
+        "Qwen3-Embedding) is added with embed.")
     tool_call_parser = serializers.CharField(
         max_length=40, required=False, allow_blank=True,
         help_text="vLLM's tool-call parser for its engines (one the nodes' vLLM offers); \"\": "

@@ -35,6 +35,7 @@ from endpoints.models import (
     ModelSpec,
     Region,
     ScalingMetric,
+    Task,
 )
 from endpoints.scheduling import Placement
 from endpoints.selectors import engines_online, models_visible_to, regions_online
@@ -122,8 +123,13 @@ FAMILY_PARSER, NO_PARSER = "", "none"
 
 
 class ModelFromHubForm(HubModelForm):
-    """A model by its hub id, with the parsers its engines start with: those the nodes that
-    would run it offer."""
+    """A model by its hub id, what it serves, and the parsers its engines start with: those
+    the nodes that would run it offer."""
+
+    task = forms.ChoiceField(
+        required=False, label="Task", choices=[("", "What its config says"), *Task.choices],
+        help_text="Embeddings from a generative checkpoint trained for them (Qwen3-Embedding) "
+                  "need saying; rerankers and encoders say it themselves.")
 
     tool_call_parser = forms.ChoiceField(
         required=False, label="Tool-call parser",
@@ -142,11 +148,13 @@ class ModelFromHubForm(HubModelForm):
                 (FAMILY_PARSER, "Its family's"), (NO_PARSER, "None"),
                 *((parser, parser) for parser in sorted(offered))]
 
-    def parsers(self) -> dict[str, str | None]:
-        """The service's arguments: None for the family's, "" for none."""
-        return {name: None if self.cleaned_data[name] == FAMILY_PARSER
-                else "" if self.cleaned_data[name] == NO_PARSER else self.cleaned_data[name]
-                for name in ("tool_call_parser", "reasoning_parser")}
+    def choices(self) -> dict[str, str | None]:
+        """The service's task and parsers: None for what its config says and its family's,
+        "" for no parser."""
+        return {"task": self.cleaned_data["task"] or None,
+                **{name: None if self.cleaned_data[name] == FAMILY_PARSER
+                   else "" if self.cleaned_data[name] == NO_PARSER else self.cleaned_data[name]
+                   for name in ("tool_call_parser", "reasoning_parser")}}
 
 
 class AdapterForm(HubModelForm):

@@ -173,7 +173,8 @@ def owner_api(api: APIClient, owner: User) -> APIClient:
 
 
 # What a node's vLLM build reports, cut to the architectures and parsers the tests use.
-TEST_BUILD = EngineBuild(version="0.32.0", architectures=("LlamaForCausalLM", "Qwen2ForCausalLM"),
+TEST_BUILD = EngineBuild(version="0.32.0", architectures=("LlamaForCausalLM", "Qwen2ForCausalLM",
+                                                        "LlamaForSequenceClassification"),
                          tool_parsers=("hermes", "llama3_json"),
                          reasoning_parsers=("deepseek_r1", "qwen3"))
 

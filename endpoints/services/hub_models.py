@@ -12,9 +12,9 @@ from django.db import IntegrityError, transaction
 
 from accounts.models import Organization, User
 from accounts.services import require_manager
-from endpoints.models import ModelSpec
+from endpoints.models import ModelSpec, Task
 from endpoints.selectors import EnginesOnline, engines_online
-from engine import hub, parsers
+from engine import hub, parsers, tasks
 from engine.sizing import GB
 from kvrun.common.sealing import seal
 
@@ -27,19 +27,23 @@ TOKEN_SHAPE = re.compile(r"[!-~]+")
 
 def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
                           added_by: User | None, repo_id: str, revision: str = "",
-                          token: str = "", tool_call_parser: str | None = None,
+                          token: str = "", task: str | None = None,
+                          tool_call_parser: str | None = None,
                           reasoning_parser: str | None = None) -> ModelSpec:
     """Add the hub repository `repo_id` at `revision` (a branch, tag or commit; the default
     branch when empty) as a model of `organization`, pinned to the commit it resolves to now.
-    Its engines start with `tool_call_parser` and `reasoning_parser` ("": none; None: its
-    family's where its tokenizer has the parser's markers, engine.parsers).
+    It serves `task` (None: what its config says, engine.tasks.detected; a generative
+    checkpoint trained to embed, such as Qwen3-Embedding, is added with "embed"). A
+    generating model's engines start with `tool_call_parser` and `reasoning_parser` ("":
+    none; None: its family's where its tokenizer has the parser's markers, engine.parsers).
 
     Raises ValidationError keyed by `hf_repo`, `hf_revision` or `hf_token`, and changes
     nothing, when the repository cannot be read with the token given, has no safetensors
     weights, needs remote code an operator has not allowed, has an architecture no engine
-    online runs, or is larger than every node's model cache; keyed by `tool_call_parser` or
-    `reasoning_parser` for a parser no engine online offers. The token, when given, is kept
-    sealed (kvrun.common.sealing) for the downloads; it is never returned.
+    online runs, or is larger than every node's model cache; keyed by `task` for a task its
+    architecture cannot serve, and by `tool_call_parser` or `reasoning_parser` for a parser
+    no engine online offers or one asked of a model that does not generate. The token, when
+    given, is kept sealed (kvrun.common.sealing) for the downloads; it is never returned.
     """
     require_manager(actor_role, "add models")
     repo_id, revision, token = repo_id.strip(), revision.strip(), token.strip()
@@ -61,9 +65,18 @@ def do_add_model_from_hub(*, organization: Organization, actor_role: str | None,
     refusal = _refusal(checkpoint, revision=revision, online=online)
     if refusal:
         raise ValidationError({"hf_repo": [refusal]})
+    fields["task"] = _task(asked=task, detected=fields["task"], checkpoint=checkpoint)
     fitting = (fields.pop("tool_call_parser"), fields.pop("reasoning_parser"))
-    chosen = _parsers(asked=(tool_call_parser, reasoning_parser), fitting=fitting, online=online,
-                      checkpoint=checkpoint)
+    if fields["task"] in tasks.POOLING:
+        if tool_call_parser or reasoning_parser:
+            raise ValidationError({"tool_call_parser" if tool_call_parser else
+                                   "reasoning_parser": [
+                                       "Parsers read generated text; an embedding model or a "
+                                       "reranker generates none. Leave them out."]})
+        chosen = ("", "")
+    else:
+        chosen = _parsers(asked=(tool_call_parser, reasoning_parser), fitting=fitting,
+                          online=online, checkpoint=checkpoint)
     files = [asdict(f) for f in hub.engine_files(checkpoint.files,
                                                  remote_code=checkpoint.remote_code)]
     model = ModelSpec(
@@ -109,6 +122,22 @@ def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str,
                 f"any node's model cache holds (the largest: {online.largest_cache / GB:.1f} "
                 "GB): ask an operator for a node with a larger cache (KVRUN_MODEL_CACHE_GIB).")
     return None
+
+
+def _task(*, asked: str | None, detected: str, checkpoint: hub.HubCheckpoint) -> str:
+    """The task asked for, where the checkpoint can serve it: what its config says, or
+    embeddings from a generative checkpoint (the engine converts it)."""
+    if asked is None or asked == detected:
+        return detected
+    if asked == Task.EMBED and detected == Task.GENERATE:
+        return asked
+    serves: dict[str, str] = {Task.GENERATE: "a generative model", Task.EMBED: "an embedding model (an "
+              "encoder without a head)", Task.SCORE: "a reranker (a classifier of one label)"}
+    why = (f"only {serves[Task.SCORE]} scores" if asked == Task.SCORE
+           else f"it serves {Task(detected).label}")
+    raise ValidationError({"task": [
+        f"{checkpoint.repo_id} is a {checkpoint.architecture}, {serves[detected]}: {why}. "
+        f"Leave the task out to take what its config says ({Task(detected).label})."]})
 
 
 def _parsers(*, asked: tuple[str | None, str | None], fitting: tuple[str, str],

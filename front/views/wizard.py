@@ -89,7 +89,7 @@ def add_model(request: HttpRequest, org_slug: str) -> HttpResponse:
             model = services.do_add_model_from_hub(
                 organization=member.organization, actor_role=member.role,
                 added_by=request.user, repo_id=data["hf_repo"], revision=data["hf_revision"],
-                token=data["hf_token"], **hub_form.parsers())
+                token=data["hf_token"], **hub_form.choices())
         except ValidationError as exc:
             add_service_errors(hub_form, exc)
         else:

@@ -212,6 +212,40 @@ def test_a_model_added_by_id_gets_its_family_s_parsers_or_those_its_owner_names(
     assert add(owner_api, org, hf_repo="kvrun/demo-e")["tool_call_parser"] == ""
 
 
+def test_a_model_added_by_id_serves_what_its_config_says_or_embeds_when_asked(
+        owner_api: APIClient, org: Organization, cpu_node: Node, hub: Hub, hub_url: str,
+        tmp_path: Path) -> None:
+    hub.publish("kvrun/reranker", demo_model.build(tmp_path / "r",
+                                                   demo_model.BUILT_IN["kvrun-demo-rerank"]))
+    reranker = add(owner_api, org, hf_repo="kvrun/reranker")
+    # A generative checkpoint trained to embed says so only when it is added.
+    embedder = add(owner_api, org, hf_repo="kvrun/demo", task="embed")
+
+    assert (reranker["status"], reranker["task"], reranker["tool_call_parser"]) == (
+        201, "score", "")
+    assert (embedder["status"], embedder["task"], embedder["tool_call_parser"]) == (
+        201, "embed", "")
+    assert embedder["sizing"]["explanation"].startswith("weights ")
+    assert "for a batch of" in embedder["sizing"]["explanation"]
+
+    # What its architecture cannot serve, and parsers for a model that generates nothing,
+    # are refused, and nothing is saved.
+    hub.publish("kvrun/demo-f", demo_model.build(tmp_path / "f"))
+    scoring = add(owner_api, org, hf_repo="kvrun/demo-f", task="score")
+    assert scoring["task"] == [
+        "kvrun/demo-f is a LlamaForCausalLM, a generative model: only a reranker (a "
+        "classifier of one label) scores. Leave the task out to take what its config says "
+        "(chat and completions)."]
+    parsed = add(owner_api, org, hf_repo="kvrun/demo-f", task="embed",
+                 tool_call_parser="llama3_json")
+    assert parsed["tool_call_parser"] == [
+        "Parsers read generated text; an embedding model or a reranker generates none. "
+        "Leave them out."]
+    unknown = add(owner_api, org, hf_repo="kvrun/demo-f", task="classify")
+    assert unknown["status"] == 400 and "task" in unknown
+    assert not ModelSpec.objects.filter(hf_repo="kvrun/demo-f").exists()
+
+
 def test_an_organisation_sizes_its_own_model_and_nobody_else_can(
         owner_api: APIClient, org: Organization, other_org: Organization, cpu_node: Node,
         hub_url: str) -> None:
