@@ -4,8 +4,10 @@ Side by side in one run, with wrk as the load generator (one thread):
   minimal upstream  bench.minimal_upstream (a raw ASGI app answering at once), direct, through
                     the gateway, and through the floor (bench.floor_forwarder: a bare
                     forwarder with the gateway's server and HTTP client, nothing else):
-                    added latency at concurrency 1, non-streamed, streamed and as Anthropic's
-                    Messages API (/v1/messages), and requests per second at concurrency 32,
+                    added latency at concurrency 1, non-streamed, streamed, as Anthropic's
+                    Messages API (/v1/messages) and as embeddings (/v1/embeddings, to an
+                    embedding model's endpoint on a second minimal upstream, with a
+                    certificate of its own), and requests per second at concurrency 32,
                     which isolates the gateway's own cost and sets it beside the least any
                     gateway in Python adds here;
   real engine       a vLLM CPU engine serving the demo model, direct and through the gateway:
@@ -72,6 +74,8 @@ GOALS = [
     Goal("rps_vs_floor", "requests a second / the floor's, c=32", at_least=0.7),
     Goal("messages_added_p50_vs_floor", "added p50 / the floor's, /v1/messages, c=1",
          at_most=1.3),
+    Goal("embeddings_added_p50_vs_floor", "added p50 / the floor's, /v1/embeddings, c=1",
+         at_most=1.3),
 ]
 SHOWN = [
     Figure("floor_added_p50_ms", "the floor's added p50, c=1", "ms"),
@@ -80,6 +84,9 @@ SHOWN = [
     Figure("floor_rps", "requests a second through the floor, c=32", "req/s"),
     Figure("messages_added_p50_ms", "added p50, /v1/messages, c=1", "ms"),
     Figure("floor_messages_added_p50_ms", "the floor's added p50, /v1/messages, c=1", "ms"),
+    Figure("embeddings_added_p50_ms", "added p50, /v1/embeddings, c=1", "ms"),
+    Figure("floor_embeddings_added_p50_ms", "the floor's added p50, /v1/embeddings, c=1",
+           "ms"),
     Figure("rps_minimal_upstream_direct", "requests a second direct, c=32", "req/s"),
     Figure("held_added_p99_ms", "added p99 beside 200 held requests, c=1", "ms"),
     Figure("requests_held_at_the_end", "requests still held when that run ended"),
@@ -97,6 +104,7 @@ SHOWN = [
 COMPLETION = {"model": "{name}", "prompt": "Hello, world!", "max_tokens": 16, "ignore_eos": True}
 MESSAGE = {"model": "minimal", "max_tokens": 16,
            "messages": [{"role": "user", "content": "Hello, world!"}]}
+EMBEDDING = {"model": "embed", "input": "Hello, world!"}
 HELD_ORGANIZATIONS, HELD_PER_ORGANIZATION = 50, 4
 HELD_REQUESTS = HELD_ORGANIZATIONS * HELD_PER_ORGANIZATION
 METRICS_TOKEN = "bench-metrics"
@@ -192,12 +200,16 @@ def main() -> int:
     # Limits on, set high enough never to refuse: their cost is part of what is measured.
     _, secret = seed.key(organization, requests_per_minute=10**9, tokens_per_minute=10**9)
 
-    upstream_port, engine_port, web_port, floor_port = (processes.free_port() for _ in range(4))
+    upstream_port, engine_port, web_port, floor_port, embed_port = (
+        processes.free_port() for _ in range(5))
     # Both upstreams serve TLS, as every engine an agent starts does: the gateway's cost of
     # reaching them is part of what is measured, and so are their own on the direct runs.
     minimal_replica = seed.ready_endpoint(organization, "minimal", [upstream_port]
                                           ).replicas.get()
     minimal_key, minimal_certificate = seed.certify(minimal_replica, logs / "minimal-tls")
+    embed_replica = seed.ready_endpoint(organization, "embed", [embed_port],
+                                        model="kvrun-demo-embed").replicas.get()
+    embed_key, embed_certificate = seed.certify(embed_replica, logs / "embed-tls")
     engine_endpoint = seed.ready_endpoint(organization, "engine", [engine_port])
     model_dir = str(demo_model.build(AgentConfig.from_environ().model_dir / "kvrun-demo-tiny"))
     engine_replica = engine_endpoint.replicas.get()
@@ -213,6 +225,10 @@ def main() -> int:
     upstream = serve("bench.minimal_upstream:app", upstream_port, logs / "minimal-upstream.log",
                      args=("--ssl-keyfile", str(minimal_key),
                            "--ssl-certfile", str(minimal_certificate)))
+    embed_upstream = serve("bench.minimal_upstream:app", embed_port,
+                           logs / "minimal-embed-upstream.log",
+                           args=("--ssl-keyfile", str(embed_key),
+                                 "--ssl-certfile", str(embed_certificate)))
     floor = serve("bench.floor_forwarder:app", floor_port, logs / "floor-forwarder.log",
                   {"FLOOR_UPSTREAM": f"https://127.0.0.1:{upstream_port}"})
     web_log = logs / "gateway-web.log"
@@ -247,6 +263,9 @@ def main() -> int:
                                   ("gateway", gateway, secret)):
             runs[f"minimal_{through}_messages_c1"] = wrk(
                 url.replace("/v1/completions", "/v1/messages"), MESSAGE, key, connections=1)
+            runs[f"minimal_{through}_embeddings_c1"] = wrk(
+                url.replace("/v1/completions", "/v1/embeddings"), EMBEDDING, key,
+                connections=1)
         body = body_for("minimal", stream=False)
         with HeldRequests(web_port, held_secrets):
             runs["minimal_gateway_plain_c1_beside_held"] = wrk(gateway, body, secret,
@@ -276,8 +295,9 @@ def main() -> int:
     finally:
         web.send_signal(signal.SIGTERM)
         web.wait(60)
-        upstream.terminate()
-        upstream.wait(30)
+        for upstream_process in (upstream, embed_upstream):
+            upstream_process.terminate()
+            upstream_process.wait(30)
         floor.terminate()
         floor.wait(30)
         processes.stop_group(engine.pid, grace=15)
@@ -351,6 +371,10 @@ def summarise(runs: dict[str, dict], *, peak_rss_mb: float, completed: int, stil
         "floor_messages_added_p50_ms": added("messages", "p50_us", "floor"),
         "messages_added_p50_vs_floor": versus(added("messages", "p50_us"),
                                               added("messages", "p50_us", "floor")),
+        "embeddings_added_p50_ms": added("embeddings", "p50_us"),
+        "floor_embeddings_added_p50_ms": added("embeddings", "p50_us", "floor"),
+        "embeddings_added_p50_vs_floor": versus(added("embeddings", "p50_us"),
+                                                added("embeddings", "p50_us", "floor")),
         "rps_minimal_upstream": round(gateway_c32["rps"]),
         "rps_minimal_upstream_direct": round(runs["minimal_direct_plain_c32"]["rps"]),
         "gateway_cpu_share_c32": round(gateway_c32["watched_cpu_share"], 3),
@@ -392,13 +416,14 @@ def report(result: dict) -> None:
         print(f"  {'minimal upstream, ' + label + ', c=1':<36}{ms(direct['p50_us']):>11.3f}"
               f"{ms(through['p50_us']):>12.3f}{result[prefix + 'added_p50_ms']:>10.3f}"
               f"{result[prefix + 'added_p99_ms']:>10.3f}   (goal p50 ≤ 1, p99 ≤ 5)")
-    direct, floor = runs["minimal_direct_messages_c1"], runs["minimal_floor_messages_c1"]
-    through = runs["minimal_gateway_messages_c1"]
-    print(f"  {'/v1/messages, c=1 (floor, then kvrun)':<36}{ms(direct['p50_us']):>11.3f}"
-          f"{ms(floor['p50_us']):>12.3f}{result['floor_messages_added_p50_ms']:>10.3f}")
-    print(f"  {'':<36}{'':>11}{ms(through['p50_us']):>12.3f}"
-          f"{result['messages_added_p50_ms']:>10.3f}   "
-          f"({result['messages_added_p50_vs_floor']} × the floor's; goal ≤ 1.3)")
+    for path in ("messages", "embeddings"):
+        direct, floor = runs[f"minimal_direct_{path}_c1"], runs[f"minimal_floor_{path}_c1"]
+        through = runs[f"minimal_gateway_{path}_c1"]
+        print(f"  {'/v1/' + path + ', c=1 (floor, then kvrun)':<36}{ms(direct['p50_us']):>11.3f}"
+              f"{ms(floor['p50_us']):>12.3f}{result[f'floor_{path}_added_p50_ms']:>10.3f}")
+        print(f"  {'':<36}{'':>11}{ms(through['p50_us']):>12.3f}"
+              f"{result[f'{path}_added_p50_ms']:>10.3f}   "
+              f"({result[f'{path}_added_p50_vs_floor']} × the floor's; goal ≤ 1.3)")
     beside = runs["minimal_gateway_plain_c1_beside_held"]
     print(f"  {'plain, beside 200 held (+ vs above)':<36}{'':>11}{ms(beside['p50_us']):>12.3f}"
           f"{result['held_added_p50_ms']:>10.3f}{result['held_added_p99_ms']:>10.3f}   "

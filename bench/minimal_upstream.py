@@ -1,7 +1,8 @@
 """A minimal OpenAI-compatible upstream for the gateway benchmark: a raw ASGI app that answers
 every completion at once with a fixed body and usage, so that what is measured through it is
 the gateway's own cost. `"stream": true` gets four SSE chunks (the last with its finish
-reason), the usage chunk when asked for, and [DONE]. /v1/messages gets an Anthropic message.
+reason), the usage chunk when asked for, and [DONE]. /v1/messages gets an Anthropic message,
+/v1/embeddings an embedding of 384 dimensions (BGE small's).
 
     python -m uvicorn bench.minimal_upstream:app --port P --no-access-log
 """
@@ -20,10 +21,17 @@ MESSAGE = orjson.dumps({
     "content": [{"type": "text", "text": " a b c d"}], "stop_reason": "max_tokens",
     "stop_sequence": None, "usage": {"input_tokens": 7, "output_tokens": 4},
 })
+EMBEDDING = orjson.dumps({
+    "id": "embd-bench", "object": "list", "created": 0, "model": "bench",
+    "data": [{"index": 0, "object": "embedding", "embedding": [0.0510] * 384}],
+    "usage": {"prompt_tokens": 4, "total_tokens": 4, "completion_tokens": 0},
+})
 JSON_HEADERS = [(b"content-type", b"application/json"),
                 (b"content-length", str(len(COMPLETION)).encode())]
 MESSAGE_HEADERS = [(b"content-type", b"application/json"),
                    (b"content-length", str(len(MESSAGE)).encode())]
+EMBEDDING_HEADERS = [(b"content-type", b"application/json"),
+                     (b"content-length", str(len(EMBEDDING)).encode())]
 SSE_HEADERS = [(b"content-type", b"text/event-stream")]
 
 
@@ -48,6 +56,10 @@ async def app(scope: dict, receive: object, send: object) -> None:
     if scope["path"] == "/v1/messages":
         await send({"type": "http.response.start", "status": 200, "headers": MESSAGE_HEADERS})
         await send({"type": "http.response.body", "body": MESSAGE})
+        return
+    if scope["path"] == "/v1/embeddings":
+        await send({"type": "http.response.start", "status": 200, "headers": EMBEDDING_HEADERS})
+        await send({"type": "http.response.body", "body": EMBEDDING})
         return
     if not request.get("stream"):
         await send({"type": "http.response.start", "status": 200, "headers": JSON_HEADERS})
