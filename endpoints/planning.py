@@ -69,6 +69,9 @@ def weight_dtype_of(model: ModelSpec) -> str:
 
 def lora_refusal(model: ModelSpec) -> str | None:
     """Why endpoints of `model` cannot hold LoRA adapters, in words; None when they can."""
+    if model.task in tasks.POOLING:
+        return (f"{model.name} serves {model.get_task_display()}: kvrun serves LoRA adapters "
+                "on models that generate.")
     if model.attention_kind == AttentionKind.MLA:
         return (f"{model.name} uses latent attention, whose LoRA layers kvrun cannot size yet; "
                 "serve adapters on another model.")

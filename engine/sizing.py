@@ -119,9 +119,12 @@ def kv_bytes_for_request(model: ModelShape, *, tokens: int, kv_dtype: str = "aut
 
 def activation_bytes_per_token(model: ModelShape, *, tp: int = 1) -> int:
     """What one token of a pooling model's batch holds on one rank at the widest point of a
-    layer, in 16 bits: its residual, its attention's projections and its MLP's gate and up
-    halves, the largest of which vLLM's profiling run measures at start-up."""
-    return 2 * (4 * model.hidden_size + 2 * model.intermediate_size) // tp
+    layer, in 16 bits: its residual (whole on every rank) and the wider of its attention's
+    query, key and value projections and its MLP's gate and up halves (split over ranks),
+    the peak vLLM's profiling run measures at start-up."""
+    projections = max((model.attention_heads + 2 * model.kv_heads) * model.head_dim,
+                      2 * model.intermediate_size)
+    return 2 * (model.hidden_size + projections // tp)
 
 
 def request_bytes(model: ModelShape, request: Request, *, tokens: int, tp: int) -> int:

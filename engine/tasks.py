@@ -17,6 +17,7 @@ from typing import Any
 GENERATE = "generate"
 EMBED = "embed"
 SCORE = "score"  # a cross-encoder: one relevance score for a query and a document
+UNSERVED = ""  # a classifier of several labels: kvrun serves none of its tasks
 POOLING = frozenset({EMBED, SCORE})
 # The gateway's operations (gateway.protocol.OPERATIONS) each task's engines serve. An
 # embedding model scores too: vLLM ranks by the cosine similarity of the two embeddings.
@@ -40,15 +41,21 @@ def keeps_kv_cache(architecture: str) -> bool:
 
 def detected(config: Mapping[str, Any]) -> str:
     """The task a checkpoint's config.json was made for: a sequence classifier with one
-    label scores; an encoder without a head (`…Model`, `…EmbeddingModel`) embeds; anything
-    else generates (a person may still choose to embed with it)."""
+    label scores, one with several serves nothing kvrun offers (UNSERVED); a model without
+    a head (`…Model`, `…EmbeddingModel`: an encoder's, or a decoder's hidden states) embeds;
+    anything else generates (a person may still choose to embed with a `…ForCausalLM`)."""
     architecture = str((config.get("architectures") or [""])[0])
     if architecture.endswith("ForSequenceClassification"):
         labels = config.get("num_labels") or len(config.get("id2label") or {}) or 2
-        return SCORE if labels == 1 else GENERATE
+        return SCORE if labels == 1 else UNSERVED
     if architecture.endswith("Model"):
         return EMBED
     return GENERATE
+
+
+def converts_to_embed(architecture: str) -> bool:
+    """Whether an engine can embed with a generative checkpoint (`--convert embed`)."""
+    return architecture.endswith("ForCausalLM")
 
 
 def runner_args(task: str, *, architecture: str) -> list[str]:
@@ -57,6 +64,6 @@ def runner_args(task: str, *, architecture: str) -> list[str]:
     if task not in POOLING:
         return []
     argv = ["--runner", "pooling"]
-    if task == EMBED and architecture.endswith("ForCausalLM"):
+    if task == EMBED and converts_to_embed(architecture):
         argv += ["--convert", "embed"]
     return argv

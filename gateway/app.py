@@ -238,8 +238,8 @@ class Gateway:
             require_tool_parser(payload, route, anthropic=exchange.anthropic)
         exchange.identity, exchange.route = identity, route
         if exchange.operation in POOLED:  # answered whole, and only its inputs are read
-            exchange.estimated_prompt_tokens, inputs = pooled_estimate(exchange.operation,
-                                                                       payload)
+            exchange.estimated_prompt_tokens, inputs = pooled_estimate(
+                exchange.operation, payload, task=route.task)
         else:
             exchange.stream = bool(payload.get("stream"))
             exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)

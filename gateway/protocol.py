@@ -88,11 +88,12 @@ def require_task(operation: str, route: Route) -> None:
                        code="unsupported_operation", param="model")
 
 
-def pooled_estimate(operation: str, payload: dict[str, Any]) -> tuple[int, int]:
+def pooled_estimate(operation: str, payload: dict[str, Any], *, task: str) -> tuple[int, int]:
     """The prompt tokens of an embedding, score or rerank request as far as they can be
-    known without the model's tokenizer, and how many inputs the engine reads (each pair of
-    a score or rerank is one, its query read again for each document); 400 for a request
-    without its texts, or an embedding asked in an encoding other than JSON's."""
+    known without the model's tokenizer, and the most inputs the engine may read for it
+    (what bounds the usage it reports); 400 for a request without its texts, or an
+    embedding asked in an encoding other than JSON's. A reranker (a cross-encoder) reads the
+    query again with each document; an embedding model embeds each text once and compares."""
     if operation == "embeddings" and payload.get("encoding_format", "float") not in ENCODINGS:
         raise GatewayError(400, "'encoding_format' must be \"float\" or \"base64\".",
                            code="invalid_request", param="encoding_format")
@@ -104,11 +105,9 @@ def pooled_estimate(operation: str, payload: dict[str, Any]) -> tuple[int, int]:
         wanted = " and ".join(f"'{name}'" for name in POOLED_FIELDS[operation][0] if name)
         raise GatewayError(400, f"A request to {operation} needs {wanted}.",
                            code="invalid_request", param=POOLED_FIELDS[operation][0][0])
-    if not rights:
-        return sum(map(_input_tokens, lefts)), len(lefts)
-    repeated = len(rights) if len(lefts) == 1 else 1
+    repeated = len(rights) if task == tasks.SCORE and len(lefts) == 1 else 1
     return (repeated * sum(map(_input_tokens, lefts)) + sum(map(_input_tokens, rights)),
-            max(len(lefts), len(rights)))
+            len(lefts) + len(rights))
 
 
 def _items(texts: object) -> list[object]:

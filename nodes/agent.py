@@ -43,6 +43,7 @@ from engine import (
     processes,
     sandbox,
     supervisor,
+    tasks,
     tls,
 )
 from engine.kv_policy import KVPolicy
@@ -469,7 +470,8 @@ class NodeAgent:
         return supervisor.EngineSpec(
             model_dir=str(weights.weights_dir(model, config=self.config)),
             trust_remote_code=model["trust_remote_code"],
-            task=model["task"], architecture=model["architecture"],
+            # A control plane from before tasks sends none: its models all generate.
+            task=model.get("task", tasks.GENERATE), architecture=model.get("architecture", ""),
             tool_call_parser=model["tool_call_parser"],
             reasoning_parser=model["reasoning_parser"],
             served_model_name=endpoint["name"],

@@ -8,7 +8,7 @@ from typing import TypeVar
 from django.db import transaction
 
 from endpoints.models import GPUType, ModelSpec
-from engine import hf_checkpoint
+from engine import hf_checkpoint, tasks
 
 CATALOG_DIR = Path(__file__).resolve().parent.parent / "catalog"
 
@@ -43,8 +43,12 @@ def _upsert(model: type[Catalog], rows: list[dict], kept: tuple[str, ...] = ()) 
 def do_import_model(*, directory: Path, slug: str | None = None,
                     licence: str = "unknown") -> tuple[ModelSpec, bool]:
     """Add or update a catalog model from a local checkpoint folder. Returns (model, created).
-    Raises ValueError for a slug in an organisation's namespace (with `--`)."""
+    Raises ValueError for a slug in an organisation's namespace (with `--`), and for a
+    classifier of several labels, which kvrun does not serve."""
     fields = hf_checkpoint.describe(directory)
+    if fields["task"] == tasks.UNSERVED:
+        raise ValueError(f"{fields['architecture']} of several labels: kvrun serves "
+                         "generative models, embedding models and rerankers")
     fields["slug"] = slug or fields["slug"]
     if "--" in fields["slug"]:
         raise ValueError(f"{fields['slug']!r}: a catalog slug has no '--', which names "

@@ -31,6 +31,7 @@ from endpoints.scheduling import Placement
 from endpoints.services.quota import hold_quota, lock_organization
 from endpoints.services.scaling import scaling_errors
 from endpoints.states import ASKED_FOR
+from engine import tasks
 
 # Names the dashboard's URLs use beside endpoint names (/orgs/<slug>/endpoints/new/).
 RESERVED_NAMES = frozenset({"new"})
@@ -47,9 +48,16 @@ def context_length_refusal(*, model: ModelSpec, context_length: int) -> str | No
     return None
 
 
-def lora_refusals(*, model: ModelSpec, policy: EndpointPolicy) -> dict[str, list[str]]:
-    """What is wrong with `policy`'s LoRA settings for `model`, by field; empty when nothing."""
+def policy_refusals(*, model: ModelSpec, policy: EndpointPolicy) -> dict[str, list[str]]:
+    """What is wrong with `policy`'s LoRA settings, or its KV tiers, for `model`, by field;
+    empty when nothing. An embedding model or a reranker keeps no prefixes to tier."""
     errors: dict[str, list[str]] = {}
+    if model.task in tasks.POOLING:
+        for field, size in (("host_tier_gib", policy.host_tier_gib),
+                            ("disk_tier_gib", policy.disk_tier_gib)):
+            if size:
+                errors[field] = [f"{model.name} serves {model.get_task_display()}: it reads "
+                                 "each input once and keeps no prefixes to tier. Set 0."]
     if policy.lora_max_rank not in LORA_RANKS:
         errors["lora_max_rank"] = [LORA_RANK_REFUSAL]
     if not 0 <= policy.lora_adapters <= MAX_LORA_ADAPTERS:
@@ -97,7 +105,7 @@ def do_create_endpoint(
     if refusal := context_length_refusal(model=model, context_length=policy.context_length):
         errors["context_length"] = [refusal]
     errors.update(scaling_errors(scaling))
-    errors.update(lora_refusals(model=model, policy=policy))
+    errors.update(policy_refusals(model=model, policy=policy))
     if errors:
         raise ValidationError(errors)
     placement = Placement(region=region, organization_id=organization.id,

@@ -126,13 +126,19 @@ def _refusal(checkpoint: hub.HubCheckpoint, *, revision: str,
 
 def _task(*, asked: str | None, detected: str, checkpoint: hub.HubCheckpoint) -> str:
     """The task asked for, where the checkpoint can serve it: what its config says, or
-    embeddings from a generative checkpoint (the engine converts it)."""
+    embeddings from a generative checkpoint the engine converts (a `…ForCausalLM`)."""
+    if detected == tasks.UNSERVED:
+        raise ValidationError({"hf_repo": [
+            f"{checkpoint.repo_id} is a {checkpoint.architecture} of several labels: kvrun "
+            "serves generative models, embedding models and rerankers (classifiers of one "
+            "label)."]})
     if asked is None or asked == detected:
         return detected
-    if asked == Task.EMBED and detected == Task.GENERATE:
+    if asked == Task.EMBED and tasks.converts_to_embed(checkpoint.architecture):
         return asked
-    serves: dict[str, str] = {Task.GENERATE: "a generative model", Task.EMBED: "an embedding model (an "
-              "encoder without a head)", Task.SCORE: "a reranker (a classifier of one label)"}
+    serves: dict[str, str] = {
+        Task.GENERATE: "a generative model", Task.EMBED: "an embedding model (no head)",
+        Task.SCORE: "a reranker (a classifier of one label)"}
     why = (f"only {serves[Task.SCORE]} scores" if asked == Task.SCORE
            else f"it serves {Task(detected).label}")
     raise ValidationError({"task": [

@@ -12,7 +12,7 @@ from endpoints.models import Adapter, Endpoint, EndpointEvent
 from endpoints.planning import check_tiers, plan
 from endpoints.policies import EndpointPolicy
 from endpoints.scheduling import Placement
-from endpoints.services.deployment import context_length_refusal, lora_refusals
+from endpoints.services.deployment import context_length_refusal, policy_refusals
 
 
 def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
@@ -38,7 +38,7 @@ def do_change_endpoint_policy(*, endpoint: Endpoint, actor_role: str | None,
         if refusal := context_length_refusal(model=locked.model,
                                              context_length=policy.context_length):
             raise ValidationError({"context_length": [refusal]})
-        if errors := lora_refusals(model=locked.model, policy=policy) or _adapters_left_out(
+        if errors := policy_refusals(model=locked.model, policy=policy) or _adapters_left_out(
                 locked, policy):
             raise ValidationError(errors)
         decided = plan(model=locked.model, context_length=policy.context_length,

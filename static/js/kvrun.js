@@ -83,8 +83,8 @@ if (filters) {
 }
 
 // An embedding model or a reranker reads inputs in batches and generates nothing: the
-// wizard asks for its longest input and the inputs read at once, and hides what only
-// generation uses (KV tiers and routing, LoRA adapters).
+// wizard asks for its longest input and the inputs read at once, and hides (and does not
+// send) what only generation uses: LoRA adapters.
 const POOLING_FIELDS = {
   context_length: ["Longest input (tokens)", "The longest text (a query and a document, for a reranker) one input may hold."],
   concurrency: ["Inputs per batch", "Texts read at once at that length: a batch holds this many inputs of the longest."],
@@ -102,6 +102,7 @@ function askFor(task) {
   }
   document.querySelectorAll("#wizard [data-generate-only]").forEach((part) => {
     part.hidden = pooling;
+    part.querySelectorAll("input, select").forEach((field) => { field.disabled = pooling; });
   });
 }
 askFor(document.querySelector('#wizard input[name="model"]:checked')

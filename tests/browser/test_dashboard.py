@@ -102,8 +102,8 @@ def test_the_wizard_asks_an_embedding_model_for_its_batch_and_its_page_says_how_
     expect(page.get_by_test_id("batch-facts")).to_contain_text(
         "One batch8 inputs × 512 tokens = 4,096 tokens")
     expect(page.get_by_test_id("sizing")).to_contain_text("for a batch of 8 × 512 tokens")
-    expect(page.get_by_text("KV cache policy: tiers, isolation and routing")).to_be_hidden()
     expect(page.get_by_text("LoRA adapters: fine-tunes served beside the model")).to_be_hidden()
+    expect(page.get_by_label("LoRA adapters on the device at once")).to_be_disabled()
     shot("wizard-embeddings")
     page.get_by_role("button", name="Launch endpoint").click()
 

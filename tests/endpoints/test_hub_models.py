@@ -244,6 +244,17 @@ def test_a_model_added_by_id_serves_what_its_config_says_or_embeds_when_asked(
     unknown = add(owner_api, org, hf_repo="kvrun/demo-f", task="classify")
     assert unknown["status"] == 400 and "task" in unknown
     assert not ModelSpec.objects.filter(hf_repo="kvrun/demo-f").exists()
+    # A classifier of several labels serves nothing kvrun offers; a reranker does not embed.
+    labelled = demo_model.build(tmp_path / "g", demo_model.BUILT_IN["kvrun-demo-rerank"])
+    config = json.loads((labelled / "config.json").read_text())
+    config.update(num_labels=3, id2label={"0": "a", "1": "b", "2": "c"})
+    (labelled / "config.json").write_text(json.dumps(config))
+    hub.publish("kvrun/classifier", labelled)
+    assert add(owner_api, org, hf_repo="kvrun/classifier")["hf_repo"] == [
+        "kvrun/classifier is a LlamaForSequenceClassification of several labels: kvrun serves "
+        "generative models, embedding models and rerankers (classifiers of one label)."]
+    assert add(owner_api, org, hf_repo="kvrun/reranker", task="embed")["task"][0].startswith(
+        "kvrun/reranker is a LlamaForSequenceClassification, a reranker")
 
 
 def test_an_organisation_sizes_its_own_model_and_nobody_else_can(

@@ -159,15 +159,16 @@ def test_tensor_parallel_sizes_must_divide_the_heads() -> None:
 def test_a_pooling_batch_holds_its_activations_and_a_decoder_s_kv_cache() -> None:
     request = Request(context_length=512, concurrency=64)
 
-    # 2 bytes x (4 x 384 + 2 x 1536) a token; an encoder keeps no KV cache.
-    assert request_bytes(BGE_SMALL, request, tokens=512, tp=1) == 512 * 2 * (4 * 384 + 2 * 1536)
-    # 2 x 28 x 8 x 128 x 2 of KV a token, and 2 x (4 x 1024 + 2 x 3072) of activations.
+    # 2 bytes x (the residual, 384, and the MLP's 2 x 1536, wider than q, k and v's
+    # 3 x 12 x 32) a token; an encoder keeps no KV cache.
+    assert request_bytes(BGE_SMALL, request, tokens=512, tp=1) == 512 * 2 * (384 + 2 * 1536)
+    # 2 x 28 x 8 x 128 x 2 of KV a token, and 2 x (1024 + 2 x 3072) of activations.
     assert request_bytes(QWEN3_EMBEDDING, request, tokens=512, tp=1) == 512 * (
-        114_688 + 2 * (4 * 1024 + 2 * 3072))
+        114_688 + 2 * (1024 + 2 * 3072))
 
     decision = choose(BGE_SMALL, request, [L4])
 
     assert decision.choice is not None
-    assert decision.choice.kv_needed_per_gpu == 64 * 512 * 9_216
+    assert decision.choice.kv_needed_per_gpu == 64 * 512 * 6_912
     assert decision.explanation.startswith(
-        "weights 66.7 MB + 0.3 GiB for a batch of 64 × 512 tokens → 1 × L4")
+        "weights 66.7 MB + 0.2 GiB for a batch of 64 × 512 tokens → 1 × L4")

@@ -11,7 +11,7 @@ from engine import tasks
     ({"architectures": ["LlamaForSequenceClassification"], "num_labels": 1}, tasks.SCORE),
     # A classifier of several labels is neither a reranker nor anything kvrun serves.
     ({"architectures": ["BertForSequenceClassification"], "id2label": {"0": "a", "1": "b"}},
-     tasks.GENERATE),
+     tasks.UNSERVED),
     # Qwen3-Embedding's checkpoint names a generative architecture: a person says it embeds.
     ({"architectures": ["Qwen3ForCausalLM"]}, tasks.GENERATE),
     ({}, tasks.GENERATE),

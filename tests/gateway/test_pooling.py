@@ -64,6 +64,20 @@ def test_a_reranker_ranks_and_scores_metered_as_the_engine_counted(
         ("rerank", 2 * 2 + 3 + 2), ("score", 2 + 3)]
 
 
+def test_an_embedding_model_s_rerank_is_metered_whole_though_it_reads_both_sides_apart(
+        gateway: InProcessGateway, embedder: Endpoint, secret: str,
+        stubs: list[httpx.Client]) -> None:
+    # It embeds the query and the document apart: two inputs of up to its context each.
+    Endpoint.objects.filter(id=embedder.id).update(context_length=4)
+
+    ranked = gateway.post(secret, {"model": "embed", "query": "a b c d",
+                                   "documents": ["e f g h"]}, path="/v1/rerank")
+
+    assert ranked.json()["usage"]["prompt_tokens"] == 8
+    assert stored(1)
+    assert UsageRecord.objects.get().prompt_tokens == 8
+
+
 def test_calls_an_endpoint_s_model_was_not_made_for_are_refused_saying_what_it_serves(
         gateway: InProcessGateway, stub_endpoint: Endpoint, embedder: Endpoint,
         reranker: Endpoint, secret: str, stubs: list[httpx.Client]) -> None:
