@@ -306,6 +306,23 @@ def test_a_disk_tier_without_a_host_tier_is_refused_saying_what_to_set(
         "host_tier_gib"][0]
 
 
+def test_an_embedding_model_s_endpoint_takes_no_adapters_nor_kv_tiers(
+        org: Organization, cpu_node: Node) -> None:
+    with pytest.raises(ValidationError) as refused:
+        do_create_endpoint(
+            organization=org, actor_role=Role.OWNER, created_by=None, name="embed",
+            model=ModelSpec.objects.get(slug="kvrun-demo-embed"),
+            policy=EndpointPolicy(context_length=512, concurrency=8, host_tier_gib=1,
+                                  lora_adapters=2))
+
+    assert refused.value.message_dict == {
+        "host_tier_gib": ["kvrun embeddings demo (tiny, random weights) serves embeddings: it "
+                          "reads each input once and keeps no prefixes to tier. Set 0."],
+        "lora_adapters": ["kvrun embeddings demo (tiny, random weights) serves embeddings: "
+                          "kvrun serves LoRA adapters on models that generate."]}
+    assert not Endpoint.objects.exists()
+
+
 def test_the_service_caps_replicas_per_endpoint_whatever_the_caller(org: Organization,
                                                                     cpu_node: Node) -> None:
     with pytest.raises(ValidationError) as refused:
