@@ -28,7 +28,7 @@ class UsageRecord(models.Model):
     api_key = models.ForeignKey("accounts.APIKey", null=True, blank=True,
                                 on_delete=models.SET_NULL, related_name="usage_records")
     operation = models.CharField(max_length=20, help_text="chat.completions, completions, "
-                                 "messages, embeddings, score or rerank")
+                                 "messages, count_tokens, embeddings, score or rerank")
     stream = models.BooleanField(default=False)
     prompt_tokens = models.PositiveIntegerField(default=0)
     completion_tokens = models.PositiveIntegerField(default=0)

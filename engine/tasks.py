@@ -22,7 +22,7 @@ POOLING = frozenset({EMBED, SCORE})
 # The gateway's operations (gateway.protocol.OPERATIONS) each task's engines serve. An
 # embedding model scores too: vLLM ranks by the cosine similarity of the two embeddings.
 OPERATIONS = {
-    GENERATE: frozenset({"chat.completions", "completions", "messages"}),
+    GENERATE: frozenset({"chat.completions", "completions", "messages", "count_tokens"}),
     EMBED: frozenset({"embeddings", "score", "rerank"}),
     SCORE: frozenset({"score", "rerank"}),
 }

@@ -48,6 +48,7 @@ from gateway.hold import ColdStarts
 from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     CHATS,
+    COUNT_TOKENS,
     OPERATIONS,
     POOLED,
     estimated_prompt_tokens,
@@ -240,6 +241,8 @@ class Gateway:
         if exchange.operation in POOLED:  # answered whole, and only its inputs are read
             exchange.estimated_prompt_tokens, inputs = pooled_estimate(
                 exchange.operation, payload, task=route.task)
+        elif exchange.operation == COUNT_TOKENS:  # counted, not run: nothing to bill
+            inputs = 1
         else:
             exchange.stream = bool(payload.get("stream"))
             exchange.estimated_prompt_tokens = estimated_prompt_tokens(payload)
@@ -320,7 +323,8 @@ class Gateway:
                 # counted in a minute long gone.
                 identity=exchange.identity, request_id=exchange.request_id,
                 now_ms=time.time_ns() // 1_000_000,
-                tokens=exchange.estimated_prompt_tokens if exchange.operation in POOLED
+                tokens=exchange.estimated_prompt_tokens
+                if exchange.operation in POOLED or exchange.operation == COUNT_TOKENS
                 else tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
                                        context_length=exchange.route.context_length),
                 trace=exchange.interrupted_report().encode())

@@ -14,9 +14,12 @@ from gateway.errors import GatewayError
 
 # Path → the operation a usage record names; the engine serves the same path.
 MESSAGES = "messages"  # Anthropic's Messages API (gateway.messages)
+# Anthropic's count of a message's input tokens, which the engine serves: a request that
+# consumes none (metered as a request, of no tokens).
+COUNT_TOKENS = "count_tokens"
 OPERATIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "completions",
-              "/v1/messages": MESSAGES, "/v1/embeddings": "embeddings", "/v1/score": "score",
-              "/v1/rerank": "rerank"}
+              "/v1/messages": MESSAGES, "/v1/messages/count_tokens": COUNT_TOKENS,
+              "/v1/embeddings": "embeddings", "/v1/score": "score", "/v1/rerank": "rerank"}
 CHATS = frozenset({"chat.completions", MESSAGES})
 POOLED = tasks.OPERATIONS[tasks.EMBED] | tasks.OPERATIONS[tasks.SCORE]
 # Where each operation's texts are in its request: an embedding's inputs, and the two sides

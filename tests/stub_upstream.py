@@ -15,10 +15,11 @@ list, or streams one such event, "think" answers as a reasoning model with a too
 parser does (vLLM's `reasoning` field, then a tool call and no text); anything else is
 answered at once with usage. /v1/messages answers in Anthropic's shapes, as vLLM does:
 "context" is its 400, "drop" dies after two deltas, "fail" ends on the engine's error event
-after two, "lie" reports a negative cache read; anything else four deltas. Streams carry
-running usage when asked, as vLLM's do. /v1/embeddings, /v1/score and /v1/rerank answer in
-vLLM's shapes, a word of their texts a token (a rerank's query read again for each
-document); an input "context" is the context-length 400.
+after two, "lie" reports a negative cache read; anything else four deltas; its count_tokens
+counts the last message's words. Streams carry running usage when asked, as vLLM's do.
+/v1/embeddings, /v1/score and /v1/rerank answer in vLLM's shapes, a word of their texts a
+token (a rerank's query read again for each document); an input "context" is the
+context-length 400.
 """
 
 import asyncio
@@ -88,6 +89,9 @@ async def app(scope: dict, receive: object, send: object) -> None:
     prompt = _prompt(request)
     if scope["path"] == "/v1/messages":
         await _messages(send, prompt, stream=bool(request.get("stream")))
+        return
+    if scope["path"] == "/v1/messages/count_tokens":
+        await _respond(send, 200, orjson.dumps({"input_tokens": len(prompt.split())}))
         return
     if scope["path"] in POOLED:
         await _pooled(send, scope["path"], request)

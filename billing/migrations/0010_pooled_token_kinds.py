@@ -18,6 +18,6 @@ class Migration(migrations.Migration):
         migrations.AlterField(
             model_name='usagerecord',
             name='operation',
-            field=models.CharField(help_text='chat.completions, completions, messages, embeddings, score or rerank', max_length=20),
+            field=models.CharField(help_text='chat.completions, completions, messages, count_tokens, embeddings, score or rerank', max_length=20),
         ),
     ]

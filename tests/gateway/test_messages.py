@@ -171,8 +171,8 @@ def test_messages_keep_anthropic_s_shapes_at_their_edges(
     # One Idempotency-Key on both APIs is two requests: no chat answer replayed as a message.
     assert chat.json()["object"] == "text_completion" and message.json()["type"] == "message"
     assert "x-kvrun-idempotent-replay" not in message.headers
-    assert counted.status_code == 404
-    assert counted.json()["error"]["type"] == "not_found_error"
+    # Counted by the engine, and metered as a request of no tokens.
+    assert counted.status_code == 200 and counted.json() == {"input_tokens": 1}
     assert empty_bearer.status_code == 200
     # Anthropic's null tool_choice is "auto": refused before the engine, saying its "none".
     assert no_parser.status_code == 400
@@ -180,4 +180,7 @@ def test_messages_keep_anthropic_s_shapes_at_their_edges(
         'Send tool_choice {"type": "none"}, or use a model whose catalog entry names a '
         "tool-call parser.")
     assert [request["path"] for request in received(stubs[0])] == [
-        "/v1/chat/completions", "/v1/messages", "/v1/messages"]
+        "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/messages"]
+    assert stored(4)
+    assert list(UsageRecord.objects.filter(operation="count_tokens").values_list(
+        "status_code", "prompt_tokens", "completion_tokens")) == [(200, 0, 0)]
