@@ -49,6 +49,7 @@ from gateway.limits import WINDOW_MS, Admission, Limiter
 from gateway.protocol import (
     CHATS,
     COUNT_TOKENS,
+    NOTHING_GENERATED,
     OPERATIONS,
     POOLED,
     estimated_prompt_tokens,
@@ -324,7 +325,7 @@ class Gateway:
                 identity=exchange.identity, request_id=exchange.request_id,
                 now_ms=time.time_ns() // 1_000_000,
                 tokens=exchange.estimated_prompt_tokens
-                if exchange.operation in POOLED or exchange.operation == COUNT_TOKENS
+                if exchange.operation in NOTHING_GENERATED
                 else tokens_to_reserve(payload, prompt_tokens=exchange.estimated_prompt_tokens,
                                        context_length=exchange.route.context_length),
                 trace=exchange.interrupted_report().encode())

@@ -22,6 +22,9 @@ OPERATIONS = {"/v1/chat/completions": "chat.completions", "/v1/completions": "co
               "/v1/embeddings": "embeddings", "/v1/score": "score", "/v1/rerank": "rerank"}
 CHATS = frozenset({"chat.completions", MESSAGES})
 POOLED = tasks.OPERATIONS[tasks.EMBED] | tasks.OPERATIONS[tasks.SCORE]
+# Operations that generate nothing: each reserves, and a client that leaves one is billed,
+# the input tokens it was estimated to read.
+NOTHING_GENERATED = POOLED | {COUNT_TOKENS}
 # Where each operation's texts are in its request: an embedding's inputs, and the two sides
 # a score or a rerank pairs (vLLM's names for them, all of which it takes).
 POOLED_FIELDS = {"embeddings": (("input", ""),),

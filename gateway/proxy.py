@@ -23,7 +23,7 @@ from gateway.asgi import JSON, Receive, Send, respond
 from gateway.directory import Upstream, choose_upstream, mark_down
 from gateway.errors import GatewayError, engine_message, from_engine
 from gateway.exchange import Exchange
-from gateway.protocol import COUNT_TOKENS, ENGINE_PATHS, POOLED
+from gateway.protocol import ENGINE_PATHS, NOTHING_GENERATED, POOLED
 from gateway.sink import UsageSink
 from gateway.streams import ended_early, engine_lines, read_within, start_stream, too_large
 from kvrun.common.digests import cache_salt
@@ -190,7 +190,7 @@ class Proxy:
         count_tokens: its system prompt and tools too, which /tokenize does not read). The
         inputs of an embedding, score or rerank count as estimated."""
         assert exchange.upstream is not None and exchange.route is not None
-        if exchange.operation in POOLED or exchange.operation == COUNT_TOKENS:
+        if exchange.operation in NOTHING_GENERATED:
             # /tokenize reads one prompt, not a batch of inputs; a count consumes nothing.
             return exchange.estimated_prompt_tokens
         asked = {"model": exchange.route.name}

@@ -58,12 +58,10 @@ async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
     """Relay one chat completion as server-sent events, exactly as the gateway sends them;
     the gateway's own errors pass through with their status, and a gateway that cannot be
     reached is a 502."""
-    try:
-        member, endpoint = await sync_to_async(_visible)(request, org_slug, name)
-    except Http404:
-        return _error(404, "No such endpoint in this organisation.")
-    if not member.manages:
-        return _error(403, "Only owners and admins can use the playground; ask one of them.")
+    allowed = await _manager_s_endpoint(request, org_slug, name)
+    if isinstance(allowed, HttpResponse):
+        return allowed
+    member, endpoint = allowed
     try:
         payload = _payload(request.body)
     except ValueError as exc:
@@ -76,15 +74,10 @@ async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
     if payload["max_tokens"] >= endpoint.context_length:
         return _error(400, f"Max tokens must leave room for the prompt in this endpoint's "
                            f"{endpoint.context_length:,}-token context; ask for fewer.")
-    client = httpx.AsyncClient(timeout=httpx.Timeout(
-        10.0, read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS))
+    client = _gateway_client()
     try:
-        upstream = await _open(client, payload, await sync_to_async(_secret_for)(
-            request, member, endpoint, False))
-        if upstream.status_code == 401:  # the key was revoked: one fresh key, once
-            await upstream.aclose()
-            upstream = await _open(client, payload, await sync_to_async(_secret_for)(
-                request, member, endpoint, True))
+        upstream = await _through_gateway(client, "/v1/chat/completions", payload,
+                                          request=request, member=member, endpoint=endpoint)
         if upstream.status_code != 200:
             body = await upstream.aread()
             await upstream.aclose()
@@ -93,8 +86,7 @@ async def chat(request: HttpRequest, org_slug: str, name: str) -> HttpResponse:
                                 content_type="application/json")
     except httpx.HTTPError as exc:
         await client.aclose()
-        return _error(502, f"The gateway did not answer ({exc.__class__.__name__}); try "
-                           "again, and if it persists ask an operator to check the web process.")
+        return _unanswered(exc)
 
     async def relay() -> AsyncIterator[bytes]:
         try:
@@ -116,12 +108,10 @@ async def pooled(request: HttpRequest, org_slug: str, name: str) -> HttpResponse
     """Embed two texts (an embedding model's endpoint) or rank documents for a query (a
     reranker's) through the gateway, and answer with the gateway's JSON as it came; the
     page compares and orders."""
-    try:
-        member, endpoint = await sync_to_async(_visible)(request, org_slug, name)
-    except Http404:
-        return _error(404, "No such endpoint in this organisation.")
-    if not member.manages:
-        return _error(403, "Only owners and admins can use the playground; ask one of them.")
+    allowed = await _manager_s_endpoint(request, org_slug, name)
+    if isinstance(allowed, HttpResponse):
+        return allowed
+    member, endpoint = allowed
     if endpoint.model.task == Task.GENERATE:
         return _error(400, f"{endpoint.name} serves chat: use the chat above.")
     try:
@@ -129,19 +119,13 @@ async def pooled(request: HttpRequest, org_slug: str, name: str) -> HttpResponse
     except ValueError as exc:
         return _error(400, str(exc))
     payload["model"] = endpoint.name
-    async with httpx.AsyncClient(timeout=httpx.Timeout(
-            10.0, read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS)) as client:
+    async with _gateway_client() as client:
         try:
-            for renew in (False, True):  # a revoked key: one fresh key, once
-                secret = await sync_to_async(_secret_for)(request, member, endpoint, renew)
-                answer = await client.post(f"{settings.KVRUN_GATEWAY_URL}{path}", json=payload,
-                                           headers={"Authorization": f"Bearer {secret}"})
-                if answer.status_code != 401:
-                    break
+            answer = await _through_gateway(client, path, payload, request=request,
+                                            member=member, endpoint=endpoint)
+            await answer.aread()
         except httpx.HTTPError as exc:
-            return _error(502, f"The gateway did not answer ({exc.__class__.__name__}); try "
-                               "again, and if it persists ask an operator to check the web "
-                               "process.")
+            return _unanswered(exc)
     return HttpResponse(answer.content, status=answer.status_code,
                         content_type="application/json")
 
@@ -173,12 +157,45 @@ def _pooled_payload(body: bytes, *, task: str) -> tuple[str, dict[str, Any]]:
     return "/v1/rerank", {"query": query, "documents": documents}
 
 
-async def _open(client: httpx.AsyncClient, payload: dict[str, Any], secret: str
-                ) -> httpx.Response:
-    request = client.build_request(
-        "POST", f"{settings.KVRUN_GATEWAY_URL}/v1/chat/completions", json=payload,
-        headers={"Authorization": f"Bearer {secret}"})
-    return await client.send(request, stream=True)
+def _gateway_client() -> httpx.AsyncClient:
+    return httpx.AsyncClient(timeout=httpx.Timeout(
+        10.0, read=settings.KVRUN_GATEWAY_UPSTREAM_TIMEOUT_SECONDS))
+
+
+def _unanswered(exc: httpx.HTTPError) -> JsonResponse:
+    return _error(502, f"The gateway did not answer ({exc.__class__.__name__}); try again, "
+                       "and if it persists ask an operator to check the web process.")
+
+
+async def _through_gateway(client: httpx.AsyncClient, path: str, payload: dict[str, Any], *,
+                           request: HttpRequest, member: Member, endpoint: Endpoint
+                           ) -> httpx.Response:
+    """The gateway's answer to `payload` at `path`, its body still to be read, sent with the
+    person's playground key; a key revoked meanwhile is replaced once."""
+    async def send(renew: bool) -> httpx.Response:
+        secret = await sync_to_async(_secret_for)(request, member, endpoint, renew)
+        return await client.send(client.build_request(
+            "POST", f"{settings.KVRUN_GATEWAY_URL}{path}", json=payload,
+            headers={"Authorization": f"Bearer {secret}"}), stream=True)
+
+    answer = await send(False)
+    if answer.status_code == 401:
+        await answer.aclose()
+        answer = await send(True)
+    return answer
+
+
+async def _manager_s_endpoint(request: HttpRequest, org_slug: str, name: str
+                              ) -> tuple[Member, Endpoint] | HttpResponse:
+    """The member and the endpoint the playground acts on, or the refusal to answer: an
+    endpoint the organisation does not have, a person who may not spend."""
+    try:
+        member, endpoint = await sync_to_async(_visible)(request, org_slug, name)
+    except Http404:
+        return _error(404, "No such endpoint in this organisation.")
+    if not member.manages:
+        return _error(403, "Only owners and admins can use the playground; ask one of them.")
+    return member, endpoint
 
 
 def _visible(request: HttpRequest, org_slug: str, name: str) -> tuple[Member, Endpoint]:
